@@ -1,0 +1,47 @@
+// attention(): the one entry point. Validates, then dispatches to a backend by where tensors live.
+//
+// Semantics (DESIGN §3, made precise here so that every backend computes the same numbers):
+//  - Q [B,Hq,Nq,d], K and V [B,Hkv,Nk,d], Hq a multiple of Hkv (query head h reads KV head
+//    h / (Hq/Hkv)); out [B,Hq,Nq,d]; optional lse [B,Hq,Nq] fp32 (natural log of the sum of
+//    exp(scaled scores)).
+//  - Query row r sits at position p = r + Nk - Nq. Causal: it sees keys n <= p. A row that sees no
+//    key outputs zeros and lse = -inf.
+//  - Tile (qtile = floor(p/128), ktile = n/128) uses policy.high when policy.is_high() says so,
+//    else policy.low. Each row of Q and K is quantized once per format (32-blocks along d; NVFP4:
+//    16-blocks, with one tensor scale per (batch, head) slice).
+//  - Score S = sum over blocks c, in order, of (sq[c]*sk[c]) * dot_c, each dot in fp32; s = S*scale.
+//  - Online softmax over key tiles in ascending order, per row: m' = max(m, max s), alpha =
+//    exp(m - m'), p = exp(s - m'), l = l*alpha + sum p (fp32, unrounded p), acc = acc*alpha + P.V.
+//  - P.V per tile: pv=bf16: bf16(p) * bf16(V); pv=mxfp8: p over the tile's keys and each column
+//    of V quantized to MXFP8 E4M3 in 32-key blocks (policy.scale_rule), blockwise as for S.
+//  - out = acc / l; lse = m + log(l).
+// `exact` ignores the policy and computes softmax(QK^T * scale) V in fp64 (the quality oracle).
+#pragma once
+#include <optional>
+
+#include "dmattn/policy.hpp"
+#include "dmattn/tensor.hpp"
+
+namespace dmattn {
+
+enum class Backend : uint8_t { automatic, cpu, cuda };
+std::string_view backend_name(Backend b);
+Backend parse_backend(std::string_view name);
+
+struct AttentionOptions {
+  bool causal = false;
+  std::optional<float> softmax_scale;  // default 1/sqrt(d)
+  Policy policy{};
+  Backend backend = Backend::automatic;
+  bool exact = false;  // fp64 reference instead of DMA
+  int threads = 0;     // CPU worker threads; 0 = all hardware threads
+};
+
+// Throws dmattn::Error on invalid input (shapes, head dim, NaN/Inf, unavailable backend).
+void attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+               float* lse, const AttentionOptions& opts);
+
+// Head dims the library accepts: multiples of 32 from 32 to 256.
+bool head_dim_supported(int64_t d);
+
+}  // namespace dmattn

@@ -1,0 +1,69 @@
+// Host/device portability helpers shared by the codec and every backend.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+#if defined(__CUDACC__)
+#define DMATTN_HD __host__ __device__ __forceinline__
+#else
+#define DMATTN_HD inline
+#endif
+
+#if !defined(__CUDA_ARCH__)
+#include <cmath>
+#endif
+
+namespace dmattn::hd {
+
+DMATTN_HD uint32_t bits_of(float x) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(x);
+#else
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  return u;
+#endif
+}
+
+DMATTN_HD float float_of(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float x;
+  std::memcpy(&x, &u, sizeof x);
+  return x;
+#endif
+}
+
+// x * 2^e, exact whenever the result is a normal float (and correctly rounded otherwise).
+DMATTN_HD float ldexp2(float x, int e) {
+#if defined(__CUDA_ARCH__)
+  return ldexpf(x, e);
+#else
+  return std::ldexp(x, e);
+#endif
+}
+
+// floor(log2 |x|) for finite non-zero x, subnormals included.
+DMATTN_HD int ilog2(float x) {
+#if defined(__CUDA_ARCH__)
+  return ilogbf(x);
+#else
+  return std::ilogb(x);
+#endif
+}
+
+// Round to nearest integer, ties to even (the default IEEE rounding mode).
+DMATTN_HD float rint_even(float x) {
+#if defined(__CUDA_ARCH__)
+  return rintf(x);
+#else
+  return std::nearbyint(x);
+#endif
+}
+
+DMATTN_HD bool is_finite(float x) { return (bits_of(x) & 0x7F800000u) != 0x7F800000u; }
+DMATTN_HD bool is_nan(float x) { return (bits_of(x) & 0x7FFFFFFFu) > 0x7F800000u; }
+DMATTN_HD float abs_f(float x) { return float_of(bits_of(x) & 0x7FFFFFFFu); }
+
+}  // namespace dmattn::hd

@@ -1,0 +1,145 @@
+// The MX codec (OCP Microscaling Formats v1.0): element formats, E8M0 scales, NVFP4's E4M3 block
+// scales. One header for host and device, so every backend sees the same codes.
+#pragma once
+#include "dmattn/hd.hpp"
+
+namespace dmattn {
+
+// Element formats. The numeric value of each enumerator is irrelevant; use elem_spec().
+enum class Elem : uint8_t { e4m3, e5m2, e3m2, e2m3, e2m1 };
+
+// How a block's shared exponent X is chosen from the block's absolute maximum.
+//  ocp : X = floor(log2 amax) - emax_elem (the spec); elements above max finite saturate.
+//  ceil: the smallest X with amax / 2^X <= max finite; nothing saturates.
+enum class ScaleRule : uint8_t { ocp, ceil };
+
+struct ElemSpec {
+  int ebits, mbits, bias;
+  int emax;        // exponent of the largest finite value (emax_elem in the spec)
+  float max;       // largest finite value
+  uint8_t max_code;  // code of +max
+  bool has_nan;    // E4M3: S.1111.111; E5M2: S.11111.{01,10,11}
+  bool has_inf;    // E5M2: S.11111.00
+};
+
+DMATTN_HD ElemSpec elem_spec(Elem e) {
+  switch (e) {
+    case Elem::e4m3: return {4, 3, 7, 8, 448.0f, 0x7E, true, false};
+    case Elem::e5m2: return {5, 2, 15, 15, 57344.0f, 0x7B, true, true};
+    case Elem::e3m2: return {3, 2, 3, 4, 28.0f, 0x1F, false, false};
+    case Elem::e2m3: return {2, 3, 1, 2, 7.5f, 0x1F, false, false};
+    case Elem::e2m1: default: return {2, 1, 1, 2, 6.0f, 0x7, false, false};
+  }
+}
+
+DMATTN_HD int elem_bits(Elem e) {
+  const ElemSpec s = elem_spec(e);
+  return 1 + s.ebits + s.mbits;
+}
+
+// Value of an element code (the low elem_bits of `code`). NaN codes decode to NaN.
+DMATTN_HD float decode_elem(Elem e, uint8_t code) {
+  const ElemSpec s = elem_spec(e);
+  const int nb = s.ebits + s.mbits;
+  const bool neg = (code >> nb) & 1;
+  const int ef = (code >> s.mbits) & ((1 << s.ebits) - 1);
+  const int mf = code & ((1 << s.mbits) - 1);
+  const int emask = (1 << s.ebits) - 1;
+  float v;
+  if (s.has_inf && ef == emask) {
+    v = mf == 0 ? hd::float_of(0x7F800000u) : hd::float_of(0x7FC00000u);
+  } else if (s.has_nan && !s.has_inf && ef == emask && mf == (1 << s.mbits) - 1) {
+    v = hd::float_of(0x7FC00000u);
+  } else if (ef == 0) {
+    v = hd::ldexp2(float(mf), 1 - s.bias - s.mbits);
+  } else {
+    v = hd::ldexp2(float((1 << s.mbits) + mf), ef - s.bias - s.mbits);
+  }
+  return neg ? -v : v;
+}
+
+// Nearest element code to x, ties to even, saturating to +-max (infinities too). NaN encodes to
+// the format's NaN where it has one and to +0 otherwise (MX carries NaN in the scale instead).
+DMATTN_HD uint8_t encode_elem(Elem e, float x) {
+  const ElemSpec s = elem_spec(e);
+  const int nb = s.ebits + s.mbits;
+  if (hd::is_nan(x)) return s.has_nan ? uint8_t((1 << (nb + 1)) - 1) : uint8_t(0);
+  const uint8_t sign = (hd::bits_of(x) >> 31) ? uint8_t(1 << nb) : uint8_t(0);
+  const float a = hd::abs_f(x);
+  if (a >= s.max) return sign | s.max_code;
+  if (a == 0.0f) return sign;
+  const int emin = 1 - s.bias;
+  int ex = hd::ilog2(a);
+  if (ex < emin) ex = emin;
+  // a / 2^(ex - mbits) lies in [0, 2^(mbits+1)); rounding it is rounding to the format's grid.
+  int q = int(hd::rint_even(hd::ldexp2(a, s.mbits - ex)));
+  const int one = 1 << s.mbits;
+  if (q == 2 * one) {  // rounded up into the next binade
+    q = one;
+    ++ex;
+  }
+  const int ef = q >= one ? ex + s.bias : 0;  // q < one only happens in the subnormal binade
+  const int mf = q >= one ? q - one : q;
+  return uint8_t(sign | (ef << s.mbits) | mf);
+}
+
+// ---- E8M0 shared scales -----------------------------------------------------------------------
+inline constexpr uint8_t kE8M0NaN = 0xFF;
+
+DMATTN_HD float decode_e8m0(uint8_t code) {
+  if (code == kE8M0NaN) return hd::float_of(0x7FC00000u);
+  return hd::ldexp2(1.0f, int(code) - 127);
+}
+
+// The E8M0 scale code for a block whose largest magnitude is `amax` (NaN or Inf amax -> NaN
+// scale; an all-zero block gets the smallest scale, 2^-127).
+DMATTN_HD uint8_t choose_e8m0(float amax, Elem e, ScaleRule rule) {
+  if (!hd::is_finite(amax)) return kE8M0NaN;
+  if (amax == 0.0f) return 0;
+  const ElemSpec s = elem_spec(e);
+  int x = hd::ilog2(amax) - s.emax;
+  if (rule == ScaleRule::ceil && hd::ldexp2(amax, -x) > s.max) ++x;
+  if (x < -127) x = -127;
+  if (x > 127) x = 127;
+  return uint8_t(x + 127);
+}
+
+// Quantizes one MX block of n values (n <= 32 in MX; any n works) to element codes + scale.
+// Returns the E8M0 code; codes[i] receives the element code of v[i] (not packed).
+DMATTN_HD uint8_t quantize_mx_block(const float* v, int n, Elem e, ScaleRule rule, uint8_t* codes) {
+  float amax = 0.0f;
+  bool bad = false;
+  for (int i = 0; i < n; ++i) {
+    bad |= !hd::is_finite(v[i]);
+    const float a = hd::abs_f(v[i]);
+    amax = a > amax ? a : amax;
+  }
+  const uint8_t sc = bad ? kE8M0NaN : choose_e8m0(amax, e, rule);
+  const int x = int(sc) - 127;
+  for (int i = 0; i < n; ++i) codes[i] = sc == kE8M0NaN ? uint8_t(0) : encode_elem(e, hd::ldexp2(v[i], -x));
+  return sc;
+}
+
+// ---- NVFP4: E2M1 elements, 16-element blocks, E4M3 block scale, one fp32 scale per tensor -------
+inline constexpr int kNvfp4Block = 16;
+
+// The per-tensor scale: maps the tensor's amax onto the largest block scale x element product.
+DMATTN_HD float nvfp4_tensor_scale(float tensor_amax) {
+  return tensor_amax > 0.0f ? tensor_amax / (448.0f * 6.0f) : 1.0f;
+}
+
+// Quantizes one NVFP4 block; returns the E4M3 block-scale code. The block's effective scale is
+// decode_elem(e4m3, code) * tensor_scale, and elements are RNE(v / effective scale), saturating.
+DMATTN_HD uint8_t quantize_nvfp4_block(const float* v, int n, float tensor_scale, uint8_t* codes) {
+  float amax = 0.0f;
+  for (int i = 0; i < n; ++i) {
+    const float a = hd::abs_f(v[i]);
+    amax = a > amax ? a : amax;
+  }
+  const uint8_t sc = encode_elem(Elem::e4m3, amax / 6.0f / tensor_scale);
+  const float eff = decode_elem(Elem::e4m3, sc) * tensor_scale;
+  for (int i = 0; i < n; ++i) codes[i] = eff == 0.0f ? uint8_t(0) : encode_elem(Elem::e2m1, v[i] / eff);
+  return sc;
+}
+
+}  // namespace dmattn

@@ -1,0 +1,36 @@
+// The precision policy: which 128x128 tile pairs are computed in the high format.
+#pragma once
+#include <string>
+
+#include "dmattn/format.hpp"
+
+namespace dmattn {
+
+// How P.V is computed: P rounded to bf16 with V in bf16, or both in MXFP8 E4M3 with 32-blocks
+// along the key dimension. Accumulation is fp32 either way.
+enum class PV : uint8_t { bf16, mxfp8 };
+
+inline constexpr int kTile = 128;  // query rows and key rows per tile
+
+struct Policy {
+  Format high = Format::mxfp8_e4m3;
+  Format low = Format::mxfp4;
+  int diag_tiles = 1;  // key tiles j with qtile - diag_tiles < j <= qtile are high
+  int sink_tiles = 0;  // key tiles j < sink_tiles are high
+  ScaleRule scale_rule = ScaleRule::ocp;
+  PV pv = PV::bf16;
+
+  // Tile indices are absolute: query tile = floor(position / 128) with the query's position
+  // counted as in causal alignment (row r sits at r + Nk - Nq), key tile = key / 128.
+  DMATTN_HD bool is_high(int64_t qtile, int64_t ktile) const {
+    return (ktile <= qtile && ktile > qtile - diag_tiles) || ktile < sink_tiles;
+  }
+
+  static Policy all(Format f) { return Policy{f, f, 0, 0}; }
+  std::string describe() const;
+};
+
+std::string_view pv_name(PV p);
+PV parse_pv(std::string_view name);
+
+}  // namespace dmattn

@@ -1,0 +1,100 @@
+// The one dispatch point: validates a call and hands it to a backend.
+#include "dmattn/attention.hpp"
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "cpu/problem.hpp"
+#include "dmattn/error.hpp"
+
+namespace dmattn {
+
+bool head_dim_supported(int64_t d) { return d >= 32 && d <= 256 && d % 32 == 0; }
+
+namespace {
+
+void check_finite(const TensorView& t, const char* name) {
+  std::vector<float> row(size_t(t.shape[3]));
+  for (int64_t b = 0; b < t.shape[0]; ++b)
+    for (int64_t h = 0; h < t.shape[1]; ++h)
+      for (int64_t n = 0; n < t.shape[2]; ++n) {
+        load_row(t, b, h, n, row.data());
+        for (int64_t i = 0; i < t.shape[3]; ++i)
+          if (!std::isfinite(row[size_t(i)]))
+            throw Error(std::string(name) + " holds a non-finite value (" + std::to_string(row[size_t(i)]) + ") at [" +
+                        std::to_string(b) + "," + std::to_string(h) + "," + std::to_string(n) + "," +
+                        std::to_string(i) + "]");
+      }
+}
+
+void check_view(const TensorView& t, const char* name) {
+  if (!t.data) throw Error(std::string(name) + " has no data");
+  for (int i = 0; i < 4; ++i)
+    if (t.shape[i] < 1) throw Error(std::string(name) + " has an empty dimension: shape " + shape_str(t.shape));
+}
+
+cpu::Problem validate(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                      float* lse, const AttentionOptions& o) {
+  check_view(q, "Q");
+  check_view(k, "K");
+  check_view(v, "V");
+  check_view(out, "out");
+  if (k.shape != v.shape)
+    throw Error("K and V shapes differ: " + shape_str(k.shape) + " vs " + shape_str(v.shape));
+  if (q.shape[0] != k.shape[0])
+    throw Error("batch sizes differ: Q " + shape_str(q.shape) + ", K " + shape_str(k.shape));
+  if (q.shape[3] != k.shape[3])
+    throw Error("head dims differ: Q d=" + std::to_string(q.shape[3]) + ", K d=" + std::to_string(k.shape[3]));
+  if (!head_dim_supported(q.shape[3]))
+    throw Error("head dim " + std::to_string(q.shape[3]) + " is not supported (multiples of 32 from 32 to 256)");
+  if (q.shape[1] % k.shape[1] != 0)
+    throw Error("query heads (" + std::to_string(q.shape[1]) + ") are not a multiple of KV heads (" +
+                std::to_string(k.shape[1]) + ")");
+  if (out.shape != q.shape) throw Error("out shape " + shape_str(out.shape) + " differs from Q " + shape_str(q.shape));
+  const Policy& pol = o.policy;
+  if (pol.diag_tiles < 0 || pol.sink_tiles < 0) throw Error("diag_tiles and sink_tiles must be >= 0");
+  const float scale = o.softmax_scale.value_or(1.0f / std::sqrt(float(q.shape[3])));
+  if (!std::isfinite(scale) || scale <= 0.0f) throw Error("softmax scale must be finite and > 0");
+
+  cpu::Problem p;
+  p.q = q;
+  p.k = k;
+  p.v = v;
+  p.out = out;
+  p.lse = lse;
+  p.B = q.shape[0];
+  p.Hq = q.shape[1];
+  p.Hkv = k.shape[1];
+  p.Nq = q.shape[2];
+  p.Nk = k.shape[2];
+  p.d = q.shape[3];
+  p.scale = scale;
+  p.causal = o.causal;
+  p.policy = pol;
+  p.threads = o.threads;
+  return p;
+}
+
+}  // namespace
+
+void attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out, float* lse,
+               const AttentionOptions& opts) {
+  const cpu::Problem p = validate(q, k, v, out, lse, opts);
+  const bool on_gpu = q.device == Device::cuda;
+  if (k.device != q.device || v.device != q.device || out.device != q.device)
+    throw Error("Q, K, V and out must live on the same device");
+  Backend backend = opts.backend;
+  if (backend == Backend::automatic) backend = on_gpu ? Backend::cuda : Backend::cpu;
+  if (backend == Backend::cuda || on_gpu)
+    throw Error("the CUDA backend is not available in this build yet; use --backend cpu with host tensors");
+  check_finite(q, "Q");
+  check_finite(k, "K");
+  check_finite(v, "V");
+  if (opts.exact)
+    cpu::exact_attention(p);
+  else
+    cpu::dma_attention(p);
+}
+
+}  // namespace dmattn

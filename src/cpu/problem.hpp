@@ -1,0 +1,33 @@
+// A validated attention problem, as the CPU backends see it.
+#pragma once
+#include <algorithm>
+
+#include "dmattn/attention.hpp"
+
+namespace dmattn::cpu {
+
+struct Problem {
+  TensorView q, k, v, out;
+  float* lse = nullptr;
+  int64_t B = 0, Hq = 0, Hkv = 0, Nq = 0, Nk = 0, d = 0;
+  float scale = 1.0f;
+  bool causal = false;
+  Policy policy{};
+  int threads = 0;
+
+  int64_t group() const { return Hq / Hkv; }
+  int64_t position(int64_t r) const { return r + Nk - Nq; }  // causal (bottom-right) alignment
+  // One past the last key that row r sees.
+  int64_t key_end(int64_t r) const { return causal ? std::clamp<int64_t>(position(r) + 1, 0, Nk) : Nk; }
+  // Absolute query tile of row r (floor division: positions can be negative when Nq > Nk).
+  int64_t query_tile(int64_t r) const {
+    const int64_t p = position(r);
+    return p >= 0 ? p / kTile : -((-p + kTile - 1) / kTile);
+  }
+  float* lse_at(int64_t b, int64_t h, int64_t r) const { return lse ? lse + (b * Hq + h) * Nq + r : nullptr; }
+};
+
+void exact_attention(const Problem& p);  // fp64 reference
+void dma_attention(const Problem& p);    // DMA, DESIGN §3
+
+}  // namespace dmattn::cpu

@@ -1,0 +1,37 @@
+#include "dmattn/policy.hpp"
+
+#include "dmattn/attention.hpp"
+#include "dmattn/error.hpp"
+
+namespace dmattn {
+
+std::string Policy::describe() const {
+  return "high=" + std::string(format_name(high)) + " low=" + std::string(format_name(low)) +
+         " diag_tiles=" + std::to_string(diag_tiles) + " sink_tiles=" + std::to_string(sink_tiles) +
+         " scale_rule=" + std::string(scale_rule_name(scale_rule)) + " pv=" + std::string(pv_name(pv));
+}
+
+std::string_view pv_name(PV p) { return p == PV::bf16 ? "bf16" : "mxfp8"; }
+
+PV parse_pv(std::string_view name) {
+  if (name == "bf16") return PV::bf16;
+  if (name == "mxfp8") return PV::mxfp8;
+  throw Error("unknown pv mode '" + std::string(name) + "' (choose bf16|mxfp8)");
+}
+
+std::string_view backend_name(Backend b) {
+  switch (b) {
+    case Backend::cpu: return "cpu";
+    case Backend::cuda: return "cuda";
+    default: return "auto";
+  }
+}
+
+Backend parse_backend(std::string_view name) {
+  if (name == "auto") return Backend::automatic;
+  if (name == "cpu") return Backend::cpu;
+  if (name == "cuda") return Backend::cuda;
+  throw Error("unknown backend '" + std::string(name) + "' (choose auto|cpu|cuda)");
+}
+
+}  // namespace dmattn

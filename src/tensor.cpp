@@ -1,0 +1,104 @@
+#include "dmattn/tensor.hpp"
+
+#include <cstring>
+
+#include "dmattn/error.hpp"
+#include "dmattn/numeric.hpp"
+
+namespace dmattn {
+
+size_t dtype_size(DType t) { return t == DType::f32 ? 4 : 2; }
+
+std::string_view dtype_name(DType t) {
+  switch (t) {
+    case DType::f32: return "float32";
+    case DType::f16: return "float16";
+    default: return "bfloat16";
+  }
+}
+
+TensorView TensorView::contiguous(void* data, DType dtype, Shape shape, Device device) {
+  TensorView t;
+  t.data = data;
+  t.dtype = dtype;
+  t.device = device;
+  t.shape = shape;
+  t.stride = {shape[1] * shape[2] * shape[3], shape[2] * shape[3], shape[3], 1};
+  return t;
+}
+
+std::string shape_str(const Shape& s) {
+  return "[" + std::to_string(s[0]) + "," + std::to_string(s[1]) + "," + std::to_string(s[2]) + "," +
+         std::to_string(s[3]) + "]";
+}
+
+void load_row(const TensorView& t, int64_t b, int64_t h, int64_t n, float* dst) {
+  const int64_t d = t.shape[3], base = t.offset(b, h, n, 0), s = t.stride[3];
+  switch (t.dtype) {
+    case DType::f32: {
+      const float* p = static_cast<const float*>(t.data) + base;
+      for (int64_t i = 0; i < d; ++i) dst[i] = p[i * s];
+      break;
+    }
+    case DType::f16: {
+      const fp16* p = static_cast<const fp16*>(t.data) + base;
+      for (int64_t i = 0; i < d; ++i) dst[i] = to_float(p[i * s]);
+      break;
+    }
+    case DType::bf16: {
+      const bf16* p = static_cast<const bf16*>(t.data) + base;
+      for (int64_t i = 0; i < d; ++i) dst[i] = to_float(p[i * s]);
+      break;
+    }
+  }
+}
+
+void store_row(const TensorView& t, int64_t b, int64_t h, int64_t n, const float* src) {
+  const int64_t d = t.shape[3], base = t.offset(b, h, n, 0), s = t.stride[3];
+  switch (t.dtype) {
+    case DType::f32: {
+      float* p = static_cast<float*>(t.data) + base;
+      for (int64_t i = 0; i < d; ++i) p[i * s] = src[i];
+      break;
+    }
+    case DType::f16: {
+      fp16* p = static_cast<fp16*>(t.data) + base;
+      for (int64_t i = 0; i < d; ++i) p[i * s] = to_fp16(src[i]);
+      break;
+    }
+    case DType::bf16: {
+      bf16* p = static_cast<bf16*>(t.data) + base;
+      for (int64_t i = 0; i < d; ++i) p[i * s] = to_bf16(src[i]);
+      break;
+    }
+  }
+}
+
+HostTensor::HostTensor(DType dtype, Shape shape) : dtype_(dtype), shape_(shape) {
+  for (int64_t x : shape)
+    if (x < 0) throw Error("negative tensor dimension in " + shape_str(shape));
+  bytes_.assign(size_t(numel()) * dtype_size(dtype), std::byte{0});
+}
+
+HostTensor HostTensor::from_floats(const std::vector<float>& v, Shape shape, DType dtype) {
+  HostTensor t(dtype, shape);
+  if (int64_t(v.size()) != t.numel()) throw Error("from_floats: size does not match " + shape_str(shape));
+  const TensorView tv = t.view();
+  const int64_t d = shape[3];
+  for (int64_t b = 0; b < shape[0]; ++b)
+    for (int64_t h = 0; h < shape[1]; ++h)
+      for (int64_t n = 0; n < shape[2]; ++n) store_row(tv, b, h, n, v.data() + ((b * shape[1] + h) * shape[2] + n) * d);
+  return t;
+}
+
+std::vector<float> HostTensor::to_floats() const {
+  std::vector<float> v(static_cast<size_t>(numel()));
+  const TensorView tv = view();
+  const int64_t d = shape_[3];
+  for (int64_t b = 0; b < shape_[0]; ++b)
+    for (int64_t h = 0; h < shape_[1]; ++h)
+      for (int64_t n = 0; n < shape_[2]; ++n) load_row(tv, b, h, n, v.data() + ((b * shape_[1] + h) * shape_[2] + n) * d);
+  return v;
+}
+
+}  // namespace dmattn

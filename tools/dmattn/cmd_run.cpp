@@ -1,0 +1,51 @@
+#include <chrono>
+#include <cstdio>
+#include <vector>
+
+#include "commands.hpp"
+#include "dmattn/error.hpp"
+#include "dmattn/npy.hpp"
+
+namespace dmattn::cli {
+
+void add_run(CLI::App& app) {
+  struct Args {
+    std::string q, k, v, out, lse;
+    bool causal = false, exact = false;
+    std::optional<float> softmax_scale;
+    PolicyArgs policy;
+  };
+  auto args = std::make_shared<Args>();
+  CLI::App* cmd = app.add_subcommand("run", "attention over Q/K/V .npy files ([B,H,N,d], float32 or float16)");
+  cmd->add_option("--q", args->q, "queries [B,Hq,Nq,d]")->required();
+  cmd->add_option("--k", args->k, "keys [B,Hkv,Nk,d]")->required();
+  cmd->add_option("--v", args->v, "values [B,Hkv,Nk,d]")->required();
+  cmd->add_option("--out", args->out, "output [B,Hq,Nq,d], float32")->required();
+  cmd->add_option("--lse", args->lse, "row log-sum-exp [B,Hq,Nq], float32");
+  cmd->add_flag("--causal", args->causal, "causal mask, last query aligned with last key");
+  cmd->add_option("--softmax-scale", args->softmax_scale, "scale of QK^T (default 1/sqrt(d))");
+  cmd->add_flag("--exact", args->exact, "fp64 reference attention instead of DMA");
+  args->policy.add_to(*cmd);
+  cmd->callback([args] {
+    AttentionOptions o = args->policy.options();
+    o.causal = args->causal;
+    o.exact = args->exact;
+    o.softmax_scale = args->softmax_scale;
+    const HostTensor q = read_npy_tensor(args->q, "--q");
+    const HostTensor k = read_npy_tensor(args->k, "--k");
+    const HostTensor v = read_npy_tensor(args->v, "--v");
+    HostTensor out(DType::f32, q.shape());
+    const Shape& s = q.shape();
+    std::vector<float> lse(size_t(s[0] * s[1] * s[2]));
+    const auto t0 = std::chrono::steady_clock::now();
+    attention(q.view(), k.view(), v.view(), out.view(), lse.data(), o);
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    write_npy(args->out, NpyType::f32, {s[0], s[1], s[2], s[3]}, out.bytes());
+    if (!args->lse.empty()) write_npy(args->lse, NpyType::f32, {s[0], s[1], s[2]}, lse.data());
+    std::fprintf(stderr, "dmattn run: %s %s%s in %.3f s -> %s\n", shape_str(s).c_str(),
+                 o.exact ? "exact fp64" : o.policy.describe().c_str(), o.causal ? " causal" : "", secs,
+                 args->out.c_str());
+  });
+}
+
+}  // namespace dmattn::cli

@@ -1,0 +1,23 @@
+// Subcommands of the `dmattn` tool. Each add_* registers its options and its callback; callbacks
+// throw dmattn::Error on bad input, which main() prints as one line with a non-zero exit.
+#pragma once
+#include <CLI/CLI.hpp>
+
+#include "dmattn/attention.hpp"
+
+namespace dmattn::cli {
+
+// Policy / backend options shared by the commands that run attention.
+struct PolicyArgs {
+  std::string high = "mxfp8-e4m3", low = "mxfp4", pv = "bf16", scale_rule = "ocp", backend = "auto";
+  int diag_tiles = 1, sink_tiles = 0, threads = 0;
+  void add_to(CLI::App& app);
+  AttentionOptions options() const;  // throws dmattn::Error for unknown names
+};
+
+void add_run(CLI::App& app);
+void add_quantize(CLI::App& app);
+void add_compare(CLI::App& app);
+void add_demo(CLI::App& app);
+
+}  // namespace dmattn::cli

@@ -1,0 +1,56 @@
+#include <cstdio>
+
+#include "commands.hpp"
+#include "dmattn/error.hpp"
+#include "dmattn/format.hpp"
+
+namespace dmattn::cli {
+
+void PolicyArgs::add_to(CLI::App& app) {
+  const std::string fmts = "(" + format_names() + ")";
+  app.add_option("--high", high, "format of high-precision tiles " + fmts)->capture_default_str();
+  app.add_option("--low", low, "format of low-precision tiles " + fmts)->capture_default_str();
+  app.add_option("--diag-tiles", diag_tiles, "key tiles at and before the diagonal computed high")->capture_default_str();
+  app.add_option("--sink-tiles", sink_tiles, "leading key tiles computed high (attention sinks)")->capture_default_str();
+  app.add_option("--pv", pv, "P.V precision (bf16|mxfp8)")->capture_default_str();
+  app.add_option("--scale-rule", scale_rule, "MX shared-exponent rule (ocp|ceil)")->capture_default_str();
+  app.add_option("--backend", backend, "where to compute (auto|cpu|cuda)")->capture_default_str();
+  app.add_option("--threads", threads, "CPU threads (0 = all)")->capture_default_str();
+}
+
+AttentionOptions PolicyArgs::options() const {
+  AttentionOptions o;
+  o.policy.high = parse_format(high);
+  o.policy.low = parse_format(low);
+  o.policy.diag_tiles = diag_tiles;
+  o.policy.sink_tiles = sink_tiles;
+  o.policy.pv = parse_pv(pv);
+  o.policy.scale_rule = parse_scale_rule(scale_rule);
+  o.backend = parse_backend(backend);
+  o.threads = threads;
+  return o;
+}
+
+}  // namespace dmattn::cli
+
+int main(int argc, char** argv) {
+  CLI::App app{"dmattn: diagonal-tiled mixed-precision attention over MX formats"};
+  app.require_subcommand(1);
+  app.set_help_all_flag("--help-all", "help for every subcommand");
+  dmattn::cli::add_run(app);
+  dmattn::cli::add_quantize(app);
+  dmattn::cli::add_compare(app);
+  dmattn::cli::add_demo(app);
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    return app.exit(e);
+  } catch (const dmattn::Error& e) {
+    std::fprintf(stderr, "dmattn: error: %s\n", e.what());
+    return 1;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dmattn: internal error: %s\n", e.what());
+    return 3;
+  }
+  return 0;
+}
