@@ -12,8 +12,10 @@
 //  - Score S = sum over blocks c, in order, of (sq[c]*sk[c]) * dot_c, each dot in fp32; s = S*scale.
 //  - Online softmax over key tiles in ascending order, per row: m' = max(m, max s), alpha =
 //    exp(m - m'), p = exp(s - m'), l = l*alpha + sum p (fp32, unrounded p), acc = acc*alpha + P.V.
-//  - P.V per tile: pv=bf16: bf16(p) * bf16(V); pv=mxfp8: p over the tile's keys and each column
-//    of V quantized to MXFP8 E4M3 in 32-key blocks (policy.scale_rule), blockwise as for S.
+//  - P.V per tile, accumulated into acc in fp32: pv=bf16: bf16(p) * bf16(V); pv=mxfp8: p over the
+//    tile's keys and each column of V quantized to MXFP8 E4M3 in 32-key blocks (policy.scale_rule;
+//    keys past Nk are zeros), blockwise as for S. Caveat: a V block that straddles a causal
+//    boundary shares one scale, so a masked key's V can change the rounding of visible keys' V.
 //  - out = acc / l; lse = m + log(l).
 // `exact` ignores the policy and computes softmax(QK^T * scale) V in fp64 (the quality oracle).
 #pragma once

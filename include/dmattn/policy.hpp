@@ -15,7 +15,8 @@ inline constexpr int kTile = 128;  // query rows and key rows per tile
 struct Policy {
   Format high = Format::mxfp8_e4m3;
   Format low = Format::mxfp4;
-  int diag_tiles = 1;  // key tiles j with qtile - diag_tiles < j <= qtile are high
+  int diag_tiles = 1;  // key tiles j with |qtile - j| < diag_tiles are high (causal: the diagonal
+                       // tile and the diag_tiles - 1 before it; non-causal: a symmetric band)
   int sink_tiles = 0;  // key tiles j < sink_tiles are high
   ScaleRule scale_rule = ScaleRule::ocp;
   PV pv = PV::bf16;
@@ -23,7 +24,7 @@ struct Policy {
   // Tile indices are absolute: query tile = floor(position / 128) with the query's position
   // counted as in causal alignment (row r sits at r + Nk - Nq), key tile = key / 128.
   DMATTN_HD bool is_high(int64_t qtile, int64_t ktile) const {
-    return (ktile <= qtile && ktile > qtile - diag_tiles) || ktile < sink_tiles;
+    return (ktile - qtile < diag_tiles && qtile - ktile < diag_tiles) || ktile < sink_tiles;
   }
 
   static Policy all(Format f) { return Policy{f, f, 0, 0}; }

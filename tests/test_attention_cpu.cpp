@@ -1,0 +1,293 @@
+// Properties of the CPU attention paths: policy corners, masks, GQA, lengths, LSE merging,
+// determinism, input validation, and the exact path against a naive fp64 reference.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "dmattn/attention.hpp"
+#include "dmattn/error.hpp"
+#include "dmattn/metrics.hpp"
+#include "dmattn/synthetic.hpp"
+
+using namespace dmattn;
+
+namespace {
+
+struct Result {
+  std::vector<float> out, lse;
+};
+
+Result run(const QKV& x, AttentionOptions o) {
+  HostTensor out(DType::f32, x.q.shape());
+  // Poison the output so a row the backend forgets to write is caught.
+  std::vector<float> poison(size_t(out.numel()), std::numeric_limits<float>::quiet_NaN());
+  std::memcpy(out.bytes(), poison.data(), out.nbytes());
+  const Shape& s = x.q.shape();
+  Result r;
+  r.lse.assign(size_t(s[0] * s[1] * s[2]), std::numeric_limits<float>::quiet_NaN());
+  attention(x.q.view(), x.k.view(), x.v.view(), out.view(), r.lse.data(), o);
+  r.out = out.to_floats();
+  return r;
+}
+
+AttentionOptions opts(Policy p, bool causal = false) {
+  AttentionOptions o;
+  o.policy = p;
+  o.causal = causal;
+  return o;
+}
+
+// Naive fp64 attention written independently of the library.
+std::vector<double> naive(const QKV& x, bool causal, double scale) {
+  const Shape qs = x.q.shape(), ks = x.k.shape();
+  const std::vector<float> q = x.q.to_floats(), k = x.k.to_floats(), v = x.v.to_floats();
+  const int64_t B = qs[0], Hq = qs[1], Nq = qs[2], d = qs[3], Hkv = ks[1], Nk = ks[2];
+  std::vector<double> o(q.size(), 0.0);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t h = 0; h < Hq; ++h) {
+      const int64_t hk = h / (Hq / Hkv);
+      for (int64_t r = 0; r < Nq; ++r) {
+        std::vector<double> s;
+        const float* qr = &q[size_t(((b * Hq + h) * Nq + r) * d)];
+        const int64_t end = causal ? std::min(Nk, std::max<int64_t>(0, r + Nk - Nq + 1)) : Nk;
+        double m = -1e300;
+        for (int64_t n = 0; n < end; ++n) {
+          const float* kr = &k[size_t(((b * Hkv + hk) * Nk + n) * d)];
+          double dot = 0;
+          for (int64_t i = 0; i < d; ++i) dot += double(qr[i]) * kr[i];
+          s.push_back(dot * scale);
+          m = std::max(m, s.back());
+        }
+        double l = 0;
+        for (double& e : s) l += (e = std::exp(e - m));
+        for (int64_t n = 0; n < end; ++n) {
+          const float* vr = &v[size_t(((b * Hkv + hk) * Nk + n) * d)];
+          for (int64_t i = 0; i < d; ++i) o[size_t(((b * Hq + h) * Nq + r) * d + i)] += s[size_t(n)] / l * vr[i];
+        }
+      }
+    }
+  return o;
+}
+
+double rel_l2(const std::vector<float>& a, const std::vector<float>& b) { return compare(a, b).rel_l2; }
+
+bool bit_equal(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+}  // namespace
+
+TEST(AttentionCpu, ExactMatchesNaiveFp64) {
+  for (bool causal : {false, true}) {
+    const QKV x = random_qkv({2, 4, 2, 77, 200, 64}, 1);
+    const Result r = run(x, [&] { AttentionOptions o = opts({}, causal); o.exact = true; return o; }());
+    const std::vector<double> ref = naive(x, causal, 1.0 / 8.0);
+    double e2 = 0, r2 = 0;
+    for (size_t i = 0; i < ref.size(); ++i) {
+      e2 += (r.out[i] - ref[i]) * (r.out[i] - ref[i]);
+      r2 += ref[i] * ref[i];
+    }
+    EXPECT_LE(std::sqrt(e2 / r2), 1e-6);
+  }
+}
+
+TEST(AttentionCpu, HugeDiagIsAllHighAndZeroIsAllLow) {
+  for (bool causal : {false, true}) {
+    for (PV pv : {PV::bf16, PV::mxfp8}) {
+      const QKV x = random_qkv({1, 2, 1, 300, 520, 64}, 2);
+      Policy dma;
+      dma.pv = pv;
+      dma.diag_tiles = 100;
+      Policy high = Policy::all(dma.high), low = Policy::all(dma.low);
+      high.pv = low.pv = pv;
+      EXPECT_TRUE(bit_equal(run(x, opts(dma, causal)).out, run(x, opts(high, causal)).out));
+      dma.diag_tiles = 0;
+      EXPECT_TRUE(bit_equal(run(x, opts(dma, causal)).out, run(x, opts(low, causal)).out));
+      dma.sink_tiles = 100;  // every key tile is a sink tile
+      EXPECT_TRUE(bit_equal(run(x, opts(dma, causal)).out, run(x, opts(high, causal)).out));
+    }
+  }
+}
+
+TEST(AttentionCpu, DmaSitsBetweenItsFormats) {
+  const QKV x = llm_like_qkv({1, 2, 1, 1024, 1024, 128}, 3);
+  AttentionOptions ex = opts({}, true);
+  ex.exact = true;
+  const std::vector<float> ref = run(x, ex).out;
+  const double e8 = rel_l2(run(x, opts(Policy::all(Format::mxfp8_e4m3), true)).out, ref);
+  const double e4 = rel_l2(run(x, opts(Policy::all(Format::mxfp4), true)).out, ref);
+  const double dma = rel_l2(run(x, opts(Policy{}, true)).out, ref);
+  EXPECT_LT(e8, dma);
+  EXPECT_LT(dma, e4);
+}
+
+TEST(AttentionCpu, Bf16PolicyIsCloseToExactAndMxfp8WithinBound) {
+  const QKV x = random_qkv({1, 2, 2, 257, 257, 128}, 4);
+  AttentionOptions ex = opts({}, true);
+  ex.exact = true;
+  const std::vector<float> ref = run(x, ex).out;
+  EXPECT_LE(rel_l2(run(x, opts(Policy::all(Format::bf16), true)).out, ref), 1e-2);
+  // MXFP8 E4M3 on N(0,1) data: 3 mantissa bits on Q and K, bf16 P and V. Measured ~2.6e-2.
+  const double e8 = rel_l2(run(x, opts(Policy::all(Format::mxfp8_e4m3), true)).out, ref);
+  EXPECT_LE(e8, 4e-2);
+  const double e4 = rel_l2(run(x, opts(Policy::all(Format::mxfp4), true)).out, ref);
+  EXPECT_GT(e4, 2 * e8);
+}
+
+TEST(AttentionCpu, CausalRowsIgnoreMaskedKeys) {
+  for (PV pv : {PV::bf16, PV::mxfp8}) {
+    for (auto [nq, nk] : {std::pair<int64_t, int64_t>{300, 300}, {100, 300}}) {
+      QKV x = random_qkv({1, 2, 1, nq, nk, 64}, 5);
+      Policy pol;
+      pol.pv = pv;
+      const Result before = run(x, opts(pol, true));
+      // Perturb key n (and, for pv=bf16, its value). Rows at positions < n must not change.
+      const int64_t n = nk - 60;
+      std::vector<float> k = x.k.to_floats(), v = x.v.to_floats();
+      for (int64_t i = 0; i < 64; ++i) {
+        k[size_t(n * 64 + i)] += 100.0f;
+        if (pv == PV::bf16) v[size_t(n * 64 + i)] -= 50.0f;
+      }
+      x.k = HostTensor::from_floats(k, x.k.shape());
+      x.v = HostTensor::from_floats(v, x.v.shape());
+      const Result after = run(x, opts(pol, true));
+      for (int64_t h = 0; h < 2; ++h)
+        for (int64_t r = 0; r < nq; ++r) {
+          const bool sees = r + nk - nq >= n;
+          const size_t o = size_t((h * nq + r) * 64);
+          const bool same = std::memcmp(&before.out[o], &after.out[o], 64 * sizeof(float)) == 0;
+          EXPECT_EQ(same, !sees) << "pv " << int(pv) << " row " << r;
+        }
+    }
+  }
+}
+
+TEST(AttentionCpu, GqaEqualsRepeatedKvHeads) {
+  const QKV x = random_qkv({2, 8, 2, 150, 150, 64}, 6);
+  QKV rep;
+  rep.q = x.q;
+  const std::vector<float> k = x.k.to_floats(), v = x.v.to_floats();
+  std::vector<float> k8, v8;
+  for (int64_t b = 0; b < 2; ++b)
+    for (int64_t h = 0; h < 8; ++h) {
+      const size_t off = size_t((b * 2 + h / 4) * 150 * 64);
+      k8.insert(k8.end(), k.begin() + long(off), k.begin() + long(off + 150 * 64));
+      v8.insert(v8.end(), v.begin() + long(off), v.begin() + long(off + 150 * 64));
+    }
+  rep.k = HostTensor::from_floats(k8, {2, 8, 150, 64});
+  rep.v = HostTensor::from_floats(v8, {2, 8, 150, 64});
+  Policy pol;
+  pol.pv = PV::mxfp8;
+  EXPECT_TRUE(bit_equal(run(x, opts(pol, true)).out, run(rep, opts(pol, true)).out));
+}
+
+TEST(AttentionCpu, OddLengthsAgreeWithExact) {
+  for (int64_t nq : {1, 127, 129, 1000})
+    for (int64_t nk : {1, 127, 129, 1000})
+      for (bool causal : {false, true}) {
+        const QKV x = random_qkv({1, 1, 1, nq, nk, 64}, uint64_t(nq * 7 + nk));
+        AttentionOptions ex = opts({}, causal);
+        ex.exact = true;
+        const Result ref = run(x, ex);
+        const Result got = run(x, opts(Policy::all(Format::bf16), causal));
+        const Result dma = run(x, opts(Policy{}, causal));
+        for (float f : dma.out) ASSERT_FALSE(std::isnan(f)) << nq << "x" << nk;
+        if (causal && nq > nk) {  // the first nq - nk rows see no key: zeros and lse = -inf
+          for (int64_t r = 0; r < nq - nk; ++r) {
+            EXPECT_EQ(got.out[size_t(r * 64)], 0.0f);
+            EXPECT_EQ(got.lse[size_t(r)], -std::numeric_limits<float>::infinity());
+            EXPECT_EQ(ref.lse[size_t(r)], -std::numeric_limits<float>::infinity());
+          }
+        }
+        EXPECT_LE(rel_l2(got.out, ref.out), 1e-2) << nq << "x" << nk << " causal " << causal;
+        EXPECT_LE(rel_l2(dma.out, ref.out), 0.3) << nq << "x" << nk << " causal " << causal;
+        for (size_t i = 0; i < ref.lse.size(); ++i)
+          if (std::isfinite(ref.lse[i])) EXPECT_NEAR(got.lse[i], ref.lse[i], 2e-2 + 2e-3 * std::fabs(ref.lse[i]));
+      }
+}
+
+TEST(AttentionCpu, MergingKeyHalvesByLseEqualsWhole) {
+  const int64_t nk = 512, split = 256, d = 64;
+  const QKV x = random_qkv({1, 2, 1, 200, nk, d}, 8);
+  auto half = [&](const HostTensor& t, int64_t from, int64_t to) {
+    const std::vector<float> f = t.to_floats();
+    return HostTensor::from_floats(std::vector<float>(f.begin() + from * d, f.begin() + to * d), {1, 1, to - from, d});
+  };
+  QKV a{x.q, half(x.k, 0, split), half(x.v, 0, split)}, b{x.q, half(x.k, split, nk), half(x.v, split, nk)};
+  for (bool exact : {true, false}) {
+    AttentionOptions o = opts(Policy::all(Format::mxfp4));
+    o.exact = exact;
+    const Result whole = run(x, o), ra = run(a, o), rb = run(b, o);
+    std::vector<float> merged(whole.out.size()), lse(whole.lse.size());
+    for (size_t r = 0; r < lse.size(); ++r) {
+      const float m = std::max(ra.lse[r], rb.lse[r]);
+      const float wa = std::exp(ra.lse[r] - m), wb = std::exp(rb.lse[r] - m);
+      lse[r] = m + std::log(wa + wb);
+      for (int64_t i = 0; i < d; ++i)
+        merged[r * d + i] = (wa * ra.out[r * d + i] + wb * rb.out[r * d + i]) / (wa + wb);
+    }
+    // LSE uses unrounded fp32 p: it merges to fp32 accuracy. The DMA output rounds p to bf16
+    // relative to the running max, which differs between the halves and the whole.
+    EXPECT_LE(rel_l2(lse, whole.lse), 1e-6);
+    EXPECT_LE(rel_l2(merged, whole.out), exact ? 1e-6 : 3e-3);
+  }
+}
+
+TEST(AttentionCpu, DeterministicAcrossThreadCounts) {
+  const QKV x = random_qkv({1, 4, 2, 700, 700, 128}, 9);
+  Policy pol;
+  pol.pv = PV::mxfp8;
+  pol.sink_tiles = 1;
+  AttentionOptions o = opts(pol, true);
+  o.threads = 1;
+  const Result one = run(x, o);
+  for (int t : {2, 3, 8}) {
+    o.threads = t;
+    const Result many = run(x, o);
+    EXPECT_TRUE(bit_equal(one.out, many.out)) << t;
+    EXPECT_TRUE(bit_equal(one.lse, many.lse)) << t;
+  }
+}
+
+TEST(AttentionCpu, Fp16AndBf16InputsAndOutputs) {
+  const QKV x32 = random_qkv({1, 2, 1, 130, 130, 64}, 10);
+  for (DType dt : {DType::f16, DType::bf16}) {
+    const QKV x = random_qkv({1, 2, 1, 130, 130, 64}, 10, dt);
+    HostTensor out(dt, x.q.shape());
+    attention(x.q.view(), x.k.view(), x.v.view(), out.view(), nullptr, opts({}, true));
+    const std::vector<float> ref = run(x32, opts({}, true)).out;
+    EXPECT_LE(rel_l2(out.to_floats(), ref), 5e-2) << dtype_name(dt);
+  }
+}
+
+TEST(AttentionCpu, RejectsBadInput) {
+  const QKV x = random_qkv({1, 4, 2, 16, 16, 64}, 11);
+  HostTensor out(DType::f32, x.q.shape());
+  const QKV bad_heads = random_qkv({1, 3, 2, 16, 16, 64}, 11);
+  HostTensor out3(DType::f32, bad_heads.q.shape());
+  EXPECT_THROW(attention(bad_heads.q.view(), bad_heads.k.view(), bad_heads.v.view(), out3.view(), nullptr, {}), Error);
+  const QKV bad_d = random_qkv({1, 1, 1, 16, 16, 48}, 11);
+  HostTensor out48(DType::f32, bad_d.q.shape());
+  EXPECT_THROW(attention(bad_d.q.view(), bad_d.k.view(), bad_d.v.view(), out48.view(), nullptr, {}), Error);
+  EXPECT_THROW(attention(x.q.view(), x.k.view(), x.q.view(), out.view(), nullptr, {}), Error);  // V shape
+  std::vector<float> q = x.q.to_floats();
+  q[37] = std::numeric_limits<float>::infinity();
+  const HostTensor qinf = HostTensor::from_floats(q, x.q.shape());
+  EXPECT_THROW(attention(qinf.view(), x.k.view(), x.v.view(), out.view(), nullptr, {}), Error);
+  q[37] = std::nanf("");
+  const HostTensor qnan = HostTensor::from_floats(q, x.q.shape());
+  EXPECT_THROW(attention(qnan.view(), x.k.view(), x.v.view(), out.view(), nullptr, {}), Error);
+  AttentionOptions o;
+  o.policy.diag_tiles = -1;
+  EXPECT_THROW(attention(x.q.view(), x.k.view(), x.v.view(), out.view(), nullptr, o), Error);
+  o = {};
+  o.softmax_scale = 0.0f;
+  EXPECT_THROW(attention(x.q.view(), x.k.view(), x.v.view(), out.view(), nullptr, o), Error);
+#if !defined(DMATTN_HAVE_CUDA)
+  o = {};
+  o.backend = Backend::cuda;
+  EXPECT_THROW(attention(x.q.view(), x.k.view(), x.v.view(), out.view(), nullptr, o), Error);
+#endif
+}

@@ -1,0 +1,197 @@
+// End-to-end runs of the `dmattn` binary, good input and bad.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cmath>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include "dmattn/metrics.hpp"
+#include "dmattn/npy.hpp"
+#include "dmattn/quantize.hpp"
+#include "dmattn/synthetic.hpp"
+
+using namespace dmattn;
+namespace fs = std::filesystem;
+
+namespace {
+
+struct Proc {
+  int code;
+  std::string out, err;
+};
+
+std::string slurp(const fs::path& p) {
+  std::ifstream f(p);
+  std::stringstream s;
+  s << f.rdbuf();
+  return s.str();
+}
+
+class Cli : public ::testing::Test {
+ protected:
+  fs::path dir;
+  void SetUp() override {
+    dir = fs::temp_directory_path() / ("dmattn_cli_" + std::string(::testing::UnitTest::GetInstance()->current_test_info()->name()));
+    fs::remove_all(dir);
+    fs::create_directories(dir);
+  }
+  std::string p(const std::string& name) const { return (dir / name).string(); }
+  Proc run(const std::string& args) const {
+    const std::string cmd = std::string(DMATTN_CLI_PATH) + " " + args + " >" + p("stdout") + " 2>" + p("stderr");
+    const int status = std::system(cmd.c_str());
+    return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, slurp(dir / "stdout"), slurp(dir / "stderr")};
+  }
+  void save(const HostTensor& t, const std::string& name) const {
+    const Shape& s = t.shape();
+    const std::vector<float> f = t.to_floats();
+    write_npy(p(name), NpyType::f32, {s[0], s[1], s[2], s[3]}, f.data());
+  }
+  void save_qkv(const QKV& x) const {
+    save(x.q, "q.npy");
+    save(x.k, "k.npy");
+    save(x.v, "v.npy");
+  }
+  // A failing run: non-zero exit and one clear line on stderr.
+  void expect_error(const std::string& args, const std::string& needle) const {
+    const Proc r = run(args);
+    EXPECT_NE(r.code, 0) << args;
+    EXPECT_NE(r.err.find(needle), std::string::npos) << args << "\nstderr: " << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << r.err;
+    EXPECT_EQ(r.err.find("internal error"), std::string::npos) << r.err;
+  }
+};
+
+const char* kQKV = "run --q {d}/q.npy --k {d}/k.npy --v {d}/v.npy --out {d}/o.npy";
+
+std::string fill(std::string s, const fs::path& dir) {
+  for (size_t i; (i = s.find("{d}")) != std::string::npos;) s.replace(i, 3, dir.string());
+  return s;
+}
+
+}  // namespace
+
+TEST_F(Cli, HelpOnEverySubcommand) {
+  for (const char* sub : {"", "run", "quantize", "dequantize", "compare", "demo"}) {
+    const Proc r = run(std::string(sub) + " --help");
+    EXPECT_EQ(r.code, 0) << sub;
+    EXPECT_NE(r.out.find("--help"), std::string::npos) << sub;
+  }
+  EXPECT_NE(run("").code, 0);  // a subcommand is required
+}
+
+TEST_F(Cli, ExactRunReproducesFp64Reference) {
+  const QKV x = random_qkv({1, 4, 2, 150, 300, 64}, 21);
+  save_qkv(x);
+  const Proc r = run(fill(kQKV, dir) + " --causal --exact --lse " + p("lse.npy"));
+  ASSERT_EQ(r.code, 0) << r.err;
+  const std::vector<float> o = npy_to_floats(read_npy(p("o.npy")));
+  // Our own fp64 reference, written here.
+  const std::vector<float> q = x.q.to_floats(), k = x.k.to_floats(), v = x.v.to_floats();
+  double e2 = 0, r2 = 0;
+  for (int64_t h = 0; h < 4; ++h)
+    for (int64_t row = 0; row < 150; ++row) {
+      const int64_t end = row + 150 + 1, hk = h / 2;
+      std::vector<double> s(static_cast<size_t>(end));
+      double m = -1e300, l = 0;
+      for (int64_t n = 0; n < end; ++n) {
+        double dot = 0;
+        for (int i = 0; i < 64; ++i) dot += double(q[size_t((h * 150 + row) * 64 + i)]) * k[size_t((hk * 300 + n) * 64 + i)];
+        s[size_t(n)] = dot / 8.0;
+        m = std::max(m, s[size_t(n)]);
+      }
+      for (double& e : s) l += (e = std::exp(e - m));
+      for (int i = 0; i < 64; ++i) {
+        double acc = 0;
+        for (int64_t n = 0; n < end; ++n) acc += s[size_t(n)] * v[size_t((hk * 300 + n) * 64 + i)];
+        const double ref = acc / l, got = o[size_t((h * 150 + row) * 64 + i)];
+        e2 += (got - ref) * (got - ref);
+        r2 += ref * ref;
+      }
+    }
+  EXPECT_LE(std::sqrt(e2 / r2), 1e-6);
+  EXPECT_EQ(read_npy(p("lse.npy")).shape, (std::vector<int64_t>{1, 4, 150}));
+}
+
+TEST_F(Cli, DmaRunAndCompare) {
+  const QKV x = random_qkv({1, 2, 1, 256, 256, 128}, 22);
+  save_qkv(x);
+  ASSERT_EQ(run(fill(kQKV, dir) + " --causal --exact").code, 0);
+  fs::rename(p("o.npy"), p("exact.npy"));
+  const Proc r = run(fill(kQKV, dir) + " --causal --high mxfp8-e5m2 --low nvfp4 --diag-tiles 2 --sink-tiles 1 --pv mxfp8 --scale-rule ceil --backend cpu --threads 2");
+  ASSERT_EQ(r.code, 0) << r.err;
+  const Proc c = run("compare " + p("o.npy") + " " + p("exact.npy"));
+  ASSERT_EQ(c.code, 0) << c.err;
+  double rel = -1;
+  ASSERT_EQ(std::sscanf(c.out.c_str(), "rel_l2 %lf", &rel), 1) << c.out;
+  EXPECT_GT(rel, 1e-4);
+  EXPECT_LT(rel, 0.2);
+  EXPECT_NE(c.out.find("nan_count 0"), std::string::npos);
+}
+
+TEST_F(Cli, QuantizeDequantizeRoundTrip) {
+  Rng rng(23);
+  std::vector<float> x(6 * 64);
+  for (float& f : x) f = float(rng.normal());
+  write_npy(p("x.npy"), NpyType::f32, {2, 3, 64}, x.data());
+  for (const char* fmt : {"mxfp4", "mxfp8-e4m3", "mxfp6-e2m3", "nvfp4"}) {
+    const std::string files = " --codes " + p("c.npy") + " --scales " + p("s.npy") + " --tensor-scale " + p("t.npy");
+    ASSERT_EQ(run(std::string("quantize --format ") + fmt + " --in " + p("x.npy") + files).code, 0) << fmt;
+    const Proc r = run(std::string("dequantize --format ") + fmt + files + " --out " + p("y.npy"));
+    ASSERT_EQ(r.code, 0) << r.err;
+    const NpyArray y = read_npy(p("y.npy"));
+    EXPECT_EQ(y.shape, (std::vector<int64_t>{2, 3, 64}));
+    const Quantized q = quantize(x.data(), 6, 64, parse_format(fmt), ScaleRule::ocp);
+    EXPECT_EQ(npy_to_floats(y), dequantize(q)) << fmt;
+  }
+  EXPECT_EQ(read_npy(p("c.npy")).shape, (std::vector<int64_t>{2, 3, 32}));  // nvfp4: packed E2M1
+  EXPECT_EQ(read_npy(p("s.npy")).shape, (std::vector<int64_t>{2, 3, 4}));   // 16-blocks
+}
+
+TEST_F(Cli, BadInputGivesOneLineError) {
+  const QKV x = random_qkv({1, 3, 2, 8, 8, 64}, 24);  // 3 query heads over 2 KV heads
+  save_qkv(x);
+  expect_error(fill(kQKV, dir), "not a multiple");
+  expect_error(fill("run --q {d}/missing.npy --k {d}/k.npy --v {d}/v.npy --out {d}/o.npy", dir), "cannot open");
+  std::ofstream(p("junk.npy")) << "definitely not numpy";
+  expect_error(fill("run --q {d}/junk.npy --k {d}/k.npy --v {d}/v.npy --out {d}/o.npy", dir), "bad magic");
+  const std::vector<uint8_t> u(64 * 8, 1);
+  write_npy(p("u8.npy"), NpyType::u8, {1, 1, 8, 64}, u.data());
+  expect_error(fill("run --q {d}/u8.npy --k {d}/k.npy --v {d}/v.npy --out {d}/o.npy", dir), "uint8");
+  std::vector<float> f(8 * 64, 0.5f);
+  write_npy(p("3d.npy"), NpyType::f32, {1, 8, 64}, f.data());
+  expect_error(fill("run --q {d}/3d.npy --k {d}/k.npy --v {d}/v.npy --out {d}/o.npy", dir), "4 dimensions");
+  const QKV d48 = random_qkv({1, 1, 1, 8, 8, 48}, 25);
+  save_qkv(d48);
+  expect_error(fill(kQKV, dir), "head dim 48");
+  QKV good = random_qkv({1, 2, 1, 8, 8, 64}, 26);
+  std::vector<float> q = good.q.to_floats();
+  q[100] = std::nanf("");
+  good.q = HostTensor::from_floats(q, good.q.shape());
+  save_qkv(good);
+  expect_error(fill(kQKV, dir), "non-finite");
+  save_qkv(random_qkv({1, 2, 1, 8, 8, 64}, 27));
+  expect_error(fill(kQKV, dir) + " --high mxfp3", "unknown format 'mxfp3'");
+  expect_error(fill(kQKV, dir) + " --pv fp32", "unknown pv mode");
+  expect_error(fill(kQKV, dir) + " --scale-rule floor", "unknown scale rule");
+  expect_error(fill(kQKV, dir) + " --diag-tiles -2", "must be >= 0");
+  ASSERT_EQ(run(fill(kQKV, dir)).code, 0);  // and the same files, unbroken, run
+}
+
+TEST_F(Cli, DemoPrintsTableWithDmaBetweenFormats) {
+  const Proc r = run("demo --n 1024 --heads 2 --kv-heads 1");
+  ASSERT_EQ(r.code, 0) << r.err;
+  auto err_of = [&](const std::string& name) {
+    const size_t at = r.out.find(name);
+    EXPECT_NE(at, std::string::npos) << name;
+    double e = -1;
+    std::sscanf(r.out.c_str() + at + name.size(), "%lf", &e);
+    return e;
+  };
+  const double e8 = err_of("all-MXFP8 (e4m3)"), e4 = err_of("all-MXFP4"), dma = err_of("DMA diag=1 sinks=0");
+  EXPECT_GT(dma, e8);
+  EXPECT_LT(dma, e4);
+  EXPECT_LT(err_of("DMA diag=4 sinks=1"), e4);
+}
