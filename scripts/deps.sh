@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Installs what the build needs from Debian's packages, once (idempotent; root or sudo).
+set -euo pipefail
+pkgs=(cmake g++ libcli11-dev libgtest-dev libbenchmark-dev)
+missing=()
+for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+if [ ${#missing[@]} -gt 0 ]; then
+  echo "deps: installing ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
+fi
