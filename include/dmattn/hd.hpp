@@ -15,25 +15,18 @@
 
 namespace dmattn::hd {
 
-DMATTN_HD uint32_t bits_of(float x) {
-#if defined(__CUDA_ARCH__)
-  return __float_as_uint(x);
-#else
-  uint32_t u;
-  std::memcpy(&u, &x, sizeof u);
-  return u;
-#endif
+// Reinterprets the bits of a trivially copyable value (memcpy lowers to a register move, on the
+// device too).
+template <class To, class From>
+DMATTN_HD To bit_cast(const From& x) {
+  static_assert(sizeof(To) == sizeof(From), "bit_cast needs equal sizes");
+  To t;
+  std::memcpy(&t, &x, sizeof t);
+  return t;
 }
 
-DMATTN_HD float float_of(uint32_t u) {
-#if defined(__CUDA_ARCH__)
-  return __uint_as_float(u);
-#else
-  float x;
-  std::memcpy(&x, &u, sizeof x);
-  return x;
-#endif
-}
+DMATTN_HD uint32_t bits_of(float x) { return bit_cast<uint32_t>(x); }
+DMATTN_HD float float_of(uint32_t u) { return bit_cast<float>(u); }
 
 // x * 2^e, correctly rounded (exact whenever the result is a normal float). When 2^e is itself a
 // normal float, one multiplication does it; that is the hot case, so it avoids the libm call.
