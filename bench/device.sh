@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The one GPU-machine script: build for sm_90a, run every test (GPU ones included), compute-sanitizer
+# on the GPU tests, and print a short table last. Full logs go to $OUT (or ./device-out).
+# Run here first: bash scripts/device_deps.sh   (then carry .deps to the device).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/device-out}
+mkdir -p "$OUT"
+B=build-sm90
+declare -A row
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+
+cmake -S . -B $B -G Ninja -DDMATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DDMATTN_DEPS="$PWD/.deps" \
+  >"$OUT/configure.log" 2>&1 && cmake --build $B -j16 >"$OUT/build.log" 2>&1
+row[build]=$([ $? -eq 0 ] && echo ok || echo FAILED)
+
+ctest --test-dir $B --output-on-failure -j8 >"$OUT/ctest.log" 2>&1
+row[ctest_all]=$(grep -E "tests passed" "$OUT/ctest.log" || echo FAILED)
+ctest --test-dir $B -L gpu --output-on-failure >"$OUT/ctest_gpu.log" 2>&1
+row[ctest_gpu]=$(grep -E "tests passed" "$OUT/ctest_gpu.log" || echo FAILED)
+grep -q "Skipped" "$OUT/ctest_gpu.log" && row[ctest_gpu]="${row[ctest_gpu]} (SOME SKIPPED)"
+
+for tool in memcheck racecheck; do
+  compute-sanitizer --tool $tool --error-exitcode 9 $B/tests/dmattn_gpu_tests >"$OUT/sanitizer_$tool.log" 2>&1
+  rc=$?
+  row[sanitizer_$tool]=$([ $rc -eq 0 ] && grep -m1 "ERROR SUMMARY" "$OUT/sanitizer_$tool.log" || echo "rc=$rc, see log")
+done
+
+$B/dmattn demo --n 4096 >"$OUT/demo.txt" 2>&1
+row[demo_cpu]=$(grep -m1 "DMA diag=1 sinks=0" "$OUT/demo.txt" || echo FAILED)
+
+echo
+echo "== dmattn device summary ($(cat "$OUT/gpu.txt")) =="
+for k in build ctest_all ctest_gpu sanitizer_memcheck sanitizer_racecheck demo_cpu; do
+  printf "%-20s %s\n" "$k" "${row[$k]}"
+done
