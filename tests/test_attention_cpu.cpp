@@ -285,6 +285,14 @@ TEST(AttentionCpu, RejectsBadInput) {
   o = {};
   o.softmax_scale = 0.0f;
   EXPECT_THROW(attention(x.q.view(), x.k.view(), x.v.view(), out.view(), nullptr, o), Error);
+  // Finite but huge inputs overflow the fp32 scores: an error, not NaN output.
+  std::vector<float> big = x.k.to_floats();
+  for (float& f : big) f = 3e30f;
+  const HostTensor kbig = HostTensor::from_floats(big, x.k.shape());
+  std::vector<float> qb = x.q.to_floats();
+  for (float& f : qb) f = 3e30f;
+  const HostTensor qbig = HostTensor::from_floats(qb, x.q.shape());
+  EXPECT_THROW(attention(qbig.view(), kbig.view(), x.v.view(), out.view(), nullptr, {}), Error);
 #if !defined(DMATTN_HAVE_CUDA)
   o = {};
   o.backend = Backend::cuda;

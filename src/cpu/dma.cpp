@@ -9,6 +9,7 @@
 
 #include "cpu/parallel.hpp"
 #include "cpu/problem.hpp"
+#include "dmattn/error.hpp"
 #include "dmattn/numeric.hpp"
 #include "dmattn/quantize.hpp"
 
@@ -214,6 +215,10 @@ void dma_attention(const Problem& p) {
         for (int64_t ri = 0; ri < rows; ++ri) {
           float* a = acc.data() + ri * d;
           const float li = l[size_t(ri)];
+          // Finite inputs can still overflow fp32 scores (|q.k| > 3.4e38): say so, never emit NaN.
+          if (p.key_end(r0 + ri) > 0 && !(std::isfinite(m[size_t(ri)]) && std::isfinite(li)))
+            throw Error("attention scores overflow fp32 at head " + std::to_string(h) + ", row " +
+                        std::to_string(r0 + ri) + ": inputs too large for the fp32 score accumulator");
           for (int i = 0; i < d; ++i) a[i] = li > 0.0f ? a[i] / li : 0.0f;
           store_row(p.out, b, h, r0 + ri, a);
           if (float* lse = p.lse_at(b, h, r0 + ri)) *lse = li > 0.0f ? m[size_t(ri)] + std::log(li) : kNegInf;
