@@ -26,11 +26,15 @@ for tool in memcheck racecheck; do
   row[sanitizer_$tool]=$([ $rc -eq 0 ] && grep -m1 "SUMMARY" "$OUT/sanitizer_$tool.log" || echo "rc=$rc, see log")
 done
 
+$B/bench/bench_quantize_cuda >"$OUT/bench_quantize.txt" 2>&1
+row[quantize_bw]=$(grep "mxfp8-e4m3 + mxfp4" "$OUT/bench_quantize.txt" || echo FAILED)
+row[copy_bw]=$(grep "device copy" "$OUT/bench_quantize.txt" || echo FAILED)
+
 $B/dmattn demo --n 4096 >"$OUT/demo.txt" 2>&1
 row[demo_cpu]=$(grep -m1 "DMA diag=1 sinks=0" "$OUT/demo.txt" || echo FAILED)
 
 echo
 echo "== dmattn device summary ($(cat "$OUT/gpu.txt")) =="
-for k in build ctest_all ctest_gpu sanitizer_memcheck sanitizer_racecheck demo_cpu; do
+for k in build ctest_all ctest_gpu sanitizer_memcheck sanitizer_racecheck copy_bw quantize_bw demo_cpu; do
   printf "%-20s %s\n" "$k" "${row[$k]}"
 done

@@ -1,0 +1,68 @@
+// GPU quantize pass (one read of a bf16 [B,H,N,d] tensor, MXFP8 E4M3 + MXFP4 written) against a
+// device-to-device copy of the same tensor, both timed with CUDA events in the same run.
+// Bandwidth counts bytes read + bytes written.
+#include <cuda_runtime.h>
+
+#include <cstdio>
+#include <vector>
+
+#include "cuda/quantize.hpp"
+
+using namespace dmattn;
+
+#define CK(x)                                                              \
+  do {                                                                     \
+    cudaError_t e_ = (x);                                                  \
+    if (e_ != cudaSuccess) {                                               \
+      std::fprintf(stderr, "%s: %s\n", #x, cudaGetErrorString(e_));        \
+      return 1;                                                            \
+    }                                                                      \
+  } while (0)
+
+template <class F>
+float time_ms(F f, int iters) {
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  f();  // warm-up
+  cudaEventRecord(a);
+  for (int i = 0; i < iters; ++i) f();
+  cudaEventRecord(b);
+  cudaEventSynchronize(b);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, a, b);
+  return ms / iters;
+}
+
+int main() {
+  const int64_t B = 1, H = 8, N = 65536, d = 128, elems = B * H * N * d;
+  void *x, *copy;
+  uint8_t *c8, *s8, *c4, *s4;
+  CK(cudaMalloc(&x, elems * 2));
+  CK(cudaMalloc(&copy, elems * 2));
+  CK(cudaMalloc(&c8, elems));
+  CK(cudaMalloc(&c4, elems / 2));
+  CK(cudaMalloc(&s8, elems / 32));
+  CK(cudaMalloc(&s4, elems / 32));
+  std::vector<uint16_t> h(static_cast<size_t>(elems));
+  for (int64_t i = 0; i < elems; ++i) h[size_t(i)] = uint16_t(0x3F80 + (i * 2654435761u % 997) - 498);  // ~[0.5, 2)
+  CK(cudaMemcpy(x, h.data(), elems * 2, cudaMemcpyHostToDevice));
+  const TensorView v = TensorView::contiguous(x, DType::bf16, {B, H, N, d}, Device::cuda);
+  const int iters = 50;
+  const float copy_ms = time_ms([&] { cudaMemcpyAsync(copy, x, elems * 2, cudaMemcpyDeviceToDevice); }, iters);
+  const float q2_ms = time_ms(
+      [&] { cuda::quantize_rows(v, ScaleRule::ocp, {Format::mxfp8_e4m3, c8, s8}, {Format::mxfp4, c4, s4}, nullptr); },
+      iters);
+  const float q1_ms = time_ms([&] { cuda::quantize_rows(v, ScaleRule::ocp, {Format::mxfp4, c4, s4}, {}, nullptr); }, iters);
+  CK(cudaDeviceSynchronize());
+  const double copy_gbs = 2.0 * elems * 2 / (copy_ms * 1e6);
+  const double q2_bytes = elems * 2 + elems + elems / 2 + 2 * elems / 32, q1_bytes = elems * 2 + elems / 2 + elems / 32;
+  const double q2_gbs = q2_bytes / (q2_ms * 1e6), q1_gbs = q1_bytes / (q1_ms * 1e6);
+  std::printf("quantize bench: bf16 [%lld,%lld,%lld,%lld] (%.0f MiB)\n", (long long)B, (long long)H, (long long)N,
+              (long long)d, elems * 2 / 1048576.0);
+  std::printf("%-34s %9s %9s %8s\n", "kernel", "ms", "GB/s", "of copy");
+  std::printf("%-34s %9.4f %9.1f %7.1f%%\n", "device copy (baseline)", copy_ms, copy_gbs, 100.0);
+  std::printf("%-34s %9.4f %9.1f %7.1f%%\n", "quantize mxfp8-e4m3 + mxfp4", q2_ms, q2_gbs, 100 * q2_gbs / copy_gbs);
+  std::printf("%-34s %9.4f %9.1f %7.1f%%\n", "quantize mxfp4", q1_ms, q1_gbs, 100 * q1_gbs / copy_gbs);
+  return 0;
+}

@@ -1,0 +1,88 @@
+// GPU quantize kernel vs the CPU codec, bit for bit, on strided fp32/fp16/bf16 inputs, outputs
+// poisoned before each launch. Skips (visibly) where no CUDA device is present.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "cuda/quantize.hpp"
+#include "dmattn/error.hpp"
+#include "dmattn/quantize.hpp"
+#include "dmattn/synthetic.hpp"
+
+using namespace dmattn;
+
+namespace {
+bool have_device() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
+}
+#define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x
+}  // namespace
+
+TEST(GpuQuantize, MatchesCpuCodecBitForBit) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device available";
+  const int64_t B = 2, H = 3, N = 77, d = 128, dpad = 160;  // rows padded: a strided view
+  const std::pair<Format, Format> pairs[] = {{Format::mxfp8_e4m3, Format::mxfp4},
+                                             {Format::mxfp8_e5m2, Format::mxfp6_e3m2},
+                                             {Format::mxfp6_e2m3, Format::mxfp6_e2m3}};
+  Rng rng(1234);
+  for (DType dt : {DType::f32, DType::f16, DType::bf16}) {
+    // Host data in the padded layout, with a spread of magnitudes per row.
+    std::vector<float> vals(size_t(B * H * N * dpad));
+    for (size_t i = 0; i < vals.size(); ++i) vals[i] = float(rng.normal() * std::ldexp(1.0, int(i / dpad % 23) - 11));
+    HostTensor host = HostTensor::from_floats(vals, {B, H, N, dpad}, dt);
+    const std::vector<float> rounded = host.to_floats();  // values as the dtype holds them
+    std::vector<float> rows(size_t(B * H * N * d));
+    for (int64_t r = 0; r < B * H * N; ++r)
+      for (int64_t i = 0; i < d; ++i) rows[size_t(r * d + i)] = rounded[size_t(r * dpad + i)];
+    void* dx;
+    CUDA_OK(cudaMalloc(&dx, host.nbytes()));
+    CUDA_OK(cudaMemcpy(dx, host.bytes(), host.nbytes(), cudaMemcpyHostToDevice));
+    TensorView view = TensorView::contiguous(dx, dt, {B, H, N, dpad}, Device::cuda);
+    view.shape[3] = d;
+    for (auto [f0, f1] : pairs)
+      for (ScaleRule rule : {ScaleRule::ocp, ScaleRule::ceil}) {
+        const Quantized want0 = quantize(rows.data(), B * H * N, d, f0, rule);
+        const Quantized want1 = quantize(rows.data(), B * H * N, d, f1, rule);
+        uint8_t *c0, *s0, *c1, *s1;
+        CUDA_OK(cudaMalloc(&c0, want0.codes.size()));
+        CUDA_OK(cudaMalloc(&s0, want0.scales.size()));
+        CUDA_OK(cudaMalloc(&c1, want1.codes.size()));
+        CUDA_OK(cudaMalloc(&s1, want1.scales.size()));
+        CUDA_OK(cudaMemset(c0, 0xA5, want0.codes.size()));  // poison
+        CUDA_OK(cudaMemset(s0, 0xA5, want0.scales.size()));
+        CUDA_OK(cudaMemset(c1, 0xA5, want1.codes.size()));
+        CUDA_OK(cudaMemset(s1, 0xA5, want1.scales.size()));
+        cuda::quantize_rows(view, rule, {f0, c0, s0}, {f1, c1, s1}, nullptr);
+        CUDA_OK(cudaDeviceSynchronize());
+        std::vector<uint8_t> g0(want0.codes.size()), gs0(want0.scales.size()), g1(want1.codes.size()),
+            gs1(want1.scales.size());
+        CUDA_OK(cudaMemcpy(g0.data(), c0, g0.size(), cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(gs0.data(), s0, gs0.size(), cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(g1.data(), c1, g1.size(), cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(gs1.data(), s1, gs1.size(), cudaMemcpyDeviceToHost));
+        EXPECT_EQ(g0, want0.codes) << format_name(f0) << " " << dtype_name(dt);
+        EXPECT_EQ(gs0, want0.scales) << format_name(f0) << " " << dtype_name(dt);
+        EXPECT_EQ(g1, want1.codes) << format_name(f1) << " " << dtype_name(dt);
+        EXPECT_EQ(gs1, want1.scales) << format_name(f1) << " " << dtype_name(dt);
+        cudaFree(c0);
+        cudaFree(s0);
+        cudaFree(c1);
+        cudaFree(s1);
+      }
+    cudaFree(dx);
+  }
+}
+
+TEST(GpuQuantize, RejectsWhatItCannotDo) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device available";
+  uint8_t* buf;
+  CUDA_OK(cudaMalloc(&buf, 1 << 16));
+  TensorView v = TensorView::contiguous(buf, DType::bf16, {1, 1, 4, 64}, Device::cuda);
+  EXPECT_THROW(cuda::quantize_rows(v, ScaleRule::ocp, {Format::nvfp4, buf, buf}, {}, nullptr), Error);
+  EXPECT_THROW(cuda::quantize_rows(v, ScaleRule::ocp, {Format::bf16, buf, buf}, {}, nullptr), Error);
+  v.device = Device::cpu;
+  EXPECT_THROW(cuda::quantize_rows(v, ScaleRule::ocp, {Format::mxfp4, buf, buf}, {}, nullptr), Error);
+  cudaFree(buf);
+}
