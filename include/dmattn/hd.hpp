@@ -13,6 +13,13 @@
 #include <cmath>
 #endif
 
+// Full unrolling on the device keeps small per-block arrays in registers, not local memory.
+#if defined(__CUDA_ARCH__)
+#define DMATTN_UNROLL _Pragma("unroll")
+#else
+#define DMATTN_UNROLL
+#endif
+
 namespace dmattn::hd {
 
 // Reinterprets the bits of a trivially copyable value (memcpy lowers to a register move, on the

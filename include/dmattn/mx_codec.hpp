@@ -60,8 +60,7 @@ DMATTN_HD float decode_elem(Elem e, uint8_t code) {
 
 // Nearest element code to x, ties to even, saturating to +-max (infinities too). NaN encodes to
 // the format's NaN where it has one and to +0 otherwise (MX carries NaN in the scale instead).
-DMATTN_HD uint8_t encode_elem(Elem e, float x) {
-  const ElemSpec s = elem_spec(e);
+DMATTN_HD uint8_t encode_elem(const ElemSpec& s, float x) {
   const int nb = s.ebits + s.mbits;
   if (hd::is_nan(x)) return s.has_nan ? uint8_t((1 << (nb + 1)) - 1) : uint8_t(0);
   const uint8_t sign = (hd::bits_of(x) >> 31) ? uint8_t(1 << nb) : uint8_t(0);
@@ -82,6 +81,8 @@ DMATTN_HD uint8_t encode_elem(Elem e, float x) {
   const int mf = q >= one ? q - one : q;
   return uint8_t(sign | (ef << s.mbits) | mf);
 }
+
+DMATTN_HD uint8_t encode_elem(Elem e, float x) { return encode_elem(elem_spec(e), x); }
 
 // ---- E8M0 shared scales -----------------------------------------------------------------------
 inline constexpr uint8_t kE8M0NaN = 0xFF;
@@ -109,6 +110,7 @@ DMATTN_HD uint8_t choose_e8m0(float amax, Elem e, ScaleRule rule) {
 DMATTN_HD uint8_t quantize_mx_block(const float* v, int n, Elem e, ScaleRule rule, uint8_t* codes) {
   float amax = 0.0f;
   bool bad = false;
+  DMATTN_UNROLL
   for (int i = 0; i < n; ++i) {
     bad |= !hd::is_finite(v[i]);
     const float a = hd::abs_f(v[i]);
@@ -116,7 +118,9 @@ DMATTN_HD uint8_t quantize_mx_block(const float* v, int n, Elem e, ScaleRule rul
   }
   const uint8_t sc = bad ? kE8M0NaN : choose_e8m0(amax, e, rule);
   const int x = int(sc) - 127;
-  for (int i = 0; i < n; ++i) codes[i] = sc == kE8M0NaN ? uint8_t(0) : encode_elem(e, hd::ldexp2(v[i], -x));
+  const ElemSpec spec = elem_spec(e);  // once per block, not per element
+  DMATTN_UNROLL
+  for (int i = 0; i < n; ++i) codes[i] = sc == kE8M0NaN ? uint8_t(0) : encode_elem(spec, hd::ldexp2(v[i], -x));
   return sc;
 }
 

@@ -54,7 +54,9 @@ __global__ void quantize_rows_kernel(const T* __restrict__ x, Geometry g, int64_
   for (int i = 0; i < kBlock; ++i) v[i] = load_as_float(src, i);
   alignas(16) uint8_t codes[kBlock];
   const int64_t d = g.nblk * kBlock;
-  for (int t = 0; t < targets; ++t) {
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    if (t >= targets) break;
     const QuantTarget& q = t == 0 ? t0 : t1;
     const Elem e = t == 0 ? e0 : e1;
     const uint8_t sc = quantize_mx_block(v, kBlock, e, rule, codes);
