@@ -5,7 +5,7 @@
 #include <string>
 #include <vector>
 
-#include "cpu/problem.hpp"
+#include "problem.hpp"
 #include "dmattn/error.hpp"
 
 namespace dmattn {
@@ -34,7 +34,7 @@ void check_view(const TensorView& t, const char* name) {
     if (t.shape[i] < 1) throw Error(std::string(name) + " has an empty dimension: shape " + shape_str(t.shape));
 }
 
-cpu::Problem validate(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+Problem validate(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                       float* lse, const AttentionOptions& o) {
   check_view(q, "Q");
   check_view(k, "K");
@@ -57,7 +57,7 @@ cpu::Problem validate(const TensorView& q, const TensorView& k, const TensorView
   const float scale = o.softmax_scale.value_or(1.0f / std::sqrt(float(q.shape[3])));
   if (!std::isfinite(scale) || scale <= 0.0f) throw Error("softmax scale must be finite and > 0");
 
-  cpu::Problem p;
+  Problem p;
   p.q = q;
   p.k = k;
   p.v = v;
@@ -80,14 +80,23 @@ cpu::Problem validate(const TensorView& q, const TensorView& k, const TensorView
 
 void attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out, float* lse,
                const AttentionOptions& opts) {
-  const cpu::Problem p = validate(q, k, v, out, lse, opts);
-  const bool on_gpu = q.device == Device::cuda;
+  const Problem p = validate(q, k, v, out, lse, opts);
   if (k.device != q.device || v.device != q.device || out.device != q.device)
     throw Error("Q, K, V and out must live on the same device");
+  const bool on_gpu = q.device == Device::cuda;
   Backend backend = opts.backend;
   if (backend == Backend::automatic) backend = on_gpu ? Backend::cuda : Backend::cpu;
-  if (backend == Backend::cuda || on_gpu)
-    throw Error("the CUDA backend is not available in this build yet; use --backend cpu with host tensors");
+  if (backend == Backend::cpu && on_gpu) throw Error("--backend cpu needs host tensors (these are on the GPU)");
+  if (backend == Backend::cuda) {
+#if defined(DMATTN_HAVE_CUDA)
+    if (!on_gpu) throw Error("the CUDA backend needs tensors on the GPU (attention_on_device stages host tensors)");
+    if (opts.exact) throw Error("the exact fp64 reference runs on the CPU only");
+    cuda::dma_attention(p);
+    return;
+#else
+    throw Error("this build has no CUDA backend (configure with -DDMATTN_CUDA=ON on a machine with nvcc)");
+#endif
+  }
   check_finite(q, "Q");
   check_finite(k, "K");
   check_finite(v, "V");
@@ -96,5 +105,12 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v, co
   else
     cpu::dma_attention(p);
 }
+
+#if !defined(DMATTN_HAVE_CUDA)
+double attention_on_device(const TensorView&, const TensorView&, const TensorView&, const TensorView&, float*,
+                           const AttentionOptions&) {
+  throw Error("this build has no CUDA backend (configure with -DDMATTN_CUDA=ON on a machine with nvcc)");
+}
+#endif
 
 }  // namespace dmattn

@@ -40,8 +40,16 @@ struct AttentionOptions {
 };
 
 // Throws dmattn::Error on invalid input (shapes, head dim, NaN/Inf, unavailable backend).
+// The CUDA backend (tensors on the GPU; out and lse there too) runs on the default stream and
+// returns when the result is ready.
 void attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                float* lse, const AttentionOptions& opts);
+
+// Copies contiguous host tensors to the current CUDA device, runs attention() there (the CUDA
+// backend), and copies out and lse back. Returns the device time of the attention call alone, in
+// ms (CUDA events; the copies are outside it). Throws dmattn::Error in a build without CUDA.
+double attention_on_device(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                           float* lse, const AttentionOptions& opts);
 
 // Head dims the library accepts: multiples of 32 from 32 to 256.
 bool head_dim_supported(int64_t d);

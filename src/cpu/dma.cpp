@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "cpu/parallel.hpp"
-#include "cpu/problem.hpp"
+#include "problem.hpp"
 #include "dmattn/error.hpp"
 #include "dmattn/numeric.hpp"
 #include "dmattn/quantize.hpp"

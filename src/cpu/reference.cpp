@@ -4,7 +4,7 @@
 #include <vector>
 
 #include "cpu/parallel.hpp"
-#include "cpu/problem.hpp"
+#include "problem.hpp"
 
 namespace dmattn::cpu {
 

@@ -60,7 +60,12 @@ __global__ void quantize_rows_kernel(const T* __restrict__ x, Geometry g, int64_
     const QuantTarget& q = t == 0 ? t0 : t1;
     const Elem e = t == 0 ? e0 : e1;
     const uint8_t sc = quantize_mx_block(v, kBlock, e, rule, codes);
-    const bool packed = e == Elem::e2m1;
+    if (q.fp8_bytes) {
+      const Elem to = e == Elem::e5m2 ? Elem::e5m2 : Elem::e4m3;
+#pragma unroll
+      for (int i = 0; i < kBlock; ++i) codes[i] = encode_elem(to, decode_elem(e, codes[i]));
+    }
+    const bool packed = e == Elem::e2m1 && !q.fp8_bytes;
     store_codes(codes, packed, q.codes + (packed ? row * d / 2 + c * kBlock / 2 : row * d + c * kBlock));
     q.scales[blk] = sc;
   }

@@ -1,10 +1,10 @@
-// A validated attention problem, as the CPU backends see it.
+// A validated attention problem, as every backend sees it.
 #pragma once
 #include <algorithm>
 
 #include "dmattn/attention.hpp"
 
-namespace dmattn::cpu {
+namespace dmattn {
 
 struct Problem {
   TensorView q, k, v, out;
@@ -27,7 +27,13 @@ struct Problem {
   float* lse_at(int64_t b, int64_t h, int64_t r) const { return lse ? lse + (b * Hq + h) * Nq + r : nullptr; }
 };
 
+namespace cpu {
 void exact_attention(const Problem& p);  // fp64 reference
 void dma_attention(const Problem& p);    // DMA, DESIGN §3
+}  // namespace cpu
 
-}  // namespace dmattn::cpu
+namespace cuda {
+void dma_attention(const Problem& p);  // all tensors on the current CUDA device; default stream
+}  // namespace cuda
+
+}  // namespace dmattn

@@ -1,0 +1,188 @@
+// The CUDA backend: input checks on the device, the quantize pre-pass (Q and K in both formats,
+// V to bf16), the prefill kernel; and staging of host tensors for callers that hold them there.
+#include <cuda_runtime.h>
+
+#include <string>
+#include <vector>
+
+#include "cuda/prefill.cuh"
+#include "cuda/quantize.hpp"
+#include "dmattn/error.hpp"
+#include "dmattn/numeric.hpp"
+#include "problem.hpp"
+
+namespace dmattn {
+namespace cuda {
+namespace {
+
+void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw Error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// Device buffers freed on scope exit (also when an error unwinds).
+struct Buffers {
+  std::vector<void*> ptrs;
+  template <class T>
+  T* alloc(size_t bytes) {
+    void* p = nullptr;
+    check(cudaMalloc(&p, bytes ? bytes : 1), "cudaMalloc");
+    ptrs.push_back(p);
+    return static_cast<T*>(p);
+  }
+  ~Buffers() {
+    for (void* p : ptrs) cudaFree(p);
+  }
+};
+
+template <class T>
+__device__ float as_float(const T* p, int64_t i);
+template <>
+__device__ float as_float(const float* p, int64_t i) { return p[i]; }
+template <>
+__device__ float as_float(const fp16* p, int64_t i) { return to_float(p[i]); }
+template <>
+__device__ float as_float(const bf16* p, int64_t i) { return to_float(p[i]); }
+
+// Visits every element of a [B,H,N,d] view: flags non-finite values, optionally writes bf16 copy.
+template <class T>
+__global__ void scan_kernel(const T* x, Shape shape, Shape stride, int* nonfinite, uint16_t* bf16_out) {
+  const int64_t total = shape[0] * shape[1] * shape[2] * shape[3];
+  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
+    int64_t r = i;
+    const int64_t e = r % shape[3];
+    r /= shape[3];
+    const int64_t n = r % shape[2];
+    r /= shape[2];
+    const int64_t h = r % shape[1], b = r / shape[1];
+    const float v = as_float(x, b * stride[0] + h * stride[1] + n * stride[2] + e * stride[3]);
+    if (!hd::is_finite(v)) atomicOr(nonfinite, 1);
+    if (bf16_out) bf16_out[i] = to_bf16(v).bits;
+  }
+}
+
+// Returns whether the view holds a non-finite value; writes a contiguous bf16 copy when asked.
+bool scan(const TensorView& t, uint16_t* bf16_out, int* flag) {
+  check(cudaMemset(flag, 0, sizeof(int)), "cudaMemset");
+  const unsigned blocks = 1024;
+  switch (t.dtype) {
+    case DType::f32: scan_kernel<<<blocks, 256>>>(static_cast<const float*>(t.data), t.shape, t.stride, flag, bf16_out); break;
+    case DType::f16: scan_kernel<<<blocks, 256>>>(static_cast<const fp16*>(t.data), t.shape, t.stride, flag, bf16_out); break;
+    case DType::bf16: scan_kernel<<<blocks, 256>>>(static_cast<const bf16*>(t.data), t.shape, t.stride, flag, bf16_out); break;
+  }
+  check(cudaGetLastError(), "scan kernel");
+  int h = 0;
+  check(cudaMemcpy(&h, flag, sizeof(int), cudaMemcpyDeviceToHost), "cudaMemcpy");
+  return h != 0;
+}
+
+void require_supported(const Problem& p) {
+  for (Format f : {p.policy.high, p.policy.low}) {
+    const FormatInfo fi = format_info(f);
+    if (!fi.has_codes || fi.block != 32)
+      throw Error("the CUDA backend computes MX 32-block formats (mxfp8-e4m3, mxfp8-e5m2, mxfp6-*, mxfp4); " +
+                  std::string(fi.name) + " tiles run on --backend cpu for now");
+  }
+  if (p.policy.pv != PV::bf16) throw Error("the CUDA backend supports pv=bf16 for now; pv=mxfp8 runs on --backend cpu");
+  if (p.d != 64 && p.d != 128) throw Error("the CUDA backend supports head dims 64 and 128 (got " + std::to_string(p.d) + ")");
+  for (const TensorView* t : {&p.q, &p.k, &p.v, &p.out})
+    if (t->stride[3] != 1) throw Error("the CUDA backend needs unit stride on the head dimension");
+  if (p.Nq > INT32_MAX || p.Nk > INT32_MAX || p.Hq > 65535 || p.B > 65535) throw Error("problem too large for the CUDA grid");
+}
+
+}  // namespace
+
+void dma_attention(const Problem& p) {
+  require_supported(p);
+  Buffers buf;
+  int* flag = buf.alloc<int>(sizeof(int));
+  const int64_t d = p.d, nb = d / 32;
+  const int64_t kv_elems = p.B * p.Hkv * p.Nk * d;
+  uint16_t* vb = buf.alloc<uint16_t>(size_t(kv_elems) * 2);
+  if (scan(p.q, nullptr, flag)) throw Error("Q holds a non-finite value");
+  if (scan(p.k, nullptr, flag)) throw Error("K holds a non-finite value");
+  if (scan(p.v, vb, flag)) throw Error("V holds a non-finite value");
+
+  const int nslots = p.policy.high == p.policy.low ? 1 : 2;
+  const Format fmt[2] = {p.policy.high, p.policy.low};
+  PrefillParams pp{};
+  const int64_t q_rows = p.B * p.Hq * p.Nq, k_rows = p.B * p.Hkv * p.Nk;
+  QuantTarget qt[2], kt[2];
+  for (int s = 0; s < nslots; ++s) {
+    uint8_t* q8 = buf.alloc<uint8_t>(size_t(q_rows * d));
+    uint8_t* qs = buf.alloc<uint8_t>(size_t(q_rows * nb));
+    uint8_t* k8 = buf.alloc<uint8_t>(size_t(k_rows * d));
+    uint8_t* ks = buf.alloc<uint8_t>(size_t(k_rows * nb));
+    qt[s] = {fmt[s], q8, qs, true};
+    kt[s] = {fmt[s], k8, ks, true};
+    pp.q8[s] = q8;
+    pp.qs[s] = qs;
+    pp.k8[s] = k8;
+    pp.ks[s] = ks;
+    pp.e5m2[s] = mma_elem(fmt[s]) == Elem::e5m2;
+  }
+  quantize_rows(p.q, p.policy.scale_rule, qt[0], nslots == 2 ? qt[1] : QuantTarget{}, nullptr);
+  quantize_rows(p.k, p.policy.scale_rule, kt[0], nslots == 2 ? kt[1] : QuantTarget{}, nullptr);
+
+  pp.v = vb;
+  pp.out = p.out.data;
+  pp.out_sb = p.out.stride[0];
+  pp.out_sh = p.out.stride[1];
+  pp.out_sn = p.out.stride[2];
+  pp.lse = p.lse;
+  pp.Hq = int(p.Hq);
+  pp.Hkv = int(p.Hkv);
+  pp.Nq = int(p.Nq);
+  pp.Nk = int(p.Nk);
+  pp.scale = p.scale;
+  pp.causal = p.causal;
+  pp.policy = p.policy;
+  auto floor_div = [](int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); };
+  pp.first_block = floor_div(p.Nk - p.Nq, kPrefillRows);
+  const int64_t blocks = floor_div(p.Nk - 1, kPrefillRows) - pp.first_block + 1;
+  launch_prefill(pp, int(d), p.out.dtype, blocks, int(p.B), nullptr);
+  check(cudaDeviceSynchronize(), "DMA prefill");
+}
+
+}  // namespace cuda
+
+double attention_on_device(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                           float* lse, const AttentionOptions& opts) {
+  int devices = 0;
+  const cudaError_t err = cudaGetDeviceCount(&devices);
+  if (err != cudaSuccess || devices == 0)
+    throw Error(std::string("no CUDA device available (") + (err != cudaSuccess ? cudaGetErrorString(err) : "none found") + ")");
+  cuda::Buffers buf;
+  auto stage = [&](const TensorView& t) {
+    if (t.device != Device::cpu) throw Error("attention_on_device takes host tensors");
+    const size_t bytes = size_t(t.numel()) * dtype_size(t.dtype);
+    void* d = buf.alloc<void>(bytes);
+    // Host tensors reach here contiguous (HostTensor views); a strided host view is an error.
+    if (t.stride != TensorView::contiguous(nullptr, t.dtype, t.shape).stride)
+      throw Error("attention_on_device needs contiguous host tensors");
+    cuda::check(cudaMemcpy(d, t.data, bytes, cudaMemcpyHostToDevice), "copy to device");
+    return TensorView::contiguous(d, t.dtype, t.shape, Device::cuda);
+  };
+  const TensorView dq = stage(q), dk = stage(k), dv = stage(v), dout = stage(out);
+  float* dlse = lse ? buf.alloc<float>(size_t(q.shape[0] * q.shape[1] * q.shape[2]) * sizeof(float)) : nullptr;
+  AttentionOptions o = opts;
+  o.backend = Backend::cuda;
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  cudaEventRecord(a);
+  attention(dq, dk, dv, dout, dlse, o);
+  cudaEventRecord(b);
+  cudaEventSynchronize(b);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, a, b);
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  cuda::check(cudaMemcpy(out.data, dout.data, size_t(out.numel()) * dtype_size(out.dtype), cudaMemcpyDeviceToHost),
+              "copy from device");
+  if (lse)
+    cuda::check(cudaMemcpy(lse, dlse, size_t(q.shape[0] * q.shape[1] * q.shape[2]) * sizeof(float), cudaMemcpyDeviceToHost),
+                "copy from device");
+  return ms;
+}
+
+}  // namespace dmattn

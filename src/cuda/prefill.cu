@@ -1,0 +1,241 @@
+// DMA prefill on tensor cores (mma.sync; a first, correct kernel — the wgmma/TMA kernel replaces
+// it). One CTA = 64 query positions aligned in absolute positions (so all its rows share one query
+// tile and one format per key tile) x all key tiles, ascending. Per key tile: K (in the tile's
+// format) and V to shared memory; S by one FP8 MMA per 32-wide MX block into a fresh accumulator,
+// promoted with the block scales on the CUDA cores (DESIGN §5, exact MX scaling); online softmax
+// in fp32; P rounded to bf16 times bf16 V.
+#include <cmath>
+
+#include "cuda/mma.cuh"
+#include "cuda/prefill.cuh"
+#include "dmattn/error.hpp"
+#include "dmattn/mx_codec.hpp"
+#include "dmattn/numeric.hpp"
+
+namespace dmattn::cuda {
+namespace {
+
+constexpr int BM = kPrefillRows, BN = kTile;  // 4 warps x 16 rows
+
+template <int D>
+struct Smem {
+  static constexpr int kNb = D / 32;
+  static constexpr int kKStride = D + 16;  // bytes per K row; the pad spreads rows over banks
+  static constexpr int kVStride = D + 8;   // bf16 per V row
+  static constexpr int kK = BN * kKStride, kKs = (BN * kNb + 15) / 16 * 16, kV = BN * kVStride * 2;
+  static constexpr int kBytes = kK + kKs + kV;
+};
+
+__device__ __forceinline__ int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
+template <class T>
+__device__ __forceinline__ T from_float(float x);
+template <>
+__device__ __forceinline__ float from_float(float x) { return x; }
+template <>
+__device__ __forceinline__ fp16 from_float(float x) { return to_fp16(x); }
+template <>
+__device__ __forceinline__ bf16 from_float(float x) { return to_bf16(x); }
+
+template <int D, class TOut>
+__global__ void __launch_bounds__(BM * 2) prefill_kernel(const PrefillParams p) {
+  using S = Smem<D>;
+  constexpr int NB = S::kNb;
+  extern __shared__ __align__(16) uint8_t smem[];
+  uint8_t* sK = smem;
+  uint8_t* sKs = smem + S::kK;
+  uint16_t* sV = reinterpret_cast<uint16_t*>(smem + S::kK + S::kKs);
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int h = blockIdx.y, b = blockIdx.z, hk = h / (p.Hq / p.Hkv);
+  const int64_t off = int64_t(p.Nk) - p.Nq;
+  const int64_t pos0 = (p.first_block + blockIdx.x) * BM;
+  const int64_t qtile = floor_div(pos0, kTile);
+  const int64_t pos[2] = {pos0 + warp * 16 + g, pos0 + warp * 16 + g + 8};
+  const int64_t row[2] = {pos[0] - off, pos[1] - off};
+  const bool valid[2] = {row[0] >= 0 && row[0] < p.Nq, row[1] >= 0 && row[1] < p.Nq};
+  const int nslots = p.q8[1] ? 2 : 1;
+
+  // Q fragments and block scales of this thread's two rows, for each slot.
+  uint32_t qa[2][NB][4];
+  float qsc[2][NB][2];
+#pragma unroll
+  for (int s = 0; s < 2; ++s) {
+#pragma unroll
+    for (int c = 0; c < NB; ++c) {
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        const bool ok = s < nslots && valid[r];
+        const int64_t base = ((int64_t(b) * p.Hq + h) * p.Nq + row[r]);
+        const uint8_t* q = ok ? p.q8[s] + base * D + c * 32 + t * 4 : nullptr;
+        qa[s][c][r] = ok ? *reinterpret_cast<const uint32_t*>(q) : 0u;
+        qa[s][c][r + 2] = ok ? *reinterpret_cast<const uint32_t*>(q + 16) : 0u;
+        qsc[s][c][r] = ok ? decode_e8m0(p.qs[s][base * NB + c]) : 0.0f;
+      }
+    }
+  }
+
+  float o[D / 8][4];
+#pragma unroll
+  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+
+  const int64_t kend = p.causal ? min(int64_t(p.Nk), max(int64_t(0), pos0 + BM)) : int64_t(p.Nk);
+  const int64_t tiles = (kend + BN - 1) / BN;
+  const int64_t kv_base = (int64_t(b) * p.Hkv + hk) * p.Nk;
+
+  for (int64_t j = 0; j < tiles; ++j) {
+    const int slot = (nslots == 2 && !p.policy.is_high(qtile, j)) ? 1 : 0;
+    const bool e5m2 = slot ? p.e5m2[1] : p.e5m2[0];
+    __syncthreads();  // the previous tile's readers are done
+    // K (this tile's format) and V to shared memory, zero past Nk.
+    for (int i = threadIdx.x; i < BN * D / 16; i += blockDim.x) {
+      const int key = i / (D / 16), chunk = i % (D / 16);
+      const int64_t gk = j * BN + key;
+      uint4 kv = make_uint4(0, 0, 0, 0);
+      if (gk < p.Nk) kv = *reinterpret_cast<const uint4*>((slot ? p.k8[1] : p.k8[0]) + (kv_base + gk) * D + chunk * 16);
+      *reinterpret_cast<uint4*>(sK + key * S::kKStride + chunk * 16) = kv;
+    }
+    for (int i = threadIdx.x; i < BN * NB; i += blockDim.x) {
+      const int64_t gk = j * BN + i / NB;
+      sKs[i] = gk < p.Nk ? (slot ? p.ks[1] : p.ks[0])[(kv_base + gk) * NB + i % NB] : uint8_t(0);
+    }
+    for (int i = threadIdx.x; i < BN * D / 8; i += blockDim.x) {
+      const int key = i / (D / 8), chunk = i % (D / 8);
+      const int64_t gk = j * BN + key;
+      uint4 vv = make_uint4(0, 0, 0, 0);
+      if (gk < p.Nk) vv = *reinterpret_cast<const uint4*>(p.v + (kv_base + gk) * D + chunk * 8);
+      *reinterpret_cast<uint4*>(sV + key * S::kVStride + chunk * 8) = vv;
+    }
+    __syncthreads();
+
+    // S = sum over MX blocks c of (sq * sk) * (Q_c . K_c), each block one MMA.
+    float s[BN / 8][4];
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
+#pragma unroll
+    for (int c = 0; c < NB; ++c) {
+      // Select the slot with ternaries, not an index: a runtime index would put qa in local memory.
+      const uint32_t a[4] = {slot ? qa[1][c][0] : qa[0][c][0], slot ? qa[1][c][1] : qa[0][c][1],
+                             slot ? qa[1][c][2] : qa[0][c][2], slot ? qa[1][c][3] : qa[0][c][3]};
+      const float qs0 = slot ? qsc[1][c][0] : qsc[0][c][0], qs1 = slot ? qsc[1][c][1] : qsc[0][c][1];
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt) {
+        const uint8_t* kr = sK + (nt * 8 + g) * S::kKStride + c * 32 + t * 4;
+        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr), b1 = *reinterpret_cast<const uint32_t*>(kr + 16);
+        float part[4];
+        if (e5m2)
+          mma_fp8_block<true>(part, a, b0, b1);
+        else
+          mma_fp8_block<false>(part, a, b0, b1);
+        const float k0 = decode_e8m0(sKs[(nt * 8 + 2 * t) * NB + c]);
+        const float k1 = decode_e8m0(sKs[(nt * 8 + 2 * t + 1) * NB + c]);
+        s[nt][0] += (qs0 * k0) * part[0];
+        s[nt][1] += (qs0 * k1) * part[1];
+        s[nt][2] += (qs1 * k0) * part[2];
+        s[nt][3] += (qs1 * k1) * part[3];
+      }
+    }
+
+    // Scale, mask, online softmax (fp32).
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = e / 2;
+        const int64_t key = j * BN + nt * 8 + 2 * t + (e & 1);
+        const bool ok = valid[r] && key < p.Nk && (!p.causal || key <= pos[r]);
+        s[nt][e] = ok ? s[nt][e] * p.scale : -INFINITY;
+        mx[r] = fmaxf(mx[r], s[nt][e]);
+      }
+    float alpha[2], mref[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float mnew = fmaxf(m[r], quad_max(mx[r]));
+      // A row that has seen no key yet keeps its state (as if the tile were skipped).
+      alpha[r] = mnew == -INFINITY ? 1.0f : expf(m[r] - mnew);
+      mref[r] = mnew == -INFINITY ? 0.0f : mnew;
+      m[r] = mnew;
+      l[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        s[nt][e] = expf(s[nt][e] - mref[e / 2]);
+        l[e / 2] += s[nt][e];
+      }
+#pragma unroll
+    for (int i = 0; i < D / 8; ++i) {
+      o[i][0] *= alpha[0];
+      o[i][1] *= alpha[0];
+      o[i][2] *= alpha[1];
+      o[i][3] *= alpha[1];
+    }
+
+    // O += bf16(P) . bf16(V), 16 keys per MMA.
+#pragma unroll
+    for (int kc = 0; kc < BN / 16; ++kc) {
+      uint32_t a[4];
+      a[0] = pack_bf16(to_bf16(s[2 * kc][0]).bits, to_bf16(s[2 * kc][1]).bits);
+      a[1] = pack_bf16(to_bf16(s[2 * kc][2]).bits, to_bf16(s[2 * kc][3]).bits);
+      a[2] = pack_bf16(to_bf16(s[2 * kc + 1][0]).bits, to_bf16(s[2 * kc + 1][1]).bits);
+      a[3] = pack_bf16(to_bf16(s[2 * kc + 1][2]).bits, to_bf16(s[2 * kc + 1][3]).bits);
+      const uint16_t* v0 = sV + (kc * 16 + 2 * t) * S::kVStride + g;
+#pragma unroll
+      for (int dn = 0; dn < D / 8; ++dn) {
+        const uint16_t* vp = v0 + dn * 8;
+        const uint32_t b0 = pack_bf16(vp[0], vp[S::kVStride]);
+        const uint32_t b1 = pack_bf16(vp[8 * S::kVStride], vp[9 * S::kVStride]);
+        mma_bf16_acc(o[dn], a, b0, b1);
+      }
+    }
+  }
+
+  // out = O / l, lse = m + log l; rows that saw no key write zeros and -inf.
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float lr = quad_sum(l[r]);
+    if (!valid[r]) continue;
+    TOut* orow = static_cast<TOut*>(p.out) + b * p.out_sb + h * p.out_sh + row[r] * p.out_sn;
+#pragma unroll
+    for (int dn = 0; dn < D / 8; ++dn) {
+      orow[dn * 8 + 2 * t] = from_float<TOut>(lr > 0.0f ? o[dn][2 * r] / lr : 0.0f);
+      orow[dn * 8 + 2 * t + 1] = from_float<TOut>(lr > 0.0f ? o[dn][2 * r + 1] / lr : 0.0f);
+    }
+    if (p.lse && t == 0) p.lse[(int64_t(b) * p.Hq + h) * p.Nq + row[r]] = lr > 0.0f ? m[r] + logf(lr) : -INFINITY;
+  }
+}
+
+template <int D, class TOut>
+void launch(const PrefillParams& p, int64_t blocks, int batch, cudaStream_t stream) {
+  constexpr int bytes = Smem<D>::kBytes;
+  auto kernel = prefill_kernel<D, TOut>;
+  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  kernel<<<dim3(unsigned(blocks), unsigned(p.Hq), unsigned(batch)), BM * 2, bytes, stream>>>(p);
+}
+
+template <int D>
+void launch_d(const PrefillParams& p, DType out, int64_t blocks, int batch, cudaStream_t stream) {
+  switch (out) {
+    case DType::f32: return launch<D, float>(p, blocks, batch, stream);
+    case DType::f16: return launch<D, fp16>(p, blocks, batch, stream);
+    case DType::bf16: return launch<D, bf16>(p, blocks, batch, stream);
+  }
+}
+
+}  // namespace
+
+void launch_prefill(const PrefillParams& p, int d, DType out_dtype, int64_t blocks, int batch, cudaStream_t stream) {
+  if (d == 64)
+    launch_d<64>(p, out_dtype, blocks, batch, stream);
+  else if (d == 128)
+    launch_d<128>(p, out_dtype, blocks, batch, stream);
+  else
+    throw Error("the CUDA prefill kernel supports head dims 64 and 128 (got " + std::to_string(d) + ")");
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) throw Error(std::string("prefill kernel launch failed: ") + cudaGetErrorString(err));
+}
+
+}  // namespace dmattn::cuda

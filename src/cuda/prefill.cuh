@@ -1,0 +1,33 @@
+// The DMA prefill kernel's parameters. Inputs are prepared by attention_cuda.cu: Q and K rows in the
+// tensor-core form of each format (FP8 bytes + E8M0 scales, one set per slot: 0 = high, 1 = low),
+// V as bf16.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "dmattn/policy.hpp"
+#include "dmattn/tensor.hpp"
+
+namespace dmattn::cuda {
+
+struct PrefillParams {
+  const uint8_t* q8[2];  // [B*Hq*Nq, d] FP8 bytes
+  const uint8_t* qs[2];  // [B*Hq*Nq, d/32] E8M0
+  const uint8_t* k8[2];  // [B*Hkv*Nk, d]
+  const uint8_t* ks[2];  // [B*Hkv*Nk, d/32]
+  bool e5m2[2];          // slot's FP8 type is E5M2 (else E4M3)
+  const uint16_t* v;     // bf16 bits, [B*Hkv*Nk, d]
+  void* out;             // [B,Hq,Nq,d], unit stride on d
+  int64_t out_sb, out_sh, out_sn;
+  float* lse;  // [B,Hq,Nq] or null
+  int Hq, Hkv, Nq, Nk;
+  float scale;
+  bool causal;
+  Policy policy;
+  int64_t first_block;  // the first 64-position block (positions can be negative when Nq > Nk)
+};
+
+constexpr int kPrefillRows = 64;  // query positions per CTA (4 warps x 16), aligned in absolute positions
+
+void launch_prefill(const PrefillParams& p, int d, DType out_dtype, int64_t blocks, int batch, cudaStream_t stream);
+
+}  // namespace dmattn::cuda
