@@ -38,3 +38,6 @@ echo "== dmattn device summary ($(cat "$OUT/gpu.txt")) =="
 for k in build ctest_all ctest_gpu sanitizer_memcheck sanitizer_racecheck copy_bw quantize_bw demo_cpu; do
   printf "%-20s %s\n" "$k" "${row[$k]}"
 done
+
+echo
+PYTHONUNBUFFERED=1 python3 bench/compare_sdpa.py $B "$OUT" 4096 16384 2>&1 | tee "$OUT/compare_sdpa.txt" | tail -20

@@ -55,8 +55,13 @@ void check_case(const Case& c, DType dtype, uint64_t seed) {
   attention_on_device(x.q.view(), x.k.view(), x.v.view(), got.view(), got_lse.data(), o);
   const std::vector<float> r = ref.to_floats(), g = got.to_floats();
   const Comparison cmp = compare(g, r);
+  std::printf("%-32s %-8s rel_l2 %.3e\n", c.name, std::string(dtype_name(dtype)).c_str(), cmp.rel_l2);
   EXPECT_EQ(cmp.nan_count, 0) << c.name;
-  EXPECT_LE(cmp.rel_l2, 1e-5) << c.name << " Hq=" << c.hq << " Hkv=" << c.hkv << " Nq=" << c.nq << " Nk=" << c.nk
+  // Tiles whose dots the FP8 tensor cores cannot sum exactly (E4M3/E5M2 values; see
+  // GpuMma.Fp8BlockDotPrecision) are held to 1e-4; tiles of E2M1/FP6 values to 1e-5.
+  auto fp8 = [](Format f) { return f == Format::mxfp8_e4m3 || f == Format::mxfp8_e5m2; };
+  const double tol = fp8(c.policy.high) || fp8(c.policy.low) ? 1e-4 : 1e-5;
+  EXPECT_LE(cmp.rel_l2, tol) << c.name << " Hq=" << c.hq << " Hkv=" << c.hkv << " Nq=" << c.nq << " Nk=" << c.nk
                               << " d=" << c.d << " causal=" << c.causal << " " << dtype_name(dtype);
   for (size_t i = 0; i < rows; ++i) {
     if (std::isinf(ref_lse[i]))
@@ -80,6 +85,7 @@ TEST(GpuPrefill, MatchesCpuOracle) {
       {4, 4, 1000, 300, 128, true, Policy{}, "Nq>Nk (rows with no keys)"},
       {4, 1, 4096, 4096, 128, true, make(e4, f4, 1, 0), "N=4096 default"},
       {2, 2, 4096, 4096, 128, true, make(f4, f4, 0, 0), "N=4096 all-low"},
+      {4, 2, 3000, 3000, 128, true, make(f4, Format::mxfp6_e3m2, 2, 1), "FP4 diag / FP6 low"},
       {2, 2, 2000, 2000, 64, false, make(e4, e4, 0, 0), "all-high non-causal"},
       {2, 1, 2000, 2000, 128, false, make(Format::mxfp8_e5m2, Format::mxfp6_e2m3, 1, 1), "e5m2/e2m3 non-causal"},
       {8, 1, 8192, 8192, 128, true, Policy{}, "N=8192 GQA 8"},

@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <vector>
@@ -14,6 +15,7 @@ void add_run(CLI::App& app) {
     bool causal = false, exact = false;
     std::optional<float> softmax_scale;
     PolicyArgs policy;
+    int repeat = 1;
   };
   auto args = std::make_shared<Args>();
   CLI::App* cmd = app.add_subcommand("run", "attention over Q/K/V .npy files ([B,H,N,d], float32 or float16)");
@@ -25,6 +27,9 @@ void add_run(CLI::App& app) {
   cmd->add_flag("--causal", args->causal, "causal mask, last query aligned with last key");
   cmd->add_option("--softmax-scale", args->softmax_scale, "scale of QK^T (default 1/sqrt(d))");
   cmd->add_flag("--exact", args->exact, "fp64 reference attention instead of DMA");
+  cmd->add_option("--repeat", args->repeat, "run N times and report the median time (benchmarking)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
   args->policy.add_to(*cmd);
   cmd->callback([args] {
     AttentionOptions o = args->policy.options();
@@ -37,19 +42,23 @@ void add_run(CLI::App& app) {
     HostTensor out(DType::f32, q.shape());
     const Shape& s = q.shape();
     std::vector<float> lse(size_t(s[0] * s[1] * s[2]));
-    double secs;
-    if (o.backend == Backend::cuda) {  // stage to the GPU; the time is the device's, copies excluded
-      secs = attention_on_device(q.view(), k.view(), v.view(), out.view(), lse.data(), o) / 1e3;
-    } else {
-      const auto t0 = std::chrono::steady_clock::now();
-      attention(q.view(), k.view(), v.view(), out.view(), lse.data(), o);
-      secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::vector<double> times;
+    for (int i = 0; i < args->repeat; ++i) {
+      if (o.backend == Backend::cuda) {  // stage to the GPU; the time is the device's, copies excluded
+        times.push_back(attention_on_device(q.view(), k.view(), v.view(), out.view(), lse.data(), o) / 1e3);
+      } else {
+        const auto t0 = std::chrono::steady_clock::now();
+        attention(q.view(), k.view(), v.view(), out.view(), lse.data(), o);
+        times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+      }
     }
+    std::sort(times.begin(), times.end());
+    const double secs = times[times.size() / 2];
     write_npy(args->out, NpyType::f32, {s[0], s[1], s[2], s[3]}, out.bytes());
     if (!args->lse.empty()) write_npy(args->lse, NpyType::f32, {s[0], s[1], s[2]}, lse.data());
-    std::fprintf(stderr, "dmattn run: %s %s%s on %s in %.3f s -> %s\n", shape_str(s).c_str(),
+    std::fprintf(stderr, "dmattn run: %s %s%s on %s in %.6f s (median of %d) -> %s\n", shape_str(s).c_str(),
                  o.exact ? "exact fp64" : o.policy.describe().c_str(), o.causal ? " causal" : "",
-                 o.backend == Backend::cuda ? "cuda" : "cpu", secs,
+                 o.backend == Backend::cuda ? "cuda" : "cpu", secs, args->repeat,
                  args->out.c_str());
   });
 }

@@ -1,0 +1,114 @@
+#!/usr/bin/env python3
+"""Same-run comparison on the GPU: dmattn (CUDA backend, via `dmattn run --backend cuda`) against
+PyTorch SDPA bf16 (flash and cuDNN backends) and the unfused quantize->dequantize->SDPA pipeline,
+with the ceilings measured in the same run (bf16 and fp8 matmul, device copy). Prints one table.
+
+Usage: python3 bench/compare_sdpa.py BUILD_DIR OUT_DIR [N ...]
+"""
+import os, re, subprocess, sys, time
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+build, out = sys.argv[1], sys.argv[2]
+Ns = [int(x) for x in sys.argv[3:]] or [4096, 16384]
+B, HQ, HKV = 1, 32, 8
+dev = "cuda"
+
+
+def timeit(fn, iters=10):
+    fn(); torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    times = []
+    for _ in range(iters):
+        a.record(); fn(); b.record(); torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def ceilings():
+    n = 8192
+    x = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    y = torch.randn(n, n, device=dev, dtype=torch.bfloat16)
+    ms = timeit(lambda: x @ y)
+    bf16 = 2 * n**3 / ms / 1e9
+    xf = x.to(torch.float8_e4m3fn)
+    yf = y.to(torch.float8_e4m3fn).t().contiguous().t()
+    one = torch.tensor(1.0, device=dev)
+    ms8 = timeit(lambda: torch._scaled_mm(xf, yf, scale_a=one, scale_b=one, out_dtype=torch.bfloat16))
+    fp8 = 2 * n**3 / ms8 / 1e9
+    buf = torch.empty(1 << 28, device=dev, dtype=torch.uint8)  # 256 MiB
+    dst = torch.empty_like(buf)
+    msc = timeit(lambda: dst.copy_(buf))
+    return bf16, fp8, 2 * buf.numel() / msc / 1e6
+
+
+def sdpa(q, k, v, backend):
+    with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+def mx_fake_quant(x, bits):
+    """Quantize->dequantize along d in 32-blocks (MXFP8 E4M3 / MXFP4 E2M1, ocp rule), in torch."""
+    shp = x.shape
+    xb = x.float().reshape(*shp[:-1], shp[-1] // 32, 32)
+    amax = xb.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+    emax = 8 if bits == 8 else 2
+    scale = torch.exp2(torch.floor(torch.log2(amax)) - emax)
+    y = xb / scale
+    if bits == 8:
+        y = y.clamp(-448, 448).to(torch.float8_e4m3fn).float()
+    else:
+        grid = torch.tensor([0, .5, 1, 1.5, 2, 3, 4, 6], device=x.device)
+        a = y.abs().clamp(max=6)
+        idx = (a.unsqueeze(-1) - grid).abs().argmin(-1)
+        y = grid[idx] * y.sign()
+    return (y * scale).reshape(shp).to(x.dtype)
+
+
+rows = []
+bf16_peak, fp8_peak, copy_gbs = ceilings()
+print(f"ceilings (same run): bf16 matmul {bf16_peak:.0f} TFLOP/s, fp8 matmul {fp8_peak:.0f} TFLOP/s, copy {copy_gbs:.0f} GB/s")
+for N in Ns:
+    torch.manual_seed(N)
+    d = 128
+    q = torch.randn(B, HQ, N, d, device=dev, dtype=torch.bfloat16)
+    k = torch.randn(B, HKV, N, d, device=dev, dtype=torch.bfloat16)
+    v = torch.randn(B, HKV, N, d, device=dev, dtype=torch.bfloat16)
+    flops = 2 * B * HQ * N * N * d  # the issue's convention
+    ref = sdpa(q.float(), k.float(), v.float(), SDPBackend.MATH if N <= 4096 else SDPBackend.EFFICIENT_ATTENTION)
+    def rel(o):
+        return ((o.float() - ref).norm() / ref.norm()).item()
+    res = {}
+    for name, be in [("sdpa flash bf16", SDPBackend.FLASH_ATTENTION), ("sdpa cudnn bf16", SDPBackend.CUDNN_ATTENTION)]:
+        try:
+            ms = timeit(lambda: sdpa(q, k, v, be))
+            res[name] = (ms, rel(sdpa(q, k, v, be)))
+        except Exception as e:  # a backend that cannot run this shape says so
+            print(f"{name}: unavailable ({str(e).splitlines()[0][:80]})")
+    ms = timeit(lambda: sdpa(mx_fake_quant(q, 8), mx_fake_quant(k, 4), v, SDPBackend.FLASH_ATTENTION), iters=3)
+    res["unfused q->dq->sdpa (mxfp4 K)"] = (ms, rel(sdpa(mx_fake_quant(q, 8), mx_fake_quant(k, 4), v, SDPBackend.FLASH_ATTENTION)))
+    # dmattn through its CLI on the same inputs (fp16 .npy: bf16 -> fp16 is exact for N(0,1) data in range).
+    files = {}
+    for nm, t in (("q", q), ("k", k), ("v", v)):
+        files[nm] = os.path.join(out, f"{nm}.npy")
+        np.save(files[nm], t.to(torch.float16).cpu().numpy())
+    for pol, extra in [("dmattn DMA default", []), ("dmattn all-MXFP8", ["--low", "mxfp8-e4m3"]),
+                       ("dmattn all-MXFP4", ["--high", "mxfp4"])]:
+        o = os.path.join(out, "o.npy")
+        cmd = [os.path.join(build, "dmattn"), "run", "--q", files["q"], "--k", files["k"], "--v", files["v"],
+               "--out", o, "--causal", "--backend", "cuda", "--repeat", "5"] + extra
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        m = re.search(r"in ([0-9.]+) s", r.stderr)
+        if r.returncode != 0 or not m:
+            print(f"{pol}: failed: {r.stderr.strip()}")
+            continue
+        res[pol] = (float(m.group(1)) * 1e3, rel(torch.from_numpy(np.load(o)).to(dev)))
+    best = min(v[0] for k_, v in res.items() if k_.startswith("sdpa"))
+    for name, (ms, err) in res.items():
+        rows.append((N, name, ms, flops / ms / 1e9, best / ms, err))
+
+print(f"\n{'N':>6} {'kernel':32} {'ms':>9} {'TFLOP/s':>8} {'vs best SDPA':>12} {'% fp8 peak':>10} {'rel_l2 vs fp32':>14}")
+for N, name, ms, tf, sp, err in rows:
+    print(f"{N:>6} {name:32} {ms:9.3f} {tf:8.1f} {sp:11.2f}x {100*tf/fp8_peak:9.1f}% {err:14.3e}")
