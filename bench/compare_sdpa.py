@@ -5,7 +5,7 @@ with the ceilings measured in the same run (bf16 and fp8 matmul, device copy). P
 
 Usage: python3 bench/compare_sdpa.py BUILD_DIR OUT_DIR [N ...]
 """
-import os, re, subprocess, sys, time
+import os, re, subprocess, sys, tempfile
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -68,6 +68,7 @@ def mx_fake_quant(x, bits):
 
 
 rows = []
+tmp = tempfile.mkdtemp()  # large .npy files stay off $OUT
 bf16_peak, fp8_peak, copy_gbs = ceilings()
 print(f"ceilings (same run): bf16 matmul {bf16_peak:.0f} TFLOP/s, fp8 matmul {fp8_peak:.0f} TFLOP/s, copy {copy_gbs:.0f} GB/s")
 for N in Ns:
@@ -77,7 +78,10 @@ for N in Ns:
     k = torch.randn(B, HKV, N, d, device=dev, dtype=torch.bfloat16)
     v = torch.randn(B, HKV, N, d, device=dev, dtype=torch.bfloat16)
     flops = 2 * B * HQ * N * N * d  # the issue's convention
-    ref = sdpa(q.float(), k.float(), v.float(), SDPBackend.MATH if N <= 4096 else SDPBackend.EFFICIENT_ATTENTION)
+    g = HQ // HKV
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
+        ref = F.scaled_dot_product_attention(q.float(), k.float().repeat_interleave(g, 1),
+                                             v.float().repeat_interleave(g, 1), is_causal=True)
     def rel(o):
         return ((o.float() - ref).norm() / ref.norm()).item()
     res = {}
@@ -92,11 +96,11 @@ for N in Ns:
     # dmattn through its CLI on the same inputs (fp16 .npy: bf16 -> fp16 is exact for N(0,1) data in range).
     files = {}
     for nm, t in (("q", q), ("k", k), ("v", v)):
-        files[nm] = os.path.join(out, f"{nm}.npy")
+        files[nm] = os.path.join(tmp, f"{nm}.npy")
         np.save(files[nm], t.to(torch.float16).cpu().numpy())
     for pol, extra in [("dmattn DMA default", []), ("dmattn all-MXFP8", ["--low", "mxfp8-e4m3"]),
                        ("dmattn all-MXFP4", ["--high", "mxfp4"])]:
-        o = os.path.join(out, "o.npy")
+        o = os.path.join(tmp, "o.npy")
         cmd = [os.path.join(build, "dmattn"), "run", "--q", files["q"], "--k", files["k"], "--v", files["v"],
                "--out", o, "--causal", "--backend", "cuda", "--repeat", "5"] + extra
         r = subprocess.run(cmd, capture_output=True, text=True)
