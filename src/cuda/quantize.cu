@@ -1,6 +1,7 @@
 #include "cuda/quantize.hpp"
 
 #include <string>
+#include <type_traits>
 
 #include "dmattn/error.hpp"
 #include "dmattn/mx_codec.hpp"
@@ -25,49 +26,76 @@ struct Geometry {
   int64_t sb, sh, sn;            // element strides of b, h, n
 };
 
-// Writes one block's codes: E2M1 as 16 packed bytes, wider formats as 32 bytes, in 16-byte stores.
-__device__ __forceinline__ void store_codes(const uint8_t* codes, bool packed, uint8_t* dst) {
-  if (packed) {
-    uint4 w;
-    uint8_t* b = reinterpret_cast<uint8_t*>(&w);
-#pragma unroll
-    for (int i = 0; i < 16; ++i) b[i] = uint8_t(codes[2 * i] | (codes[2 * i + 1] << 4));
-    *reinterpret_cast<uint4*>(dst) = w;
-  } else {
-    const uint4* src = reinterpret_cast<const uint4*>(codes);
-    reinterpret_cast<uint4*>(dst)[0] = src[0];
-    reinterpret_cast<uint4*>(dst)[1] = src[1];
-  }
-}
+// Four lanes share one 32-block, eight consecutive elements each, so a warp reads and writes
+// contiguous memory (coalesced); the block's amax and NaN flag are combined with quad shuffles, and
+// the scale and codes come from the same codec calls as on the CPU (quantize_mx_block's rule).
+constexpr int kPerLane = 8;
 
-// One thread per 32-element block: load, quantize to each target, store.
-template <class T>
+template <class T, bool kVector>
 __global__ void quantize_rows_kernel(const T* __restrict__ x, Geometry g, int64_t nblocks, ScaleRule rule,
                                      QuantTarget t0, QuantTarget t1, Elem e0, Elem e1, int targets) {
-  const int64_t blk = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (blk >= nblocks) return;
-  const int64_t row = blk / g.nblk, c = blk % g.nblk;
+  const int64_t lane_id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t blk = lane_id / 4;
+  const int part = int(lane_id % 4);
+  const bool active = blk < nblocks;  // inactive lanes still take part in the shuffles
+  const int64_t row = active ? blk / g.nblk : 0, c = active ? blk % g.nblk : 0;
   const int64_t n = row % g.N, bh = row / g.N, h = bh % g.H, b = bh / g.H;
-  const T* src = x + b * g.sb + h * g.sh + n * g.sn + c * kBlock;
-  float v[kBlock];
+  const T* src = x + b * g.sb + h * g.sh + n * g.sn + c * kBlock + part * kPerLane;
+  float v[kPerLane];
+  float amax = 0.0f;
+  bool bad = false;
+  alignas(16) T raw[kPerLane];
+  if constexpr (kVector) {  // 16-byte loads where the rows are 16-byte aligned
+    static_assert(sizeof(raw) % 16 == 0);
 #pragma unroll
-  for (int i = 0; i < kBlock; ++i) v[i] = load_as_float(src, i);
-  alignas(16) uint8_t codes[kBlock];
+    for (int i = 0; i < int(sizeof(raw) / 16); ++i)
+      reinterpret_cast<uint4*>(raw)[i] = active ? reinterpret_cast<const uint4*>(src)[i] : make_uint4(0, 0, 0, 0);
+  }
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    if constexpr (kVector)
+      v[i] = load_as_float(raw, i);
+    else
+      v[i] = active ? load_as_float(src, i) : 0.0f;
+    bad |= !hd::is_finite(v[i]);
+    amax = fmaxf(amax, hd::abs_f(v[i]));
+  }
+#pragma unroll
+  for (int s = 1; s < 4; s <<= 1) {
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
+    bad |= __shfl_xor_sync(0xffffffffu, int(bad), s) != 0;
+  }
+  if (!active) return;
   const int64_t d = g.nblk * kBlock;
 #pragma unroll
   for (int t = 0; t < 2; ++t) {
     if (t >= targets) break;
     const QuantTarget& q = t == 0 ? t0 : t1;
     const Elem e = t == 0 ? e0 : e1;
-    const uint8_t sc = quantize_mx_block(v, kBlock, e, rule, codes);
-    if (q.fp8_bytes) {
-      const Elem to = e == Elem::e5m2 ? Elem::e5m2 : Elem::e4m3;
+    const uint8_t sc = bad ? kE8M0NaN : choose_e8m0(amax, e, rule);
+    const int xexp = int(sc) - 127;
+    const ElemSpec spec = elem_spec(e);
+    const Elem to = e == Elem::e5m2 ? Elem::e5m2 : Elem::e4m3;
+    uint8_t codes[kPerLane];
 #pragma unroll
-      for (int i = 0; i < kBlock; ++i) codes[i] = encode_elem(to, decode_elem(e, codes[i]));
+    for (int i = 0; i < kPerLane; ++i) {
+      codes[i] = sc == kE8M0NaN ? uint8_t(0) : encode_elem(spec, hd::ldexp2(v[i], -xexp));
+      if (q.fp8_bytes) codes[i] = encode_elem(to, decode_elem(e, codes[i]));
     }
-    const bool packed = e == Elem::e2m1 && !q.fp8_bytes;
-    store_codes(codes, packed, q.codes + (packed ? row * d / 2 + c * kBlock / 2 : row * d + c * kBlock));
-    q.scales[blk] = sc;
+    const int64_t first = row * d + c * kBlock + part * kPerLane;  // element index of codes[0]
+    if (e == Elem::e2m1 && !q.fp8_bytes) {
+      uint32_t w = 0;
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) w |= uint32_t(codes[i]) << (4 * i);
+      *reinterpret_cast<uint32_t*>(q.codes + first / 2) = w;
+    } else {
+      uint2 w;
+      uint8_t* wb = reinterpret_cast<uint8_t*>(&w);
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i) wb[i] = codes[i];
+      *reinterpret_cast<uint2*>(q.codes + first) = w;
+    }
+    if (part == 0) q.scales[blk] = sc;
   }
 }
 
@@ -89,22 +117,23 @@ void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first
   Geometry g{x.shape[1], x.shape[2], x.shape[3] / kBlock, x.stride[0], x.stride[1], x.stride[2]};
   const int64_t nblocks = x.shape[0] * x.shape[1] * x.shape[2] * g.nblk;
   if (nblocks == 0) return;
-  const int threads = 128;
-  const unsigned grid = unsigned((nblocks + threads - 1) / threads);
+  const int threads = 256;
+  const unsigned grid = unsigned((nblocks * 4 + threads - 1) / threads);
   const Elem e0 = format_info(first.format).elem, e1 = targets == 2 ? format_info(second.format).elem : e0;
+  const size_t es = dtype_size(x.dtype);
+  const bool vec = reinterpret_cast<uintptr_t>(x.data) % 16 == 0 && (g.sb * es) % 16 == 0 && (g.sh * es) % 16 == 0 &&
+                   (g.sn * es) % 16 == 0;
+  auto run = [&](auto* typed) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
+    if (vec)
+      quantize_rows_kernel<T, true><<<grid, threads, 0, stream>>>(typed, g, nblocks, rule, first, second, e0, e1, targets);
+    else
+      quantize_rows_kernel<T, false><<<grid, threads, 0, stream>>>(typed, g, nblocks, rule, first, second, e0, e1, targets);
+  };
   switch (x.dtype) {
-    case DType::f32:
-      quantize_rows_kernel<<<grid, threads, 0, stream>>>(static_cast<const float*>(x.data), g, nblocks, rule, first,
-                                                         second, e0, e1, targets);
-      break;
-    case DType::f16:
-      quantize_rows_kernel<<<grid, threads, 0, stream>>>(static_cast<const fp16*>(x.data), g, nblocks, rule, first,
-                                                         second, e0, e1, targets);
-      break;
-    case DType::bf16:
-      quantize_rows_kernel<<<grid, threads, 0, stream>>>(static_cast<const bf16*>(x.data), g, nblocks, rule, first,
-                                                         second, e0, e1, targets);
-      break;
+    case DType::f32: run(static_cast<const float*>(x.data)); break;
+    case DType::f16: run(static_cast<const fp16*>(x.data)); break;
+    case DType::bf16: run(static_cast<const bf16*>(x.data)); break;
   }
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw Error(std::string("quantize_rows: launch failed: ") + cudaGetErrorString(err));
