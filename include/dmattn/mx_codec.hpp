@@ -60,7 +60,28 @@ DMATTN_HD float decode_elem(Elem e, uint8_t code) {
 
 // Nearest element code to x, ties to even, saturating to +-max (infinities too). NaN encodes to
 // the format's NaN where it has one and to +0 otherwise (MX carries NaN in the scale instead).
+// E2M1 has eight magnitudes, so round-to-nearest-even is a count of the midpoints below |x|:
+// strict at a midpoint whose lower neighbour has the even code, inclusive where the upper one has.
+DMATTN_HD uint8_t encode_e2m1(float x) {
+  if (hd::is_nan(x)) return 0;
+  const float a = hd::abs_f(x);
+  const int c = (a > 0.25f) + (a >= 0.75f) + (a > 1.25f) + (a >= 1.75f) + (a > 2.5f) + (a >= 3.5f) + (a > 5.0f);
+  return uint8_t(((hd::bits_of(x) >> 31) ? 8 : 0) | c);
+}
+
 DMATTN_HD uint8_t encode_elem(const ElemSpec& s, float x) {
+  if (s.ebits == 2 && s.mbits == 1) return encode_e2m1(x);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+  // FP8 on sm_89+: the hardware conversion (RNE, saturating to max finite) is the same function.
+  if (s.ebits + s.mbits == 7 && !hd::is_nan(x)) {
+    uint16_t r;
+    if (s.ebits == 4)
+      asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(x));
+    else
+      asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(x));
+    return uint8_t(r & 0xFF);
+  }
+#endif
   const int nb = s.ebits + s.mbits;
   if (hd::is_nan(x)) return s.has_nan ? uint8_t((1 << (nb + 1)) - 1) : uint8_t(0);
   const uint8_t sign = (hd::bits_of(x) >> 31) ? uint8_t(1 << nb) : uint8_t(0);

@@ -25,12 +25,12 @@ struct Buffers {
   template <class T>
   T* alloc(size_t bytes) {
     void* p = nullptr;
-    check(cudaMalloc(&p, bytes ? bytes : 1), "cudaMalloc");
+    check(cudaMallocAsync(&p, bytes ? bytes : 1, nullptr), "cudaMallocAsync");  // stream-ordered pool: cheap
     ptrs.push_back(p);
     return static_cast<T*>(p);
   }
   ~Buffers() {
-    for (void* p : ptrs) cudaFree(p);
+    for (void* p : ptrs) cudaFreeAsync(p, nullptr);
   }
 };
 
@@ -60,9 +60,9 @@ __global__ void scan_kernel(const T* x, Shape shape, Shape stride, int* nonfinit
   }
 }
 
-// Returns whether the view holds a non-finite value; writes a contiguous bf16 copy when asked.
-bool scan(const TensorView& t, uint16_t* bf16_out, int* flag) {
-  check(cudaMemset(flag, 0, sizeof(int)), "cudaMemset");
+// Flags (*flag = 1) a non-finite value in the view; writes a contiguous bf16 copy when asked.
+// Asynchronous: the caller reads the flag after its last launch, with one synchronisation.
+void scan(const TensorView& t, uint16_t* bf16_out, int* flag) {
   const unsigned blocks = 1024;
   switch (t.dtype) {
     case DType::f32: scan_kernel<<<blocks, 256>>>(static_cast<const float*>(t.data), t.shape, t.stride, flag, bf16_out); break;
@@ -70,9 +70,6 @@ bool scan(const TensorView& t, uint16_t* bf16_out, int* flag) {
     case DType::bf16: scan_kernel<<<blocks, 256>>>(static_cast<const bf16*>(t.data), t.shape, t.stride, flag, bf16_out); break;
   }
   check(cudaGetLastError(), "scan kernel");
-  int h = 0;
-  check(cudaMemcpy(&h, flag, sizeof(int), cudaMemcpyDeviceToHost), "cudaMemcpy");
-  return h != 0;
 }
 
 void require_supported(const Problem& p) {
@@ -94,13 +91,14 @@ void require_supported(const Problem& p) {
 void dma_attention(const Problem& p) {
   require_supported(p);
   Buffers buf;
-  int* flag = buf.alloc<int>(sizeof(int));
+  int* flags = buf.alloc<int>(3 * sizeof(int));
+  check(cudaMemsetAsync(flags, 0, 3 * sizeof(int)), "cudaMemset");
   const int64_t d = p.d, nb = d / 32;
   const int64_t kv_elems = p.B * p.Hkv * p.Nk * d;
   uint16_t* vb = buf.alloc<uint16_t>(size_t(kv_elems) * 2);
-  if (scan(p.q, nullptr, flag)) throw Error("Q holds a non-finite value");
-  if (scan(p.k, nullptr, flag)) throw Error("K holds a non-finite value");
-  if (scan(p.v, vb, flag)) throw Error("V holds a non-finite value");
+  scan(p.q, nullptr, flags);
+  scan(p.k, nullptr, flags + 1);
+  scan(p.v, vb, flags + 2);
 
   const int nslots = p.policy.high == p.policy.low ? 1 : 2;
   const Format fmt[2] = {p.policy.high, p.policy.low};
@@ -140,7 +138,11 @@ void dma_attention(const Problem& p) {
   pp.first_block = floor_div(p.Nk - p.Nq, kPrefillRows);
   const int64_t blocks = floor_div(p.Nk - 1, kPrefillRows) - pp.first_block + 1;
   launch_prefill(pp, int(d), p.out.dtype, blocks, int(p.B), nullptr);
-  check(cudaDeviceSynchronize(), "DMA prefill");
+  int bad[3];
+  check(cudaMemcpy(bad, flags, sizeof bad, cudaMemcpyDeviceToHost), "DMA prefill");  // the one sync
+  const char* names[3] = {"Q", "K", "V"};
+  for (int i = 0; i < 3; ++i)
+    if (bad[i]) throw Error(std::string(names[i]) + " holds a non-finite value");
 }
 
 }  // namespace cuda

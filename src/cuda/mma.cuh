@@ -37,6 +37,16 @@ __device__ __forceinline__ void mma_bf16_acc(float c[4], const uint32_t a[4], ui
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+// Four 8x8 b16 matrices from shared memory, transposed. Lane L addresses row L % 16 of a 16-row
+// slice of a row-major [k][n] tile, at column offset (L / 16) * 8: then {r[0], r[1]} and
+// {r[2], r[3]} are the m16n8k16 B fragments of the two adjacent n8 column blocks.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* smem_row) {
+  const uint32_t addr = uint32_t(__cvta_generic_to_shared(smem_row));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
 __device__ __forceinline__ uint32_t pack_bf16(uint16_t lo, uint16_t hi) { return uint32_t(lo) | (uint32_t(hi) << 16); }
 
 // Max and sum over the 4 lanes that share a row of a C fragment.

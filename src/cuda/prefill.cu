@@ -22,8 +22,9 @@ struct Smem {
   static constexpr int kNb = D / 32;
   static constexpr int kKStride = D + 16;  // bytes per K row; the pad spreads rows over banks
   static constexpr int kVStride = D + 8;   // bf16 per V row
-  static constexpr int kK = BN * kKStride, kKs = (BN * kNb + 15) / 16 * 16, kV = BN * kVStride * 2;
-  static constexpr int kBytes = kK + kKs + kV;
+  static constexpr int kK = BN * kKStride, kKs = BN * kNb * 4, kV = BN * kVStride * 2;
+  static constexpr int kQ = 2 * BM * kKStride, kQs = 2 * BM * kNb * 4;  // both slots' Q rows
+  static constexpr int kBytes = kK + kKs + kV + kQ + kQs;
 };
 
 __device__ __forceinline__ int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
@@ -43,8 +44,10 @@ __global__ void __launch_bounds__(BM * 2) prefill_kernel(const PrefillParams p) 
   constexpr int NB = S::kNb;
   extern __shared__ __align__(16) uint8_t smem[];
   uint8_t* sK = smem;
-  uint8_t* sKs = smem + S::kK;
+  float* sKs = reinterpret_cast<float*>(smem + S::kK);  // K block scales, decoded once per tile
   uint16_t* sV = reinterpret_cast<uint16_t*>(smem + S::kK + S::kKs);
+  uint8_t* sQ = smem + S::kK + S::kKs + S::kV;                  // [2][BM][kKStride]
+  float* sQs = reinterpret_cast<float*>(sQ + S::kQ);             // [2][BM][NB]
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int h = blockIdx.y, b = blockIdx.z, hk = h / (p.Hq / p.Hkv);
@@ -56,23 +59,21 @@ __global__ void __launch_bounds__(BM * 2) prefill_kernel(const PrefillParams p) 
   const bool valid[2] = {row[0] >= 0 && row[0] < p.Nq, row[1] >= 0 && row[1] < p.Nq};
   const int nslots = p.q8[1] ? 2 : 1;
 
-  // Q fragments and block scales of this thread's two rows, for each slot.
-  uint32_t qa[2][NB][4];
-  float qsc[2][NB][2];
-#pragma unroll
-  for (int s = 0; s < 2; ++s) {
-#pragma unroll
-    for (int c = 0; c < NB; ++c) {
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        const bool ok = s < nslots && valid[r];
-        const int64_t base = ((int64_t(b) * p.Hq + h) * p.Nq + row[r]);
-        const uint8_t* q = ok ? p.q8[s] + base * D + c * 32 + t * 4 : nullptr;
-        qa[s][c][r] = ok ? *reinterpret_cast<const uint32_t*>(q) : 0u;
-        qa[s][c][r + 2] = ok ? *reinterpret_cast<const uint32_t*>(q + 16) : 0u;
-        qsc[s][c][r] = ok ? decode_e8m0(p.qs[s][base * NB + c]) : 0.0f;
-      }
-    }
+  // Q rows of this CTA in both slots to shared memory (zeros for rows outside [0, Nq)); the MMA
+  // fragments are read per tile from there, which keeps registers for S and O.
+  for (int i = threadIdx.x; i < 2 * BM * D / 16; i += blockDim.x) {
+    const int s = i / (BM * D / 16), r = (i / (D / 16)) % BM, chunk = i % (D / 16);
+    const int64_t qrow = pos0 + r - off;
+    uint4 w = make_uint4(0, 0, 0, 0);
+    if (s < nslots && qrow >= 0 && qrow < p.Nq)
+      w = *reinterpret_cast<const uint4*>(p.q8[s] + ((int64_t(b) * p.Hq + h) * p.Nq + qrow) * D + chunk * 16);
+    *reinterpret_cast<uint4*>(sQ + (s * BM + r) * S::kKStride + chunk * 16) = w;
+  }
+  for (int i = threadIdx.x; i < 2 * BM * NB; i += blockDim.x) {
+    const int s = i / (BM * NB), r = (i / NB) % BM, c = i % NB;
+    const int64_t qrow = pos0 + r - off;
+    const bool ok = s < nslots && qrow >= 0 && qrow < p.Nq;
+    sQs[i] = ok ? decode_e8m0(p.qs[s][((int64_t(b) * p.Hq + h) * p.Nq + qrow) * NB + c]) : 0.0f;
   }
 
   float o[D / 8][4];
@@ -98,7 +99,7 @@ __global__ void __launch_bounds__(BM * 2) prefill_kernel(const PrefillParams p) 
     }
     for (int i = threadIdx.x; i < BN * NB; i += blockDim.x) {
       const int64_t gk = j * BN + i / NB;
-      sKs[i] = gk < p.Nk ? (slot ? p.ks[1] : p.ks[0])[(kv_base + gk) * NB + i % NB] : uint8_t(0);
+      sKs[i] = gk < p.Nk ? decode_e8m0((slot ? p.ks[1] : p.ks[0])[(kv_base + gk) * NB + i % NB]) : 0.0f;
     }
     for (int i = threadIdx.x; i < BN * D / 8; i += blockDim.x) {
       const int key = i / (D / 8), chunk = i % (D / 8);
@@ -115,10 +116,11 @@ __global__ void __launch_bounds__(BM * 2) prefill_kernel(const PrefillParams p) 
     for (int nt = 0; nt < BN / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
 #pragma unroll
     for (int c = 0; c < NB; ++c) {
-      // Select the slot with ternaries, not an index: a runtime index would put qa in local memory.
-      const uint32_t a[4] = {slot ? qa[1][c][0] : qa[0][c][0], slot ? qa[1][c][1] : qa[0][c][1],
-                             slot ? qa[1][c][2] : qa[0][c][2], slot ? qa[1][c][3] : qa[0][c][3]};
-      const float qs0 = slot ? qsc[1][c][0] : qsc[0][c][0], qs1 = slot ? qsc[1][c][1] : qsc[0][c][1];
+      const uint8_t* qr = sQ + (slot * BM + warp * 16 + g) * S::kKStride + c * 32 + t * 4;
+      const uint32_t a[4] = {*reinterpret_cast<const uint32_t*>(qr), *reinterpret_cast<const uint32_t*>(qr + 8 * S::kKStride),
+                             *reinterpret_cast<const uint32_t*>(qr + 16),
+                             *reinterpret_cast<const uint32_t*>(qr + 8 * S::kKStride + 16)};
+      const float qs0 = sQs[(slot * BM + warp * 16 + g) * NB + c], qs1 = sQs[(slot * BM + warp * 16 + g + 8) * NB + c];
 #pragma unroll
       for (int nt = 0; nt < BN / 8; ++nt) {
         const uint8_t* kr = sK + (nt * 8 + g) * S::kKStride + c * 32 + t * 4;
@@ -128,8 +130,7 @@ __global__ void __launch_bounds__(BM * 2) prefill_kernel(const PrefillParams p) 
           mma_fp8_block<true>(part, a, b0, b1);
         else
           mma_fp8_block<false>(part, a, b0, b1);
-        const float k0 = decode_e8m0(sKs[(nt * 8 + 2 * t) * NB + c]);
-        const float k1 = decode_e8m0(sKs[(nt * 8 + 2 * t + 1) * NB + c]);
+        const float k0 = sKs[(nt * 8 + 2 * t) * NB + c], k1 = sKs[(nt * 8 + 2 * t + 1) * NB + c];
         s[nt][0] += (qs0 * k0) * part[0];
         s[nt][1] += (qs0 * k1) * part[1];
         s[nt][2] += (qs1 * k0) * part[2];
@@ -154,7 +155,7 @@ __global__ void __launch_bounds__(BM * 2) prefill_kernel(const PrefillParams p) 
     for (int r = 0; r < 2; ++r) {
       const float mnew = fmaxf(m[r], quad_max(mx[r]));
       // A row that has seen no key yet keeps its state (as if the tile were skipped).
-      alpha[r] = mnew == -INFINITY ? 1.0f : expf(m[r] - mnew);
+      alpha[r] = mnew == -INFINITY ? 1.0f : __expf(m[r] - mnew);
       mref[r] = mnew == -INFINITY ? 0.0f : mnew;
       m[r] = mnew;
       l[r] *= alpha[r];
@@ -163,7 +164,7 @@ __global__ void __launch_bounds__(BM * 2) prefill_kernel(const PrefillParams p) 
     for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        s[nt][e] = expf(s[nt][e] - mref[e / 2]);
+        s[nt][e] = __expf(s[nt][e] - mref[e / 2]);
         l[e / 2] += s[nt][e];
       }
 #pragma unroll
@@ -182,13 +183,14 @@ __global__ void __launch_bounds__(BM * 2) prefill_kernel(const PrefillParams p) 
       a[1] = pack_bf16(to_bf16(s[2 * kc][2]).bits, to_bf16(s[2 * kc][3]).bits);
       a[2] = pack_bf16(to_bf16(s[2 * kc + 1][0]).bits, to_bf16(s[2 * kc + 1][1]).bits);
       a[3] = pack_bf16(to_bf16(s[2 * kc + 1][2]).bits, to_bf16(s[2 * kc + 1][3]).bits);
-      const uint16_t* v0 = sV + (kc * 16 + 2 * t) * S::kVStride + g;
+      // ldmatrix.trans: lanes 0-15 address the tile's 16 key rows; each yields two n8 B fragments.
+      const uint16_t* vrow = sV + (kc * 16 + (lane % 16)) * S::kVStride + (lane / 16) * 8;
 #pragma unroll
-      for (int dn = 0; dn < D / 8; ++dn) {
-        const uint16_t* vp = v0 + dn * 8;
-        const uint32_t b0 = pack_bf16(vp[0], vp[S::kVStride]);
-        const uint32_t b1 = pack_bf16(vp[8 * S::kVStride], vp[9 * S::kVStride]);
-        mma_bf16_acc(o[dn], a, b0, b1);
+      for (int dn = 0; dn < D / 8; dn += 2) {
+        uint32_t b[4];
+        ldmatrix_x4_trans(b, vrow + dn * 8);
+        mma_bf16_acc(o[dn], a, b[0], b[1]);
+        mma_bf16_acc(o[dn + 1], a, b[2], b[3]);
       }
     }
   }
