@@ -39,5 +39,14 @@ for k in build ctest_all ctest_gpu sanitizer_memcheck sanitizer_racecheck copy_b
   printf "%-20s %s\n" "$k" "${row[$k]}"
 done
 
+if [ "${PROFILE:-0}" = 1 ]; then  # ncu speed-of-light for the two kernels (PROFILE=1 bash bench/device.sh)
+  ncu --kernel-name regex:prefill_kernel --launch-skip 6 --launch-count 1 --section SpeedOfLight \
+    --section Occupancy --section LaunchStats $B/tests/dmattn_gpu_tests --gtest_filter=GpuPrefill.MatchesCpuOracle \
+    >"$OUT/ncu_prefill.txt" 2>&1
+  ncu --kernel-name regex:quantize_rows --launch-skip 1 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+    $B/bench/bench_quantize_cuda >"$OUT/ncu_quantize.txt" 2>&1
+  grep -E "Throughput|Duration|Achieved Occupancy|Registers" "$OUT/ncu_prefill.txt" "$OUT/ncu_quantize.txt" | head -30
+fi
+
 echo
 PYTHONUNBUFFERED=1 python3 bench/compare_sdpa.py $B "$OUT" 4096 16384 2>&1 | tee "$OUT/compare_sdpa.txt" | tail -20

@@ -137,6 +137,7 @@ void dma_attention(const Problem& p) {
   auto floor_div = [](int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); };
   pp.first_block = floor_div(p.Nk - p.Nq, kPrefillRows);
   const int64_t blocks = floor_div(p.Nk - 1, kPrefillRows) - pp.first_block + 1;
+  pp.blocks = blocks;
   launch_prefill(pp, int(d), p.out.dtype, blocks, int(p.B), nullptr);
   int bad[3];
   check(cudaMemcpy(bad, flags, sizeof bad, cudaMemcpyDeviceToHost), "DMA prefill");  // the one sync

@@ -23,10 +23,11 @@ struct PrefillParams {
   float scale;
   bool causal;
   Policy policy;
-  int64_t first_block;  // the first 64-position block (positions can be negative when Nq > Nk)
+  int64_t first_block;  // the first 128-position block (positions can be negative when Nq > Nk)
+  int64_t blocks;       // number of query blocks (the grid's x)
 };
 
-constexpr int kPrefillRows = 64;  // query positions per CTA (4 warps x 16), aligned in absolute positions
+constexpr int kPrefillRows = 128;  // query positions per CTA (8 warps x 16): one query tile
 
 void launch_prefill(const PrefillParams& p, int d, DType out_dtype, int64_t blocks, int batch, cudaStream_t stream);
 
