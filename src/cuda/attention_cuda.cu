@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "cuda/prefill.cuh"
@@ -43,31 +44,45 @@ __device__ float as_float(const fp16* p, int64_t i) { return to_float(p[i]); }
 template <>
 __device__ float as_float(const bf16* p, int64_t i) { return to_float(p[i]); }
 
-// Visits every element of a [B,H,N,d] view: flags non-finite values, optionally writes bf16 copy.
-template <class T>
+// Visits every element of a [B,H,N,d] view: flags non-finite values, optionally writes a bf16
+// copy. Contiguous views skip the index arithmetic (64-bit divisions dominate otherwise).
+template <class T, bool kContiguous>
 __global__ void scan_kernel(const T* x, Shape shape, Shape stride, int* nonfinite, uint16_t* bf16_out) {
   const int64_t total = shape[0] * shape[1] * shape[2] * shape[3];
+  bool bad = false;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    int64_t r = i;
-    const int64_t e = r % shape[3];
-    r /= shape[3];
-    const int64_t n = r % shape[2];
-    r /= shape[2];
-    const int64_t h = r % shape[1], b = r / shape[1];
-    const float v = as_float(x, b * stride[0] + h * stride[1] + n * stride[2] + e * stride[3]);
-    if (!hd::is_finite(v)) atomicOr(nonfinite, 1);
+    int64_t off = i;
+    if constexpr (!kContiguous) {
+      int64_t r = i;
+      const int64_t e = r % shape[3];
+      r /= shape[3];
+      const int64_t n = r % shape[2];
+      r /= shape[2];
+      off = (r / shape[1]) * stride[0] + (r % shape[1]) * stride[1] + n * stride[2] + e * stride[3];
+    }
+    const float v = as_float(x, off);
+    bad |= !hd::is_finite(v);
     if (bf16_out) bf16_out[i] = to_bf16(v).bits;
   }
+  if (__any_sync(0xffffffffu, bad) && threadIdx.x % 32 == 0) atomicOr(nonfinite, 1);
 }
 
 // Flags (*flag = 1) a non-finite value in the view; writes a contiguous bf16 copy when asked.
 // Asynchronous: the caller reads the flag after its last launch, with one synchronisation.
 void scan(const TensorView& t, uint16_t* bf16_out, int* flag) {
   const unsigned blocks = 1024;
+  const bool contiguous = t.stride == TensorView::contiguous(nullptr, t.dtype, t.shape).stride;
+  auto run = [&](auto* typed) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
+    if (contiguous)
+      scan_kernel<T, true><<<blocks, 256>>>(typed, t.shape, t.stride, flag, bf16_out);
+    else
+      scan_kernel<T, false><<<blocks, 256>>>(typed, t.shape, t.stride, flag, bf16_out);
+  };
   switch (t.dtype) {
-    case DType::f32: scan_kernel<<<blocks, 256>>>(static_cast<const float*>(t.data), t.shape, t.stride, flag, bf16_out); break;
-    case DType::f16: scan_kernel<<<blocks, 256>>>(static_cast<const fp16*>(t.data), t.shape, t.stride, flag, bf16_out); break;
-    case DType::bf16: scan_kernel<<<blocks, 256>>>(static_cast<const bf16*>(t.data), t.shape, t.stride, flag, bf16_out); break;
+    case DType::f32: run(static_cast<const float*>(t.data)); break;
+    case DType::f16: run(static_cast<const fp16*>(t.data)); break;
+    case DType::bf16: run(static_cast<const bf16*>(t.data)); break;
   }
   check(cudaGetLastError(), "scan kernel");
 }

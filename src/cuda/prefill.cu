@@ -70,6 +70,11 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
   const int64_t row[2] = {pos[0] - off, pos[1] - off};
   const bool valid[2] = {row[0] >= 0 && row[0] < p.Nq, row[1] >= 0 && row[1] < p.Nq};
   const int nslots = p.q8[1] ? 2 : 1;
+  // The last key each of this thread's rows sees (-1: none). Fits int: the host checks Nk < 2^31.
+  int kmax[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+    kmax[r] = !valid[r] ? -1 : p.causal ? int(min(int64_t(p.Nk) - 1, pos[r])) : p.Nk - 1;
 
   // Q rows of this CTA in both slots to shared memory (zeros for rows outside [0, Nq)); the MMA
   // fragments are read per tile from there, which keeps registers for S and O.
@@ -145,7 +150,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
     float s[BN / 8][4];
 #pragma unroll
     for (int nt = 0; nt < BN / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-#pragma unroll
+#pragma unroll 1  // one MX block at a time: unrolling c hoists loads and spills registers
     for (int c = 0; c < NB; ++c) {
       const uint8_t* qr = sQ + (slot * BM + warp * 16 + g) * S::kKStride + c * 32 + t * 4;
       const uint32_t a[4] = {*reinterpret_cast<const uint32_t*>(qr), *reinterpret_cast<const uint32_t*>(qr + 8 * S::kKStride),
@@ -169,18 +174,27 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
       }
     }
 
-    // Scale, mask, online softmax (fp32).
+    // Scale, mask, online softmax (fp32). Tiles every row of the warp sees whole skip the mask.
     float mx[2] = {-INFINITY, -INFINITY};
+    const int key0 = int(j) * BN;
+    if (__all_sync(0xffffffffu, key0 + BN - 1 <= min(kmax[0], kmax[1]))) {
 #pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt)
+      for (int nt = 0; nt < BN / 8; ++nt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int r = e / 2;
-        const int64_t key = j * BN + nt * 8 + 2 * t + (e & 1);
-        const bool ok = valid[r] && key < p.Nk && (!p.causal || key <= pos[r]);
-        s[nt][e] = ok ? s[nt][e] * p.scale : -INFINITY;
-        mx[r] = fmaxf(mx[r], s[nt][e]);
-      }
+        for (int e = 0; e < 4; ++e) {
+          s[nt][e] *= p.scale;
+          mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
+        }
+    } else {
+#pragma unroll
+      for (int nt = 0; nt < BN / 8; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int key = key0 + nt * 8 + 2 * t + (e & 1);
+          s[nt][e] = key <= kmax[e / 2] ? s[nt][e] * p.scale : -INFINITY;
+          mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
+        }
+    }
     float alpha[2], mref[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {

@@ -31,16 +31,19 @@ struct Geometry {
 // the scale and codes come from the same codec calls as on the CPU (quantize_mx_block's rule).
 constexpr int kPerLane = 8;
 
-template <class T, bool kVector>
+// Index is uint32_t whenever the tensor is small enough: 64-bit division costs the GPU far more
+// than the quantization itself.
+template <class T, bool kVector, class Index>
 __global__ void quantize_rows_kernel(const T* __restrict__ x, Geometry g, int64_t nblocks, ScaleRule rule,
                                      QuantTarget t0, QuantTarget t1, Elem e0, Elem e1, int targets) {
-  const int64_t lane_id = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  const int64_t blk = lane_id / 4;
+  const Index lane_id = Index(blockIdx.x) * blockDim.x + threadIdx.x;
+  const Index blk = lane_id / 4;
   const int part = int(lane_id % 4);
-  const bool active = blk < nblocks;  // inactive lanes still take part in the shuffles
-  const int64_t row = active ? blk / g.nblk : 0, c = active ? blk % g.nblk : 0;
-  const int64_t n = row % g.N, bh = row / g.N, h = bh % g.H, b = bh / g.H;
-  const T* src = x + b * g.sb + h * g.sh + n * g.sn + c * kBlock + part * kPerLane;
+  const bool active = blk < Index(nblocks);  // inactive lanes still take part in the shuffles
+  const Index nblk = Index(g.nblk), N = Index(g.N), H = Index(g.H);
+  const Index row = active ? blk / nblk : 0, c = active ? blk % nblk : 0;
+  const Index n = row % N, bh = row / N, h = bh % H, b = bh / H;
+  const T* src = x + int64_t(b) * g.sb + int64_t(h) * g.sh + int64_t(n) * g.sn + int64_t(c) * kBlock + part * kPerLane;
   float v[kPerLane];
   float amax = 0.0f;
   bool bad = false;
@@ -82,7 +85,7 @@ __global__ void quantize_rows_kernel(const T* __restrict__ x, Geometry g, int64_
       codes[i] = sc == kE8M0NaN ? uint8_t(0) : encode_elem(spec, hd::ldexp2(v[i], -xexp));
       if (q.fp8_bytes) codes[i] = encode_elem(to, decode_elem(e, codes[i]));
     }
-    const int64_t first = row * d + c * kBlock + part * kPerLane;  // element index of codes[0]
+    const int64_t first = int64_t(row) * d + int64_t(c) * kBlock + part * kPerLane;  // element index of codes[0]
     if (e == Elem::e2m1 && !q.fp8_bytes) {
       uint32_t w = 0;
 #pragma unroll
@@ -95,7 +98,7 @@ __global__ void quantize_rows_kernel(const T* __restrict__ x, Geometry g, int64_
       for (int i = 0; i < kPerLane; ++i) wb[i] = codes[i];
       *reinterpret_cast<uint2*>(q.codes + first) = w;
     }
-    if (part == 0) q.scales[blk] = sc;
+    if (part == 0) q.scales[int64_t(blk)] = sc;
   }
 }
 
@@ -125,10 +128,13 @@ void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first
                    (g.sn * es) % 16 == 0;
   auto run = [&](auto* typed) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
-    if (vec)
-      quantize_rows_kernel<T, true><<<grid, threads, 0, stream>>>(typed, g, nblocks, rule, first, second, e0, e1, targets);
+    const bool small = nblocks * 4 + threads < (int64_t(1) << 32);
+    if (vec && small)
+      quantize_rows_kernel<T, true, uint32_t><<<grid, threads, 0, stream>>>(typed, g, nblocks, rule, first, second, e0, e1, targets);
+    else if (small)
+      quantize_rows_kernel<T, false, uint32_t><<<grid, threads, 0, stream>>>(typed, g, nblocks, rule, first, second, e0, e1, targets);
     else
-      quantize_rows_kernel<T, false><<<grid, threads, 0, stream>>>(typed, g, nblocks, rule, first, second, e0, e1, targets);
+      quantize_rows_kernel<T, false, int64_t><<<grid, threads, 0, stream>>>(typed, g, nblocks, rule, first, second, e0, e1, targets);
   };
   switch (x.dtype) {
     case DType::f32: run(static_cast<const float*>(x.data)); break;
