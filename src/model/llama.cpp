@@ -1,0 +1,180 @@
+#include "model/llama.hpp"
+
+#include <cmath>
+
+#include "cpu/parallel.hpp"
+#include "dmattn/attention.hpp"
+#include "dmattn/error.hpp"
+
+namespace dmattn::model {
+
+namespace {
+
+// 16 independent partial sums: the compiler vectorises them without reassociating anything.
+float dot(const float* a, const float* b, int n) {
+  float acc[16] = {};
+  int i = 0;
+  for (; i + 16 <= n; i += 16)
+    for (int k = 0; k < 16; ++k) acc[k] += a[i + k] * b[i + k];
+  float s = 0;
+  for (; i < n; ++i) s += a[i] * b[i];
+  for (float x : acc) s += x;
+  return s;
+}
+
+// Y[t][o] = sum_i X[t][i] W[o][i]  (W row-major [out][in], as GGUF stores it)
+void matmul(const float* X, int T, int in, const std::vector<float>& W, int out, float* Y, int threads) {
+  constexpr int kRows = 32;
+  cpu::parallel_for((out + kRows - 1) / kRows, threads, [&](int64_t blk) {
+    for (int o = int(blk) * kRows; o < std::min(out, int(blk + 1) * kRows); ++o)
+      for (int t = 0; t < T; ++t) Y[size_t(t) * out + o] = dot(X + size_t(t) * in, W.data() + size_t(o) * in, in);
+  });
+}
+
+void rmsnorm(const float* x, const std::vector<float>& w, int dim, float eps, float* y) {
+  double ss = 0;
+  for (int i = 0; i < dim; ++i) ss += double(x[i]) * x[i];
+  const float r = float(1.0 / std::sqrt(ss / dim + eps));
+  for (int i = 0; i < dim; ++i) y[i] = x[i] * r * w[size_t(i)];
+}
+
+// llama.cpp's "normal" RoPE (the layout GGUF Llama weights are converted to): adjacent pairs.
+void rope(float* x, int heads, int hd, int64_t pos, float base) {
+  for (int i = 0; i < hd / 2; ++i) {
+    const double th = double(pos) * std::pow(double(base), -2.0 * i / hd);
+    const float c = float(std::cos(th)), s = float(std::sin(th));
+    for (int h = 0; h < heads; ++h) {
+      float* p = x + h * hd + 2 * i;
+      const float a = p[0], b = p[1];
+      p[0] = a * c - b * s;
+      p[1] = a * s + b * c;
+    }
+  }
+}
+
+std::vector<float> load(const Gguf& g, const std::string& name, int64_t numel) {
+  std::vector<float> v = g.dequantize(name);
+  if (int64_t(v.size()) != numel)
+    throw Error("model: tensor " + name + " has " + std::to_string(v.size()) + " elements, expected " + std::to_string(numel));
+  return v;
+}
+
+}  // namespace
+
+Llama::Llama(const Gguf& g, int threads) : threads_(threads) {
+  const std::string arch = g.get_string("general.architecture");
+  if (arch != "llama") throw Error("model: architecture '" + arch + "' is not supported (llama only)");
+  c_.n_layer = int(g.get_int("llama.block_count"));
+  c_.dim = int(g.get_int("llama.embedding_length"));
+  c_.n_head = int(g.get_int("llama.attention.head_count"));
+  c_.n_kv = int(g.has("llama.attention.head_count_kv") ? g.get_int("llama.attention.head_count_kv") : c_.n_head);
+  c_.ffn = int(g.get_int("llama.feed_forward_length"));
+  c_.ctx = int(g.get_int("llama.context_length"));
+  c_.rope_base = float(g.has("llama.rope.freq_base") ? g.get_float("llama.rope.freq_base") : 10000.0);
+  c_.eps = float(g.get_float("llama.attention.layer_norm_rms_epsilon"));
+  if (c_.n_head <= 0 || c_.n_kv <= 0 || c_.dim % c_.n_head || c_.n_head % c_.n_kv) throw Error("model: inconsistent head counts");
+  c_.head_dim = c_.dim / c_.n_head;
+  const int64_t kvd = int64_t(c_.n_kv) * c_.head_dim;
+  c_.vocab = int(g.tensor("token_embd.weight").dims.at(1));
+  embed_ = load(g, "token_embd.weight", int64_t(c_.vocab) * c_.dim);
+  out_norm_ = load(g, "output_norm.weight", c_.dim);
+  if (g.has_tensor("output.weight")) out_ = load(g, "output.weight", int64_t(c_.vocab) * c_.dim);
+  layers_.resize(size_t(c_.n_layer));
+  for (int l = 0; l < c_.n_layer; ++l) {
+    const std::string p = "blk." + std::to_string(l) + ".";
+    Layer& L = layers_[size_t(l)];
+    L.attn_norm = load(g, p + "attn_norm.weight", c_.dim);
+    L.wq = load(g, p + "attn_q.weight", int64_t(c_.dim) * c_.dim);
+    L.wk = load(g, p + "attn_k.weight", kvd * c_.dim);
+    L.wv = load(g, p + "attn_v.weight", kvd * c_.dim);
+    L.wo = load(g, p + "attn_output.weight", int64_t(c_.dim) * c_.dim);
+    L.ffn_norm = load(g, p + "ffn_norm.weight", c_.dim);
+    L.wg = load(g, p + "ffn_gate.weight", int64_t(c_.ffn) * c_.dim);
+    L.wu = load(g, p + "ffn_up.weight", int64_t(c_.ffn) * c_.dim);
+    L.wd = load(g, p + "ffn_down.weight", int64_t(c_.ffn) * c_.dim);
+  }
+}
+
+std::vector<float> Llama::hidden(const std::vector<int>& tokens, const AttentionFn& attn) const {
+  const int T = int(tokens.size()), D = c_.dim, hd = c_.head_dim, kvd = c_.n_kv * hd;
+  if (T == 0) throw Error("model: no tokens");
+  std::vector<float> x(size_t(T) * D), h(x.size()), q(x.size()), k(size_t(T) * kvd), v(k.size()), a(x.size()), o(x.size());
+  std::vector<float> g(size_t(T) * c_.ffn), u(g.size());
+  for (int t = 0; t < T; ++t) {
+    if (tokens[size_t(t)] < 0 || tokens[size_t(t)] >= c_.vocab) throw Error("model: token id out of range");
+    std::copy_n(embed_.data() + size_t(tokens[size_t(t)]) * D, D, x.data() + size_t(t) * D);
+  }
+  // [T][H][hd] buffers seen as [1,H,T,hd] views.
+  auto view = [&](float* p, int heads) {
+    TensorView tv;
+    tv.data = p;
+    tv.dtype = DType::f32;
+    tv.shape = {1, heads, T, hd};
+    tv.stride = {int64_t(T) * heads * hd, hd, int64_t(heads) * hd, 1};
+    return tv;
+  };
+  for (int l = 0; l < c_.n_layer; ++l) {
+    const Layer& L = layers_[size_t(l)];
+    for (int t = 0; t < T; ++t) rmsnorm(&x[size_t(t) * D], L.attn_norm, D, c_.eps, &h[size_t(t) * D]);
+    matmul(h.data(), T, D, L.wq, D, q.data(), threads_);
+    matmul(h.data(), T, D, L.wk, kvd, k.data(), threads_);
+    matmul(h.data(), T, D, L.wv, kvd, v.data(), threads_);
+    for (int t = 0; t < T; ++t) {
+      rope(&q[size_t(t) * D], c_.n_head, hd, t, c_.rope_base);
+      rope(&k[size_t(t) * kvd], c_.n_kv, hd, t, c_.rope_base);
+    }
+    attn(l, view(q.data(), c_.n_head), view(k.data(), c_.n_kv), view(v.data(), c_.n_kv), view(a.data(), c_.n_head));
+    matmul(a.data(), T, D, L.wo, D, o.data(), threads_);
+    for (size_t i = 0; i < x.size(); ++i) x[i] += o[i];
+    for (int t = 0; t < T; ++t) rmsnorm(&x[size_t(t) * D], L.ffn_norm, D, c_.eps, &h[size_t(t) * D]);
+    matmul(h.data(), T, D, L.wg, c_.ffn, g.data(), threads_);
+    matmul(h.data(), T, D, L.wu, c_.ffn, u.data(), threads_);
+    for (size_t i = 0; i < g.size(); ++i) g[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];  // SwiGLU
+    matmul(g.data(), T, c_.ffn, L.wd, D, o.data(), threads_);
+    for (size_t i = 0; i < x.size(); ++i) x[i] += o[i];
+  }
+  for (int t = 0; t < T; ++t) rmsnorm(&x[size_t(t) * D], out_norm_, D, c_.eps, &h[size_t(t) * D]);
+  return h;
+}
+
+std::vector<float> Llama::logits(const float* h) const {
+  std::vector<float> z(size_t(c_.vocab));
+  matmul(h, 1, c_.dim, output_matrix(), c_.vocab, z.data(), threads_);
+  return z;
+}
+
+std::pair<double, int64_t> Llama::nll(const std::vector<int>& tokens, const AttentionFn& attn, int64_t from) const {
+  const std::vector<float> h = hidden(tokens, attn);
+  const int64_t T = int64_t(tokens.size());
+  std::vector<double> per(size_t(T), 0.0);
+  const std::vector<float>& W = output_matrix();
+  cpu::parallel_for(T - 1 - from, threads_, [&](int64_t i) {
+    const int64_t t = from + i;
+    const float* ht = &h[size_t(t) * c_.dim];
+    double m = -1e300, target = 0;
+    std::vector<float> z(size_t(c_.vocab));
+    for (int vv = 0; vv < c_.vocab; ++vv) {
+      z[size_t(vv)] = dot(ht, W.data() + size_t(vv) * c_.dim, c_.dim);
+      m = std::max(m, double(z[size_t(vv)]));
+    }
+    double s = 0;
+    for (float zz : z) s += std::exp(double(zz) - m);
+    target = z[size_t(tokens[size_t(t + 1)])];
+    per[size_t(t)] = m + std::log(s) - target;
+  });
+  double sum = 0;
+  for (int64_t t = from; t < T - 1; ++t) sum += per[size_t(t)];
+  return {sum, T - 1 - from};
+}
+
+AttentionFn exact_attention_fn(int threads) {
+  return [threads](int, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out) {
+    AttentionOptions o;
+    o.causal = true;
+    o.exact = true;
+    o.threads = threads;
+    attention(q, k, v, out, nullptr, o);
+  };
+}
+
+}  // namespace dmattn::model
