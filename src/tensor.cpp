@@ -91,6 +91,19 @@ HostTensor HostTensor::from_floats(const std::vector<float>& v, Shape shape, DTy
   return t;
 }
 
+HostTensor HostTensor::copy_of(const TensorView& t, DType dtype) {
+  HostTensor h(dtype, t.shape);
+  const TensorView hv = h.view();
+  std::vector<float> row(static_cast<size_t>(t.shape[3]));
+  for (int64_t b = 0; b < t.shape[0]; ++b)
+    for (int64_t hh = 0; hh < t.shape[1]; ++hh)
+      for (int64_t n = 0; n < t.shape[2]; ++n) {
+        load_row(t, b, hh, n, row.data());
+        store_row(hv, b, hh, n, row.data());
+      }
+  return h;
+}
+
 std::vector<float> HostTensor::to_floats() const {
   std::vector<float> v(static_cast<size_t>(numel()));
   const TensorView tv = view();

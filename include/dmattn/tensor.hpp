@@ -44,6 +44,8 @@ class HostTensor {
   HostTensor() = default;
   HostTensor(DType dtype, Shape shape);
   static HostTensor from_floats(const std::vector<float>& v, Shape shape, DType dtype = DType::f32);
+  // A contiguous copy of a (possibly strided) CPU view, converted to `dtype`.
+  static HostTensor copy_of(const TensorView& t, DType dtype = DType::f32);
 
   TensorView view() { return TensorView::contiguous(bytes_.data(), dtype_, shape_); }
   TensorView view() const { return TensorView::contiguous(const_cast<std::byte*>(bytes_.data()), dtype_, shape_); }

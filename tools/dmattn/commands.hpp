@@ -19,5 +19,6 @@ void add_run(CLI::App& app);
 void add_quantize(CLI::App& app);
 void add_compare(CLI::App& app);
 void add_demo(CLI::App& app);
+void add_eval(CLI::App& app);
 
 }  // namespace dmattn::cli

@@ -41,6 +41,7 @@ int main(int argc, char** argv) {
   dmattn::cli::add_quantize(app);
   dmattn::cli::add_compare(app);
   dmattn::cli::add_demo(app);
+  dmattn::cli::add_eval(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

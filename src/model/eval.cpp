@@ -1,0 +1,114 @@
+#include "model/eval.hpp"
+
+#include <chrono>
+#include <cmath>
+
+#include "dmattn/error.hpp"
+
+namespace dmattn::model {
+
+std::vector<EvalConfig> default_eval_configs() {
+  std::vector<EvalConfig> c{{"exact fp64", {}, true},
+                            {"all-bf16", Policy::all(Format::bf16)},
+                            {"all-MXFP8 E4M3", Policy::all(Format::mxfp8_e4m3)},
+                            {"all-MXFP8 E5M2", Policy::all(Format::mxfp8_e5m2)},
+                            {"all-MXFP4", Policy::all(Format::mxfp4)},
+                            {"all-NVFP4", Policy::all(Format::nvfp4)}};
+  for (int sinks : {0, 1})
+    for (int diag : {1, 2, 4}) {
+      Policy p;
+      p.diag_tiles = diag;
+      p.sink_tiles = sinks;
+      c.push_back({"DMA diag=" + std::to_string(diag) + " sinks=" + std::to_string(sinks), p});
+    }
+  Policy ceil_rule;
+  ceil_rule.scale_rule = ScaleRule::ceil;
+  c.push_back({"DMA diag=1 sinks=0 ceil", ceil_rule});
+  Policy pv8;
+  pv8.pv = PV::mxfp8;
+  c.push_back({"DMA diag=1 sinks=0 pv=mxfp8", pv8});
+  return c;
+}
+
+namespace {
+AttentionFn policy_fn(const EvalConfig& c, int threads) {
+  return [c, threads](int, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out) {
+    AttentionOptions o;
+    o.causal = true;
+    o.exact = c.exact;
+    o.policy = c.policy;
+    o.threads = threads;
+    o.backend = Backend::cpu;
+    attention(q, k, v, out, nullptr, o);
+  };
+}
+}  // namespace
+
+std::vector<EvalResult> evaluate(const Llama& model, const std::vector<int>& tokens,
+                                 const std::vector<EvalConfig>& configs, const EvalOptions& opts) {
+  if (opts.ctx < 16) throw Error("eval: context too short");
+  int64_t windows = int64_t(tokens.size()) / opts.ctx;
+  if (opts.max_windows > 0) windows = std::min(windows, opts.max_windows);
+  if (windows == 0) throw Error("eval: the text has fewer tokens (" + std::to_string(tokens.size()) + ") than one window (" + std::to_string(opts.ctx) + ")");
+  const int L = model.config().n_layer;
+  std::vector<EvalResult> res(configs.size());
+  for (size_t i = 0; i < configs.size(); ++i) {
+    res[i].name = configs[i].name;
+    res[i].layer_rel_l2.assign(size_t(L), 0.0);
+  }
+  // Per-layer errors on the first window: every policy on the same exact-pass Q/K/V.
+  {
+    std::vector<double> err2(configs.size() * size_t(L), 0.0), ref2(size_t(L), 0.0);
+    const std::vector<int> w(tokens.begin(), tokens.begin() + opts.ctx);
+    const AttentionFn exact = policy_fn({"exact", {}, true}, opts.threads);
+    model.hidden(w, [&](int layer, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out) {
+      exact(layer, q, k, v, out);
+      HostTensor tmp(DType::f32, out.shape);
+      const std::vector<float> r = HostTensor::copy_of(out).to_floats();
+      for (double x : r) ref2[size_t(layer)] += x * x;
+      for (size_t c = 0; c < configs.size(); ++c) {
+        if (configs[c].exact) continue;
+        policy_fn(configs[c], opts.threads)(layer, q, k, v, tmp.view());
+        const std::vector<float> t = tmp.to_floats();
+        double e = 0;
+        for (size_t i = 0; i < t.size(); ++i) e += (double(t[i]) - r[i]) * (double(t[i]) - r[i]);
+        err2[c * size_t(L) + size_t(layer)] += e;
+      }
+      if (opts.progress) opts.progress(size_t(-1), layer, L);
+    });
+    for (size_t c = 0; c < configs.size(); ++c)
+      for (int l = 0; l < L; ++l) res[c].layer_rel_l2[size_t(l)] = std::sqrt(err2[c * size_t(L) + size_t(l)] / ref2[size_t(l)]);
+  }
+  for (size_t c = 0; c < configs.size(); ++c) {
+    const auto t0 = std::chrono::steady_clock::now();
+    double nll = 0;
+    int64_t n = 0;
+    for (int64_t wi = 0; wi < windows; ++wi) {
+      if (opts.progress) opts.progress(c, wi, windows);
+      const std::vector<int> w(tokens.begin() + wi * opts.ctx, tokens.begin() + (wi + 1) * opts.ctx);
+      const auto [s, k] = model.nll(w, policy_fn(configs[c], opts.threads), opts.ctx / 2);
+      nll += s;
+      n += k;
+    }
+    res[c].ppl = std::exp(nll / double(n));
+    res[c].scored = n;
+    res[c].seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  return res;
+}
+
+LayerQKV capture_layer(const Llama& model, const std::vector<int>& tokens, int layer) {
+  if (layer < 0 || layer >= model.config().n_layer) throw Error("capture_layer: no layer " + std::to_string(layer));
+  LayerQKV out;
+  const AttentionFn exact = exact_attention_fn();
+  model.hidden(tokens, [&](int l, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o) {
+    exact(l, q, k, v, o);
+    if (l != layer) return;
+    out.q = HostTensor::copy_of(q);
+    out.k = HostTensor::copy_of(k);
+    out.v = HostTensor::copy_of(v);
+  });
+  return out;
+}
+
+}  // namespace dmattn::model
