@@ -9,6 +9,7 @@
 #include "dmattn/attention.hpp"
 #include "dmattn/error.hpp"
 #include "dmattn/metrics.hpp"
+#include "dmattn/npy.hpp"
 #include "dmattn/synthetic.hpp"
 
 using namespace dmattn;
@@ -298,4 +299,26 @@ TEST(AttentionCpu, RejectsBadInput) {
   o.backend = Backend::cuda;
   EXPECT_THROW(attention(x.q.view(), x.k.view(), x.v.view(), out.view(), nullptr, o), Error);
 #endif
+}
+
+// Real activations of SmolLM2-135M (tests/data, written by `dmattn capture --n 512 --layer 1
+// --layer 20`): DMA sits between its formats, and sink tiles help, as on the real model.
+TEST(AttentionCpu, RealActivationsOrderFormatsAndSinksHelp) {
+  for (int layer : {1, 20}) {
+    const std::string base = std::string(DMATTN_SOURCE_DIR) + "/tests/data/layer" + std::to_string(layer) + "_";
+    const QKV x{read_npy_tensor(base + "q.npy", "q"), read_npy_tensor(base + "k.npy", "k"), read_npy_tensor(base + "v.npy", "v")};
+    AttentionOptions ex = opts({}, true);
+    ex.exact = true;
+    const std::vector<float> ref = run(x, ex).out;
+    const double e8 = rel_l2(run(x, opts(Policy::all(Format::mxfp8_e4m3), true)).out, ref);
+    const double e4 = rel_l2(run(x, opts(Policy::all(Format::mxfp4), true)).out, ref);
+    const double dma = rel_l2(run(x, opts(Policy{}, true)).out, ref);
+    Policy sink;
+    sink.sink_tiles = 1;
+    const double dma_sink = rel_l2(run(x, opts(sink, true)).out, ref);
+    std::printf("layer %d: all-MXFP8 %.4f  all-MXFP4 %.4f  DMA %.4f  DMA+sink %.4f\n", layer, e8, e4, dma, dma_sink);
+    EXPECT_LT(e8, dma) << layer;
+    EXPECT_LT(dma, e4) << layer;
+    EXPECT_LE(dma_sink, dma) << layer;
+  }
 }

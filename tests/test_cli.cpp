@@ -74,7 +74,7 @@ std::string fill(std::string s, const fs::path& dir) {
 }  // namespace
 
 TEST_F(Cli, HelpOnEverySubcommand) {
-  for (const char* sub : {"", "run", "quantize", "dequantize", "compare", "demo"}) {
+  for (const char* sub : {"", "run", "quantize", "dequantize", "compare", "demo", "eval", "capture"}) {
     const Proc r = run(std::string(sub) + " --help");
     EXPECT_EQ(r.code, 0) << sub;
     EXPECT_NE(r.out.find("--help"), std::string::npos) << sub;
@@ -181,7 +181,7 @@ TEST_F(Cli, BadInputGivesOneLineError) {
 }
 
 TEST_F(Cli, DemoPrintsTableWithDmaBetweenFormats) {
-  const Proc r = run("demo --n 1024 --heads 2 --kv-heads 1");
+  const Proc r = run("demo --synthetic --n 1024 --heads 2 --kv-heads 1");
   ASSERT_EQ(r.code, 0) << r.err;
   auto err_of = [&](const std::string& name) {
     const size_t at = r.out.find(name);

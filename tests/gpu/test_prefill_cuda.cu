@@ -12,6 +12,7 @@
 #include "dmattn/attention.hpp"
 #include "dmattn/error.hpp"
 #include "dmattn/metrics.hpp"
+#include "dmattn/npy.hpp"
 #include "dmattn/synthetic.hpp"
 
 using namespace dmattn;
@@ -41,8 +42,7 @@ Policy make(Format high, Format low, int diag, int sinks) {
   return p;
 }
 
-void check_case(const Case& c, DType dtype, uint64_t seed) {
-  const QKV x = random_qkv({1, c.hq, c.hkv, c.nq, c.nk, c.d}, seed, dtype);
+void check_qkv(const Case& c, const QKV& x, DType dtype) {
   AttentionOptions o;
   o.causal = c.causal;
   o.policy = c.policy;
@@ -72,6 +72,22 @@ void check_case(const Case& c, DType dtype, uint64_t seed) {
 }
 
 }  // namespace
+
+void check_case(const Case& c, DType dtype, uint64_t seed) {
+  check_qkv(c, random_qkv({1, c.hq, c.hkv, c.nq, c.nk, c.d}, seed, dtype), dtype);
+}
+
+TEST(GpuPrefill, MatchesCpuOracleOnRealActivations) {
+  if (!have_device()) GTEST_SKIP() << "no CUDA device available";
+  for (int layer : {1, 20}) {
+    const std::string base = std::string(DMATTN_SOURCE_DIR) + "/tests/data/layer" + std::to_string(layer) + "_";
+    const QKV x{read_npy_tensor(base + "q.npy", "q"), read_npy_tensor(base + "k.npy", "k"), read_npy_tensor(base + "v.npy", "v")};
+    Policy sink;
+    sink.sink_tiles = 1;
+    for (const Policy& pol : {Policy{}, sink, Policy::all(Format::mxfp4)})
+      check_qkv({9, 3, 512, 512, 64, true, pol, layer == 1 ? "real layer 1" : "real layer 20"}, x, DType::f16);
+  }
+}
 
 TEST(GpuPrefill, MatchesCpuOracle) {
   if (!have_device()) GTEST_SKIP() << "no CUDA device available";

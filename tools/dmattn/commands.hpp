@@ -20,5 +20,6 @@ void add_quantize(CLI::App& app);
 void add_compare(CLI::App& app);
 void add_demo(CLI::App& app);
 void add_eval(CLI::App& app);
+void add_capture(CLI::App& app);
 
 }  // namespace dmattn::cli

@@ -42,6 +42,7 @@ int main(int argc, char** argv) {
   dmattn::cli::add_compare(app);
   dmattn::cli::add_demo(app);
   dmattn::cli::add_eval(app);
+  dmattn::cli::add_capture(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
