@@ -2,10 +2,29 @@
 
 #include <chrono>
 #include <cmath>
+#include <fstream>
+#include <sstream>
 
 #include "dmattn/error.hpp"
 
 namespace dmattn::model {
+
+std::vector<std::string> default_text_files() {
+  const std::string d = "/usr/share/common-licenses/";
+  return {d + "GPL-3", d + "GPL-2", d + "LGPL-2.1", d + "Apache-2.0", d + "MPL-2.0", d + "GFDL-1.3", d + "Artistic", d + "CC0-1.0"};
+}
+
+std::string read_text_files(const std::vector<std::string>& files) {
+  std::string all;
+  for (const std::string& f : files) {
+    std::ifstream in(f);
+    if (!in) throw Error(f + ": cannot open text file");
+    std::stringstream s;
+    s << in.rdbuf();
+    all += s.str() + "\n";
+  }
+  return all;
+}
 
 std::vector<EvalConfig> default_eval_configs() {
   std::vector<EvalConfig> c{{"exact fp64", {}, true},

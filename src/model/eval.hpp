@@ -40,6 +40,13 @@ struct EvalOptions {
 std::vector<EvalResult> evaluate(const Llama& model, const std::vector<int>& tokens,
                                  const std::vector<EvalConfig>& configs, const EvalOptions& opts);
 
+// The model scripts/fetch_model.sh installs, relative to the repository root.
+inline constexpr const char* kDefaultModelPath = ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf";
+// Real English text on every Debian machine (package base-files): licence texts, which their
+// licences allow to be copied verbatim.
+std::vector<std::string> default_text_files();
+std::string read_text_files(const std::vector<std::string>& files);  // concatenated, newline-separated
+
 // Captures the post-RoPE Q/K/V of `layer` for `tokens` (shapes [1,H,T,hd]).
 struct LayerQKV {
   HostTensor q, k, v;

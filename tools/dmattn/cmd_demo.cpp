@@ -18,17 +18,14 @@
 
 namespace dmattn::cli {
 
-extern const char* kDefaultModel;
-std::string read_texts(const std::vector<std::string>& files);
-
 namespace {
-// One layer's real Q/K/V: the model run over the first `n` tokens of the licence texts.
+// One layer's real Q/K/V: the model run over the first `n` tokens of the GPL texts.
 QKV real_qkv(const std::string& path, int64_t n, int layer, std::string& what) {
   const model::Gguf g = model::Gguf::load(path);
   const model::Tokenizer tok(g);
   const model::Llama llama(g);
-  std::vector<int> ids = tok.encode(read_texts({"/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/GPL-2"}));
-  if (int64_t(ids.size()) < n) throw Error("demo: the text has only " + std::to_string(ids.size()) + " tokens");
+  std::vector<int> ids = tok.encode(model::read_text_files({"/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/GPL-2"}));
+  if (int64_t(ids.size()) < n) throw Error("the text has only " + std::to_string(ids.size()) + " tokens");
   ids.resize(size_t(n));
   if (layer < 0) layer = llama.config().n_layer / 2;
   model::LayerQKV c = model::capture_layer(llama, ids, layer);
@@ -40,7 +37,7 @@ QKV real_qkv(const std::string& path, int64_t n, int layer, std::string& what) {
 
 void add_capture(CLI::App& app) {
   struct Args {
-    std::string model = kDefaultModel, dir = ".";
+    std::string model = model::kDefaultModelPath, dir = ".";
     int64_t n = 512;
     std::vector<int> layers{1};
   };
@@ -67,11 +64,11 @@ void add_capture(CLI::App& app) {
 
 void add_demo(CLI::App& app) {
   struct Args {
-    int64_t n = 4096, heads = 4, kv_heads = 2, d = 128;
+    int64_t n = 2048, heads = 4, kv_heads = 2, d = 128;
     uint64_t seed = 1;
     int threads = 0;
     bool synthetic = false;
-    std::string model = kDefaultModel;
+    std::string model = model::kDefaultModelPath;
     int layer = -1;
   };
   auto a = std::make_shared<Args>();

@@ -1,8 +1,8 @@
 // `dmattn eval`: perplexity and per-layer attention error of every policy on a real model and
 // real text; a table on stdout, CSV to a file.
 #include <cstdio>
+#include <algorithm>
 #include <fstream>
-#include <sstream>
 
 #include <unistd.h>
 
@@ -13,29 +13,9 @@
 
 namespace dmattn::cli {
 
-const char* kDefaultModel = ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf";
-// Real English text on every Debian machine (package base-files): licence texts, which their
-// licences allow to be copied verbatim.
-const char* kDefaultTexts[] = {"/usr/share/common-licenses/GPL-3",      "/usr/share/common-licenses/GPL-2",
-                               "/usr/share/common-licenses/LGPL-2.1",   "/usr/share/common-licenses/Apache-2.0",
-                               "/usr/share/common-licenses/MPL-2.0",    "/usr/share/common-licenses/GFDL-1.3",
-                               "/usr/share/common-licenses/Artistic",   "/usr/share/common-licenses/CC0-1.0"};
-
-std::string read_texts(const std::vector<std::string>& files) {
-  std::string all;
-  for (const std::string& f : files) {
-    std::ifstream in(f);
-    if (!in) throw Error(f + ": cannot open text file");
-    std::stringstream s;
-    s << in.rdbuf();
-    all += s.str() + "\n";
-  }
-  return all;
-}
-
 void add_eval(CLI::App& app) {
   struct Args {
-    std::string model = kDefaultModel, csv;
+    std::string model = model::kDefaultModelPath, csv;
     std::vector<std::string> texts;
     int ctx = 2048, threads = 0;
     int64_t windows = 0;
@@ -57,8 +37,8 @@ void add_eval(CLI::App& app) {
     if (a->ctx > llama.config().ctx)
       throw Error("--ctx " + std::to_string(a->ctx) + " exceeds the model's context (" + std::to_string(llama.config().ctx) + ")");
     std::vector<std::string> files = a->texts;
-    if (files.empty()) files.assign(std::begin(kDefaultTexts), std::end(kDefaultTexts));
-    const std::vector<int> tokens = tok.encode(read_texts(files));
+    if (files.empty()) files = model::default_text_files();
+    const std::vector<int> tokens = tok.encode(model::read_text_files(files));
     std::vector<model::EvalConfig> configs;
     for (const auto& c : model::default_eval_configs())
       if (a->only.empty() || std::find(a->only.begin(), a->only.end(), c.name) != a->only.end() || c.exact)
