@@ -78,6 +78,18 @@ bool bit_equal(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
+// Output errors vs fp64 of all-MXFP8 E4M3, all-MXFP4 and a DMA policy, causal.
+struct FormatErrors {
+  double e8, e4, dma;
+};
+FormatErrors format_errors(const QKV& x, const Policy& dma) {
+  AttentionOptions ex = opts({}, true);
+  ex.exact = true;
+  const std::vector<float> ref = run(x, ex).out;
+  return {rel_l2(run(x, opts(Policy::all(Format::mxfp8_e4m3), true)).out, ref),
+          rel_l2(run(x, opts(Policy::all(Format::mxfp4), true)).out, ref), rel_l2(run(x, opts(dma, true)).out, ref)};
+}
+
 }  // namespace
 
 TEST(AttentionCpu, ExactMatchesNaiveFp64) {
@@ -113,15 +125,9 @@ TEST(AttentionCpu, HugeDiagIsAllHighAndZeroIsAllLow) {
 }
 
 TEST(AttentionCpu, DmaSitsBetweenItsFormats) {
-  const QKV x = llm_like_qkv({1, 2, 1, 1024, 1024, 128}, 3);
-  AttentionOptions ex = opts({}, true);
-  ex.exact = true;
-  const std::vector<float> ref = run(x, ex).out;
-  const double e8 = rel_l2(run(x, opts(Policy::all(Format::mxfp8_e4m3), true)).out, ref);
-  const double e4 = rel_l2(run(x, opts(Policy::all(Format::mxfp4), true)).out, ref);
-  const double dma = rel_l2(run(x, opts(Policy{}, true)).out, ref);
-  EXPECT_LT(e8, dma);
-  EXPECT_LT(dma, e4);
+  const FormatErrors e = format_errors(llm_like_qkv({1, 2, 1, 1024, 1024, 128}, 3), Policy{});
+  EXPECT_LT(e.e8, e.dma);
+  EXPECT_LT(e.dma, e.e4);
 }
 
 TEST(AttentionCpu, Bf16PolicyIsCloseToExactAndMxfp8WithinBound) {
@@ -307,15 +313,11 @@ TEST(AttentionCpu, RealActivationsOrderFormatsAndSinksHelp) {
   for (int layer : {1, 20}) {
     const std::string base = std::string(DMATTN_SOURCE_DIR) + "/tests/data/layer" + std::to_string(layer) + "_";
     const QKV x{read_npy_tensor(base + "q.npy", "q"), read_npy_tensor(base + "k.npy", "k"), read_npy_tensor(base + "v.npy", "v")};
-    AttentionOptions ex = opts({}, true);
-    ex.exact = true;
-    const std::vector<float> ref = run(x, ex).out;
-    const double e8 = rel_l2(run(x, opts(Policy::all(Format::mxfp8_e4m3), true)).out, ref);
-    const double e4 = rel_l2(run(x, opts(Policy::all(Format::mxfp4), true)).out, ref);
-    const double dma = rel_l2(run(x, opts(Policy{}, true)).out, ref);
+    const FormatErrors e = format_errors(x, Policy{});
+    const double e8 = e.e8, e4 = e.e4, dma = e.dma;
     Policy sink;
     sink.sink_tiles = 1;
-    const double dma_sink = rel_l2(run(x, opts(sink, true)).out, ref);
+    const double dma_sink = format_errors(x, sink).dma;
     std::printf("layer %d: all-MXFP8 %.4f  all-MXFP4 %.4f  DMA %.4f  DMA+sink %.4f\n", layer, e8, e4, dma, dma_sink);
     EXPECT_LT(e8, dma) << layer;
     EXPECT_LT(dma, e4) << layer;

@@ -26,13 +26,8 @@ std::string read_text_files(const std::vector<std::string>& files) {
   return all;
 }
 
-std::vector<EvalConfig> default_eval_configs() {
-  std::vector<EvalConfig> c{{"exact fp64", {}, true},
-                            {"all-bf16", Policy::all(Format::bf16)},
-                            {"all-MXFP8 E4M3", Policy::all(Format::mxfp8_e4m3)},
-                            {"all-MXFP8 E5M2", Policy::all(Format::mxfp8_e5m2)},
-                            {"all-MXFP4", Policy::all(Format::mxfp4)},
-                            {"all-NVFP4", Policy::all(Format::nvfp4)}};
+std::vector<EvalConfig> dma_grid() {
+  std::vector<EvalConfig> c;
   for (int sinks : {0, 1})
     for (int diag : {1, 2, 4}) {
       Policy p;
@@ -40,6 +35,17 @@ std::vector<EvalConfig> default_eval_configs() {
       p.sink_tiles = sinks;
       c.push_back({"DMA diag=" + std::to_string(diag) + " sinks=" + std::to_string(sinks), p});
     }
+  return c;
+}
+
+std::vector<EvalConfig> default_eval_configs() {
+  std::vector<EvalConfig> c{{"exact fp64", {}, true},
+                            {"all-bf16", Policy::all(Format::bf16)},
+                            {"all-MXFP8 E4M3", Policy::all(Format::mxfp8_e4m3)},
+                            {"all-MXFP8 E5M2", Policy::all(Format::mxfp8_e5m2)},
+                            {"all-MXFP4", Policy::all(Format::mxfp4)},
+                            {"all-NVFP4", Policy::all(Format::nvfp4)}};
+  for (EvalConfig& d : dma_grid()) c.push_back(std::move(d));
   Policy ceil_rule;
   ceil_rule.scale_rule = ScaleRule::ceil;
   c.push_back({"DMA diag=1 sinks=0 ceil", ceil_rule});

@@ -17,6 +17,9 @@ struct EvalConfig {
   bool exact = false;
 };
 
+// DMA with diag_tiles 1/2/4 x sink_tiles 0/1 (named "DMA diag=D sinks=S").
+std::vector<EvalConfig> dma_grid();
+
 // exact, all-bf16, all-MXFP8 E4M3 / E5M2, all-MXFP4, all-NVFP4, DMA diag 1/2/4 x sinks 0/1, the
 // default DMA with the ceil rule, and with pv = mxfp8.
 std::vector<EvalConfig> default_eval_configs();

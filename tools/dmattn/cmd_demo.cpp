@@ -96,20 +96,10 @@ void add_demo(CLI::App& app) {
              (a->synthetic ? "" : "; run scripts/fetch_model.sh for real activations");
     }
     const Shape& qs = x.q.shape();
-    struct Row {
-      std::string name;
-      Policy policy;
-      bool exact = false;
-    };
-    std::vector<Row> rows{{"exact fp64", {}, true}, {"all-MXFP8 (e4m3)", Policy::all(Format::mxfp8_e4m3)},
-                          {"all-MXFP4", Policy::all(Format::mxfp4)}};
-    for (int sinks : {0, 1})
-      for (int diag : {1, 2, 4}) {
-        Policy p;
-        p.diag_tiles = diag;
-        p.sink_tiles = sinks;
-        rows.push_back({"DMA diag=" + std::to_string(diag) + " sinks=" + std::to_string(sinks), p});
-      }
+    std::vector<model::EvalConfig> rows{{"exact fp64", {}, true},
+                                        {"all-MXFP8 (e4m3)", Policy::all(Format::mxfp8_e4m3)},
+                                        {"all-MXFP4", Policy::all(Format::mxfp4)}};
+    for (model::EvalConfig& d : model::dma_grid()) rows.push_back(std::move(d));
     std::printf("dmattn demo: causal attention, B=1 Hq=%lld Hkv=%lld N=%lld d=%lld, CPU\ninputs: %s\n",
                 (long long)qs[1], (long long)x.k.shape()[1], (long long)qs[2], (long long)qs[3], what.c_str());
     std::printf("high=MXFP8 E4M3, low=MXFP4 E2M1, scale rule ocp, pv bf16; error = rel. L2 of the output vs exact\n\n");
