@@ -8,7 +8,8 @@ namespace dmattn {
 std::string Policy::describe() const {
   return "high=" + std::string(format_name(high)) + " low=" + std::string(format_name(low)) +
          " diag_tiles=" + std::to_string(diag_tiles) + " sink_tiles=" + std::to_string(sink_tiles) +
-         " scale_rule=" + std::string(scale_rule_name(scale_rule)) + " pv=" + std::string(pv_name(pv));
+         " scale_rule=" + std::string(scale_rule_name(scale_rule)) + " pv=" + std::string(pv_name(pv)) +
+         (smooth_k ? " smooth_k" : "");
 }
 
 std::string_view pv_name(PV p) { return p == PV::bf16 ? "bf16" : "mxfp8"; }

@@ -324,3 +324,26 @@ TEST(AttentionCpu, RealActivationsOrderFormatsAndSinksHelp) {
     EXPECT_LE(dma_sink, dma) << layer;
   }
 }
+
+// smooth_k removes K's channel mean: softmax-invariant, so outputs and (unshifted) LSE match exact
+// attention; on keys with a large common offset it cuts the MX error sharply.
+TEST(AttentionCpu, SmoothKIsSoftmaxInvariantAndHelpsOffsetKeys) {
+  QKV x = random_qkv({1, 2, 1, 300, 300, 64}, 12);
+  std::vector<float> k = x.k.to_floats();
+  for (size_t i = 0; i < k.size(); ++i) k[i] += (i % 64 < 4) ? 20.0f : 0.0f;  // outlier channels
+  x.k = HostTensor::from_floats(k, x.k.shape());
+  AttentionOptions ex = opts({}, true);
+  ex.exact = true;
+  const Result ref = run(x, ex);
+  Policy bf = Policy::all(Format::bf16);
+  bf.smooth_k = true;
+  const Result sm = run(x, opts(bf, true));
+  EXPECT_LE(rel_l2(sm.out, ref.out), 1e-2);
+  // bf16 Q/K move the LSE by ~1e-2; a missing q.mean(K) correction would move it by whole units.
+  for (size_t i = 0; i < ref.lse.size(); ++i) EXPECT_NEAR(sm.lse[i], ref.lse[i], 5e-2);
+  Policy f4 = Policy::all(Format::mxfp4);
+  const double plain = rel_l2(run(x, opts(f4, true)).out, ref.out);
+  f4.smooth_k = true;
+  const double smooth = rel_l2(run(x, opts(f4, true)).out, ref.out);
+  EXPECT_LT(smooth, 0.5 * plain);
+}

@@ -20,6 +20,11 @@ struct Policy {
   int sink_tiles = 0;  // key tiles j < sink_tiles are high
   ScaleRule scale_rule = ScaleRule::ocp;
   PV pv = PV::bf16;
+  // Subtract K's per-channel mean (over the Nk keys of each batch and KV head) before quantizing.
+  // Softmax is invariant to it in exact arithmetic (it shifts a row's scores by q.mean(K)); it
+  // removes K's channel outliers from the MX blocks (SageAttention's observation). LSE is reported
+  // unshifted. Not in the paper's definition, so off by default.
+  bool smooth_k = false;
 
   // Tile indices are absolute: query tile = floor(position / 128) with the query's position
   // counted as in causal alignment (row r sits at r + Nk - Nq), key tile = key / 128.

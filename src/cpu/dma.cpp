@@ -149,6 +149,16 @@ void dma_attention(const Problem& p) {
         load_row(p.k, b, hk, n, kf.data() + n * d);
         load_row(p.v, b, hk, n, vf.data() + n * d);
       }
+      // smooth_k: K minus its per-channel mean (accumulated in fp64, rounded once to fp32).
+      std::vector<float> kmean(static_cast<size_t>(d), 0.0f);
+      if (p.policy.smooth_k) {
+        std::vector<double> acc(static_cast<size_t>(d), 0.0);
+        for (int64_t n = 0; n < p.Nk; ++n)
+          for (int i = 0; i < d; ++i) acc[size_t(i)] += kf[size_t(n * d + i)];
+        for (int i = 0; i < d; ++i) kmean[size_t(i)] = float(acc[size_t(i)] / double(p.Nk));
+        for (int64_t n = 0; n < p.Nk; ++n)
+          for (int i = 0; i < d; ++i) kf[size_t(n * d + i)] -= kmean[size_t(i)];
+      }
       KeyTiles keys[2];
       for (int s = 0; s < slots.count; ++s) keys[s] = prepare_keys(kf, p.Nk, d, slots.fmt[s], rule, p.threads);
       const ValueRows values = prepare_values(vf, p.Nk, d, p.policy.pv, rule, p.threads);
@@ -176,8 +186,14 @@ void dma_attention(const Problem& p) {
           qe[s].resize(size_t(rows * d));
           qs[s].resize(size_t(rows * keys[s].nblk));
         }
+        std::vector<float> lse_shift(static_cast<size_t>(rows), 0.0f);  // scale * q.mean(K), smooth_k only
         for (int64_t ri = 0; ri < rows; ++ri) {
           load_row(p.q, b, h, r0 + ri, qf.data());
+          if (p.policy.smooth_k) {
+            double dot = 0;
+            for (int i = 0; i < d; ++i) dot += double(qf[size_t(i)]) * kmean[size_t(i)];
+            lse_shift[size_t(ri)] = float(dot * p.scale);
+          }
           for (int s = 0; s < slots.count; ++s)
             quantize_row_values(qf.data(), d, slots.fmt[s], rule, q_tensor_scale[size_t(g)], qe[s].data() + ri * d,
                                 qs[s].data() + ri * keys[s].nblk);
@@ -221,7 +237,8 @@ void dma_attention(const Problem& p) {
                         std::to_string(r0 + ri) + ": inputs too large for the fp32 score accumulator");
           for (int i = 0; i < d; ++i) a[i] = li > 0.0f ? a[i] / li : 0.0f;
           store_row(p.out, b, h, r0 + ri, a);
-          if (float* lse = p.lse_at(b, h, r0 + ri)) *lse = li > 0.0f ? m[size_t(ri)] + std::log(li) : kNegInf;
+          if (float* lse = p.lse_at(b, h, r0 + ri))
+            *lse = li > 0.0f ? m[size_t(ri)] + std::log(li) + lse_shift[size_t(ri)] : kNegInf;
         }
       });
     }

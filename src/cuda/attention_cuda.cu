@@ -95,6 +95,7 @@ void require_supported(const Problem& p) {
                   std::string(fi.name) + " tiles run on --backend cpu for now");
   }
   if (p.policy.pv != PV::bf16) throw Error("the CUDA backend supports pv=bf16 for now; pv=mxfp8 runs on --backend cpu");
+  if (p.policy.smooth_k) throw Error("smooth_k runs on --backend cpu for now");
   if (p.d != 64 && p.d != 128) throw Error("the CUDA backend supports head dims 64 and 128 (got " + std::to_string(p.d) + ")");
   for (const TensorView* t : {&p.q, &p.k, &p.v, &p.out})
     if (t->stride[3] != 1) throw Error("the CUDA backend needs unit stride on the head dimension");

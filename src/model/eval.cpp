@@ -52,6 +52,14 @@ std::vector<EvalConfig> default_eval_configs() {
   Policy pv8;
   pv8.pv = PV::mxfp8;
   c.push_back({"DMA diag=1 sinks=0 pv=mxfp8", pv8});
+  // K smoothing (not in the paper): the same policies with K's channel mean removed first.
+  for (EvalConfig e : {EvalConfig{"all-MXFP8 E4M3", Policy::all(Format::mxfp8_e4m3)},
+                       EvalConfig{"all-MXFP4", Policy::all(Format::mxfp4)}, EvalConfig{"DMA diag=1 sinks=0", Policy{}},
+                       EvalConfig{"DMA diag=4 sinks=1", [] { Policy p; p.diag_tiles = 4; p.sink_tiles = 1; return p; }()}}) {
+    e.name += " smooth-k";
+    e.policy.smooth_k = true;
+    c.push_back(e);
+  }
   return c;
 }
 

@@ -11,6 +11,7 @@ namespace dmattn::cli {
 struct PolicyArgs {
   std::string high = "mxfp8-e4m3", low = "mxfp4", pv = "bf16", scale_rule = "ocp", backend = "auto";
   int diag_tiles = 1, sink_tiles = 0, threads = 0;
+  bool smooth_k = false;
   void add_to(CLI::App& app);
   AttentionOptions options() const;  // throws dmattn::Error for unknown names
 };

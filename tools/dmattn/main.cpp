@@ -14,6 +14,7 @@ void PolicyArgs::add_to(CLI::App& app) {
   app.add_option("--sink-tiles", sink_tiles, "leading key tiles computed high (attention sinks)")->capture_default_str();
   app.add_option("--pv", pv, "P.V precision (bf16|mxfp8)")->capture_default_str();
   app.add_option("--scale-rule", scale_rule, "MX shared-exponent rule (ocp|ceil)")->capture_default_str();
+  app.add_flag("--smooth-k", smooth_k, "subtract K's per-channel mean before quantizing (softmax-invariant)");
   app.add_option("--backend", backend, "where to compute (auto|cpu|cuda)")->capture_default_str();
   app.add_option("--threads", threads, "CPU threads (0 = all)")->capture_default_str();
 }
@@ -26,6 +27,7 @@ AttentionOptions PolicyArgs::options() const {
   o.policy.sink_tiles = sink_tiles;
   o.policy.pv = parse_pv(pv);
   o.policy.scale_rule = parse_scale_rule(scale_rule);
+  o.policy.smooth_k = smooth_k;
   o.backend = parse_backend(backend);
   o.threads = threads;
   return o;
