@@ -17,6 +17,8 @@
 //    keys past Nk are zeros), blockwise as for S. Caveat: a V block that straddles a causal
 //    boundary shares one scale, so a masked key's V can change the rounding of visible keys' V.
 //  - out = acc / l; lse = m + log(l).
+//  - policy.smooth_k: K minus its per-channel mean (over Nk, per batch and KV head) is what gets
+//    quantized; lse adds back scale * q.mean(K) so it keeps its meaning.
 // `exact` ignores the policy and computes softmax(QK^T * scale) V in fp64 (the quality oracle).
 #pragma once
 #include <optional>
