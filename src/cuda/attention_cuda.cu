@@ -88,6 +88,14 @@ void scan(const TensorView& t, uint16_t* bf16_out, int* flag) {
 }
 
 void require_supported(const Problem& p) {
+  // The kernels are built for sm_90a only: say so on any other GPU rather than fail obscurely.
+  int dev = 0, major = 0, minor = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  check(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "cudaDeviceGetAttribute");
+  check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "cudaDeviceGetAttribute");
+  if (major != 9)
+    throw Error("the CUDA backend is built for Hopper (sm_90a); this GPU is sm_" + std::to_string(major) +
+                std::to_string(minor) + ": use --backend cpu");
   for (Format f : {p.policy.high, p.policy.low}) {
     const FormatInfo fi = format_info(f);
     if (!fi.has_codes || fi.block != 32)
