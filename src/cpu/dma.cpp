@@ -121,15 +121,16 @@ void accumulate_pv(const float* p, int nvalid, const ValueRows& V, int64_t tile,
   }
   float pe[T], ps[T / kPVBlock];
   quantize_row_values(p, T, Format::mxfp8_e4m3, rule, 1.0f, pe, ps);
-  std::vector<float> t(static_cast<size_t>(d));
+  float t[256];  // head dims are at most 256 (head_dim_supported)
   for (int c = 0; c * kPVBlock < nvalid; ++c) {
-    std::fill(t.begin(), t.end(), 0.0f);
+    std::fill(t, t + d, 0.0f);
     for (int n = c * kPVBlock; n < (c + 1) * kPVBlock; ++n) {
+      if (pe[n] == 0.0f) continue;  // masked keys and underflowed p add nothing
       const float* vr = vt + n * d;
-      for (int i = 0; i < d; ++i) t[size_t(i)] += pe[n] * vr[i];
+      for (int i = 0; i < d; ++i) t[i] += pe[n] * vr[i];
     }
     const float* vs = V.s.data() + (tile * (T / kPVBlock) + c) * d;
-    for (int i = 0; i < d; ++i) acc[i] += (ps[c] * vs[i]) * t[size_t(i)];
+    for (int i = 0; i < d; ++i) acc[i] += (ps[c] * vs[i]) * t[i];
   }
 }
 
