@@ -1,0 +1,66 @@
+// In-process timing of dmattn's CUDA attention() on device-resident bf16 inputs (no files, so large
+// N fits): B=1, causal, GQA; prints one line per (N, d, policy): "dmattn <policy> N d ms TFLOP/s".
+// compare_sdpa.py runs it for the shapes whose .npy files would be too large for the CLI route.
+// Usage: bench_prefill_cuda N d [iters]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <vector>
+
+#include "dmattn/attention.hpp"
+#include "dmattn/numeric.hpp"
+#include "dmattn/synthetic.hpp"
+
+using namespace dmattn;
+
+int main(int argc, char** argv) {
+  if (argc < 3) {
+    std::fprintf(stderr, "usage: %s N d [iters]\n", argv[0]);
+    return 2;
+  }
+  const int64_t N = std::atoll(argv[1]), d = std::atoll(argv[2]), HQ = 32, HKV = 8;
+  const int iters = argc > 3 ? std::atoi(argv[3]) : 5;
+  Rng rng(7);
+  auto upload = [&](int64_t heads) {
+    std::vector<uint16_t> h(static_cast<size_t>(heads * N * d));
+    for (auto& x : h) x = to_bf16(float(rng.normal())).bits;
+    void* p = nullptr;
+    if (cudaMalloc(&p, h.size() * 2) != cudaSuccess || cudaMemcpy(p, h.data(), h.size() * 2, cudaMemcpyHostToDevice) != cudaSuccess) {
+      std::fprintf(stderr, "allocation failed\n");
+      std::exit(1);
+    }
+    return TensorView::contiguous(p, DType::bf16, {1, heads, N, d}, Device::cuda);
+  };
+  const TensorView q = upload(HQ), k = upload(HKV), v = upload(HKV), out = upload(HQ);
+  const double flops = 2.0 * HQ * double(N) * double(N) * double(d);  // the issue's convention
+  struct Named {
+    const char* name;
+    Policy policy;
+  };
+  const Named policies[] = {{"DMA-default", Policy{}},
+                            {"all-MXFP8", Policy::all(Format::mxfp8_e4m3)},
+                            {"all-MXFP4", Policy::all(Format::mxfp4)}};
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  for (const Named& pol : policies) {
+    AttentionOptions o;
+    o.causal = true;
+    o.policy = pol.policy;
+    attention(q, k, v, out, nullptr, o);  // warm-up
+    std::vector<float> ms(static_cast<size_t>(iters));
+    for (float& t : ms) {
+      cudaEventRecord(a);
+      attention(q, k, v, out, nullptr, o);
+      cudaEventRecord(b);
+      cudaEventSynchronize(b);
+      cudaEventElapsedTime(&t, a, b);
+    }
+    std::sort(ms.begin(), ms.end());
+    const double med = ms[ms.size() / 2];
+    std::printf("dmattn %s %lld %lld %.4f %.1f\n", pol.name, (long long)N, (long long)d, med, flops / med / 1e9);
+  }
+  return 0;
+}
