@@ -20,10 +20,7 @@ struct Problem {
   // One past the last key that row r sees.
   int64_t key_end(int64_t r) const { return causal ? std::clamp<int64_t>(position(r) + 1, 0, Nk) : Nk; }
   // Absolute query tile of row r (floor division: positions can be negative when Nq > Nk).
-  int64_t query_tile(int64_t r) const {
-    const int64_t p = position(r);
-    return p >= 0 ? p / kTile : -((-p + kTile - 1) / kTile);
-  }
+  int64_t query_tile(int64_t r) const { return hd::floor_div(position(r), kTile); }
   float* lse_at(int64_t b, int64_t h, int64_t r) const { return lse ? lse + (b * Hq + h) * Nq + r : nullptr; }
 };
 

@@ -66,6 +66,9 @@ DMATTN_HD float rint_even(float x) {
 #endif
 }
 
+// Division rounding towards minus infinity (b > 0): query positions can be negative.
+DMATTN_HD int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
+
 DMATTN_HD bool is_finite(float x) { return (bits_of(x) & 0x7F800000u) != 0x7F800000u; }
 DMATTN_HD bool is_nan(float x) { return (bits_of(x) & 0x7FFFFFFFu) > 0x7F800000u; }
 DMATTN_HD float abs_f(float x) { return float_of(bits_of(x) & 0x7FFFFFFFu); }

@@ -38,8 +38,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-__device__ __forceinline__ int64_t floor_div(int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); }
-
 template <class T>
 __device__ __forceinline__ T from_float(float x);
 template <>
@@ -65,7 +63,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
   const int h = blockIdx.y, b = blockIdx.z, hk = h / (p.Hq / p.Hkv);
   const int64_t off = int64_t(p.Nk) - p.Nq;
   const int64_t pos0 = (p.first_block + (p.blocks - 1 - blockIdx.x)) * BM;  // late tiles first
-  const int64_t qtile = floor_div(pos0, kTile);
+  const int64_t qtile = hd::floor_div(pos0, kTile);
   const int64_t pos[2] = {pos0 + warp * 16 + g, pos0 + warp * 16 + g + 8};
   const int64_t row[2] = {pos[0] - off, pos[1] - off};
   const bool valid[2] = {row[0] >= 0 && row[0] < p.Nq, row[1] >= 0 && row[1] < p.Nq};
