@@ -11,6 +11,7 @@ struct fp16 {
   uint16_t bits;
 };
 
+DMATTN_HD float to_float(float x) { return x; }  // so templates over the three dtypes read alike
 DMATTN_HD float to_float(bf16 h) { return hd::float_of(uint32_t(h.bits) << 16); }
 
 DMATTN_HD bf16 to_bf16(float x) {

@@ -35,15 +35,6 @@ struct Buffers {
   }
 };
 
-template <class T>
-__device__ float as_float(const T* p, int64_t i);
-template <>
-__device__ float as_float(const float* p, int64_t i) { return p[i]; }
-template <>
-__device__ float as_float(const fp16* p, int64_t i) { return to_float(p[i]); }
-template <>
-__device__ float as_float(const bf16* p, int64_t i) { return to_float(p[i]); }
-
 // Visits every element of a [B,H,N,d] view: flags non-finite values, optionally writes a bf16
 // copy. Contiguous views skip the index arithmetic (64-bit divisions dominate otherwise).
 template <class T, bool kContiguous>
@@ -60,7 +51,7 @@ __global__ void scan_kernel(const T* x, Shape shape, Shape stride, int* nonfinit
       r /= shape[2];
       off = (r / shape[1]) * stride[0] + (r % shape[1]) * stride[1] + n * stride[2] + e * stride[3];
     }
-    const float v = as_float(x, off);
+    const float v = to_float(x[off]);
     bad |= !hd::is_finite(v);
     if (bf16_out) bf16_out[i] = to_bf16(v).bits;
   }
@@ -170,9 +161,8 @@ void dma_attention(const Problem& p) {
   pp.scale = p.scale;
   pp.causal = p.causal;
   pp.policy = p.policy;
-  auto floor_div = [](int64_t a, int64_t b) { return a >= 0 ? a / b : -((-a + b - 1) / b); };
-  pp.first_block = floor_div(p.Nk - p.Nq, kPrefillRows);
-  const int64_t blocks = floor_div(p.Nk - 1, kPrefillRows) - pp.first_block + 1;
+  pp.first_block = hd::floor_div(p.Nk - p.Nq, kPrefillRows);
+  const int64_t blocks = hd::floor_div(p.Nk - 1, kPrefillRows) - pp.first_block + 1;
   pp.blocks = blocks;
   launch_prefill(pp, int(d), p.out.dtype, blocks, int(p.B), nullptr);
   int bad[3];

@@ -12,15 +12,6 @@ namespace {
 
 constexpr int kBlock = 32;
 
-template <class T>
-__device__ __forceinline__ float load_as_float(const T* p, int i);
-template <>
-__device__ __forceinline__ float load_as_float(const float* p, int i) { return p[i]; }
-template <>
-__device__ __forceinline__ float load_as_float(const fp16* p, int i) { return to_float(p[i]); }
-template <>
-__device__ __forceinline__ float load_as_float(const bf16* p, int i) { return to_float(p[i]); }
-
 struct Geometry {
   int64_t H, N, nblk;            // heads, rows per head, 32-blocks per row
   int64_t sb, sh, sn;            // element strides of b, h, n
@@ -57,9 +48,9 @@ __global__ void quantize_rows_kernel(const T* __restrict__ x, Geometry g, int64_
 #pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     if constexpr (kVector)
-      v[i] = load_as_float(raw, i);
+      v[i] = to_float(raw[i]);
     else
-      v[i] = active ? load_as_float(src, i) : 0.0f;
+      v[i] = active ? to_float(src[i]) : 0.0f;
     bad |= !hd::is_finite(v[i]);
     amax = fmaxf(amax, hd::abs_f(v[i]));
   }
