@@ -3,6 +3,8 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include "gpu_test.hpp"
+
 #include <vector>
 
 #include "dmattn/mx_codec.hpp"
@@ -34,24 +36,11 @@ __global__ void codec_kernel(const float* in, int n, float* decoded, uint8_t* en
   }
 }
 
-bool have_device(std::string& why) {
-  int count = 0;
-  const cudaError_t err = cudaGetDeviceCount(&count);
-  if (err != cudaSuccess) {
-    why = cudaGetErrorString(err);
-    return false;
-  }
-  if (count == 0) why = "no CUDA device";
-  return count > 0;
-}
-
-#define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x
 
 }  // namespace
 
 TEST(GpuCodec, DeviceMatchesHostBitForBit) {
-  std::string why;
-  if (!have_device(why)) GTEST_SKIP() << "no CUDA device available (" << why << ")";
+  SKIP_WITHOUT_CUDA_DEVICE();
   const int n = kBlocks * 32;
   std::vector<float> in(n);
   Rng rng(99);

@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include "gpu_test.hpp"
+
 #include <cmath>
 #include <vector>
 
@@ -90,8 +92,7 @@ double max_error_ulps(bool fp4_values, uint64_t seed, int* inexact) {
 }  // namespace
 
 TEST(GpuMma, Fp8BlockDotPrecision) {
-  int n = 0;
-  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) GTEST_SKIP() << "no CUDA device available";
+  SKIP_WITHOUT_CUDA_DEVICE();
   int inexact4 = 0, inexact8 = 0;
   double worst4 = 0, worst8 = 0;
   for (uint64_t s = 0; s < 50; ++s) {

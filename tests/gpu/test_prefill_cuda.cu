@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include "gpu_test.hpp"
+
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -19,10 +21,6 @@ using namespace dmattn;
 
 namespace {
 
-bool have_device() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
 
 uint64_t fresh_seed() { return uint64_t(std::chrono::steady_clock::now().time_since_epoch().count()); }
 
@@ -78,7 +76,7 @@ void check_case(const Case& c, DType dtype, uint64_t seed) {
 }
 
 TEST(GpuPrefill, MatchesCpuOracleOnRealActivations) {
-  if (!have_device()) GTEST_SKIP() << "no CUDA device available";
+  SKIP_WITHOUT_CUDA_DEVICE();
   for (int layer : {1, 20}) {
     const std::string base = std::string(DMATTN_SOURCE_DIR) + "/tests/data/layer" + std::to_string(layer) + "_";
     const QKV x{read_npy_tensor(base + "q.npy", "q"), read_npy_tensor(base + "k.npy", "k"), read_npy_tensor(base + "v.npy", "v")};
@@ -90,7 +88,7 @@ TEST(GpuPrefill, MatchesCpuOracleOnRealActivations) {
 }
 
 TEST(GpuPrefill, MatchesCpuOracle) {
-  if (!have_device()) GTEST_SKIP() << "no CUDA device available";
+  SKIP_WITHOUT_CUDA_DEVICE();
   const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
   const Case cases[] = {
       {1, 1, 1, 1, 64, true, Policy{}, "N=1"},
@@ -112,7 +110,7 @@ TEST(GpuPrefill, MatchesCpuOracle) {
 }
 
 TEST(GpuPrefill, RejectsWhatItCannotDo) {
-  if (!have_device()) GTEST_SKIP() << "no CUDA device available";
+  SKIP_WITHOUT_CUDA_DEVICE();
   const QKV x = random_qkv({1, 1, 1, 8, 8, 64}, 1);
   HostTensor out(DType::f32, x.q.shape());
   AttentionOptions o;

@@ -3,6 +3,8 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include "gpu_test.hpp"
+
 #include <vector>
 
 #include "cuda/quantize.hpp"
@@ -12,16 +14,8 @@
 
 using namespace dmattn;
 
-namespace {
-bool have_device() {
-  int n = 0;
-  return cudaGetDeviceCount(&n) == cudaSuccess && n > 0;
-}
-#define CUDA_OK(x) ASSERT_EQ((x), cudaSuccess) << #x
-}  // namespace
-
 TEST(GpuQuantize, MatchesCpuCodecBitForBit) {
-  if (!have_device()) GTEST_SKIP() << "no CUDA device available";
+  SKIP_WITHOUT_CUDA_DEVICE();
   const int64_t B = 2, H = 3, N = 77, d = 128;
   // Rows padded to a strided view: 160 keeps 16-byte alignment (vector loads), 132 breaks it for
   // 16-bit dtypes (scalar loads).
@@ -80,7 +74,7 @@ TEST(GpuQuantize, MatchesCpuCodecBitForBit) {
 }
 
 TEST(GpuQuantize, RejectsWhatItCannotDo) {
-  if (!have_device()) GTEST_SKIP() << "no CUDA device available";
+  SKIP_WITHOUT_CUDA_DEVICE();
   uint8_t* buf;
   CUDA_OK(cudaMalloc(&buf, 1 << 16));
   TensorView v = TensorView::contiguous(buf, DType::bf16, {1, 1, 4, 64}, Device::cuda);
