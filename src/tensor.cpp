@@ -1,6 +1,7 @@
 #include "dmattn/tensor.hpp"
 
 #include <cstring>
+#include <type_traits>
 
 #include "dmattn/error.hpp"
 #include "dmattn/numeric.hpp"
@@ -32,46 +33,31 @@ std::string shape_str(const Shape& s) {
          std::to_string(s[3]) + "]";
 }
 
+namespace {
+// Calls f with the view's data pointer typed by its dtype.
+template <class F>
+void with_typed(const TensorView& t, F&& f) {
+  switch (t.dtype) {
+    case DType::f32: return f(static_cast<float*>(t.data));
+    case DType::f16: return f(static_cast<fp16*>(t.data));
+    case DType::bf16: return f(static_cast<bf16*>(t.data));
+  }
+}
+}  // namespace
+
 void load_row(const TensorView& t, int64_t b, int64_t h, int64_t n, float* dst) {
   const int64_t d = t.shape[3], base = t.offset(b, h, n, 0), s = t.stride[3];
-  switch (t.dtype) {
-    case DType::f32: {
-      const float* p = static_cast<const float*>(t.data) + base;
-      for (int64_t i = 0; i < d; ++i) dst[i] = p[i * s];
-      break;
-    }
-    case DType::f16: {
-      const fp16* p = static_cast<const fp16*>(t.data) + base;
-      for (int64_t i = 0; i < d; ++i) dst[i] = to_float(p[i * s]);
-      break;
-    }
-    case DType::bf16: {
-      const bf16* p = static_cast<const bf16*>(t.data) + base;
-      for (int64_t i = 0; i < d; ++i) dst[i] = to_float(p[i * s]);
-      break;
-    }
-  }
+  with_typed(t, [&](auto* p) {
+    for (int64_t i = 0; i < d; ++i) dst[i] = to_float(p[base + i * s]);
+  });
 }
 
 void store_row(const TensorView& t, int64_t b, int64_t h, int64_t n, const float* src) {
   const int64_t d = t.shape[3], base = t.offset(b, h, n, 0), s = t.stride[3];
-  switch (t.dtype) {
-    case DType::f32: {
-      float* p = static_cast<float*>(t.data) + base;
-      for (int64_t i = 0; i < d; ++i) p[i * s] = src[i];
-      break;
-    }
-    case DType::f16: {
-      fp16* p = static_cast<fp16*>(t.data) + base;
-      for (int64_t i = 0; i < d; ++i) p[i * s] = to_fp16(src[i]);
-      break;
-    }
-    case DType::bf16: {
-      bf16* p = static_cast<bf16*>(t.data) + base;
-      for (int64_t i = 0; i < d; ++i) p[i * s] = to_bf16(src[i]);
-      break;
-    }
-  }
+  with_typed(t, [&](auto* p) {
+    using T = std::remove_pointer_t<decltype(p)>;
+    for (int64_t i = 0; i < d; ++i) p[base + i * s] = from_float<T>(src[i]);
+  });
 }
 
 HostTensor::HostTensor(DType dtype, Shape shape) : dtype_(dtype), shape_(shape) {

@@ -52,4 +52,14 @@ DMATTN_HD fp16 to_fp16(float x) {
   return fp16{uint16_t(s | r)};
 }
 
+// from_float<T>: a float rounded into storage type T (nearest-even); to_float reads any back.
+template <class T>
+DMATTN_HD T from_float(float x);
+template <>
+DMATTN_HD float from_float<float>(float x) { return x; }
+template <>
+DMATTN_HD fp16 from_float<fp16>(float x) { return to_fp16(x); }
+template <>
+DMATTN_HD bf16 from_float<bf16>(float x) { return to_bf16(x); }
+
 }  // namespace dmattn

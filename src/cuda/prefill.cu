@@ -38,15 +38,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
-template <class T>
-__device__ __forceinline__ T from_float(float x);
-template <>
-__device__ __forceinline__ float from_float(float x) { return x; }
-template <>
-__device__ __forceinline__ fp16 from_float(float x) { return to_fp16(x); }
-template <>
-__device__ __forceinline__ bf16 from_float(float x) { return to_bf16(x); }
-
 template <int D, class TOut>
 __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParams p) {
   using S = Smem<D>;
