@@ -13,6 +13,20 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 cmake -S . -B $B -G Ninja -DDMATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DDMATTN_DEPS="$PWD/.deps" \
   >"$OUT/configure.log" 2>&1 && cmake --build $B -j16 >"$OUT/build.log" 2>&1
 row[build]=$([ $? -eq 0 ] && echo ok || echo FAILED)
+grep -A2 "Function properties for .*prefill_kernel" "$OUT/build.log" | grep -E "spill|Used" | sort | uniq -c
+cuobjdump -sass $B/CMakeFiles/dmattn.dir/src/cuda/prefill.cu.o 2>/dev/null | grep -oE "(HGMMA|QGMMA)\.[A-Za-z0-9.]*" | sort | uniq -c \
+  | tee "$OUT/sass_gmma.txt"
+
+if [ "${QUICK:-0}" = 1 ]; then  # correctness of the GPU tests + the main benchmark row, no sanitizer
+  $B/tests/dmattn_gpu_tests 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^\[  (FAILED|PASSED|  OK) |rel_l2|fold|SKIP|wgmma|E2M1|E4M3" | head -60
+  PYTHONUNBUFFERED=1 python3 bench/compare_sdpa.py $B "$OUT" 16384 2>&1 | tee "$OUT/compare_sdpa.txt" | tail -16
+  if [ "${PROFILE:-0}" = 1 ]; then  # where the prefill kernel's time goes (one launch, N=8192)
+    ncu --kernel-name regex:prefill_kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight --section WarpStateStats \
+      --section SchedulerStats --section Occupancy $B/bench/bench_prefill_cuda 8192 128 1 >"$OUT/ncu_prefill.txt" 2>&1
+    grep -E "Throughput|Duration|Occupancy|Registers|Stall|Issued|Eligible|No Eligible|cycles being stalled" "$OUT/ncu_prefill.txt" | head -40
+  fi
+  exit 0
+fi
 
 ctest --test-dir $B --output-on-failure -j8 >"$OUT/ctest.log" 2>&1
 row[ctest_all]=$(grep -E "tests passed" "$OUT/ctest.log" || echo FAILED)

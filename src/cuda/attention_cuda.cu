@@ -35,10 +35,10 @@ struct Buffers {
   }
 };
 
-// Visits every element of a [B,H,N,d] view: flags non-finite values, optionally writes a bf16
-// copy. Contiguous views skip the index arithmetic (64-bit divisions dominate otherwise).
+// Flags a non-finite value in a [B,H,N,d] view. Contiguous views skip the index arithmetic (64-bit
+// divisions dominate otherwise).
 template <class T, bool kContiguous>
-__global__ void scan_kernel(const T* x, Shape shape, Shape stride, int* nonfinite, uint16_t* bf16_out) {
+__global__ void scan_kernel(const T* x, Shape shape, Shape stride, int* nonfinite) {
   const int64_t total = shape[0] * shape[1] * shape[2] * shape[3];
   bool bad = false;
   for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
@@ -51,24 +51,43 @@ __global__ void scan_kernel(const T* x, Shape shape, Shape stride, int* nonfinit
       r /= shape[2];
       off = (r / shape[1]) * stride[0] + (r % shape[1]) * stride[1] + n * stride[2] + e * stride[3];
     }
-    const float v = to_float(x[off]);
-    bad |= !hd::is_finite(v);
-    if (bf16_out) bf16_out[i] = to_bf16(v).bits;
+    bad |= !hd::is_finite(to_float(x[off]));
   }
   if (__any_sync(0xffffffffu, bad) && threadIdx.x % 32 == 0) atomicOr(nonfinite, 1);
 }
 
-// Flags (*flag = 1) a non-finite value in the view; writes a contiguous bf16 copy when asked.
-// Asynchronous: the caller reads the flag after its last launch, with one synchronisation.
-void scan(const TensorView& t, uint16_t* bf16_out, int* flag) {
+// V [B,H,N,d] (any strides) -> bf16 V^T [B*H, d, ldv] with zeros for keys N..ldv-1, through a
+// 32x32 shared tile so reads (along d) and writes (along keys) are both coalesced; flags
+// non-finite values.
+template <class T>
+__global__ void transpose_v_kernel(const T* v, Shape shape, Shape stride, int64_t ldv, uint16_t* vt, int* nonfinite) {
+  __shared__ float tile[32][33];
+  const int64_t bh = blockIdx.z, key0 = int64_t(blockIdx.x) * 32, dim0 = int64_t(blockIdx.y) * 32;
+  const T* base = v + (bh / shape[1]) * stride[0] + (bh % shape[1]) * stride[1];
+  bool bad = false;
+  for (int r = threadIdx.y; r < 32; r += blockDim.y) {
+    const int64_t key = key0 + r;
+    const float x = key < shape[2] ? to_float(base[key * stride[2] + (dim0 + threadIdx.x) * stride[3]]) : 0.0f;
+    bad |= !hd::is_finite(x);
+    tile[r][threadIdx.x] = x;
+  }
+  __syncthreads();
+  for (int r = threadIdx.y; r < 32; r += blockDim.y)
+    vt[(bh * shape[3] + dim0 + r) * ldv + key0 + threadIdx.x] = to_bf16(tile[threadIdx.x][r]).bits;
+  if (__any_sync(0xffffffffu, bad) && threadIdx.x == 0) atomicOr(nonfinite, 1);
+}
+
+// Flags (*flag = 1) a non-finite value in the view. Asynchronous: the caller reads the flag after
+// its last launch, with one synchronisation.
+void scan(const TensorView& t, int* flag) {
   const unsigned blocks = 1024;
   const bool contiguous = t.stride == TensorView::contiguous(nullptr, t.dtype, t.shape).stride;
   auto run = [&](auto* typed) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
     if (contiguous)
-      scan_kernel<T, true><<<blocks, 256>>>(typed, t.shape, t.stride, flag, bf16_out);
+      scan_kernel<T, true><<<blocks, 256>>>(typed, t.shape, t.stride, flag);
     else
-      scan_kernel<T, false><<<blocks, 256>>>(typed, t.shape, t.stride, flag, bf16_out);
+      scan_kernel<T, false><<<blocks, 256>>>(typed, t.shape, t.stride, flag);
   };
   switch (t.dtype) {
     case DType::f32: run(static_cast<const float*>(t.data)); break;
@@ -76,6 +95,18 @@ void scan(const TensorView& t, uint16_t* bf16_out, int* flag) {
     case DType::bf16: run(static_cast<const bf16*>(t.data)); break;
   }
   check(cudaGetLastError(), "scan kernel");
+}
+
+// V^T in bf16 for the PV tensor-core operand; flags non-finite values like scan().
+void transpose_v(const TensorView& v, int64_t ldv, uint16_t* vt, int* flag) {
+  const dim3 grid(unsigned(ldv / 32), unsigned(v.shape[3] / 32), unsigned(v.shape[0] * v.shape[1]));
+  auto run = [&](auto* typed) { transpose_v_kernel<<<grid, dim3(32, 8)>>>(typed, v.shape, v.stride, ldv, vt, flag); };
+  switch (v.dtype) {
+    case DType::f32: run(static_cast<const float*>(v.data)); break;
+    case DType::f16: run(static_cast<const fp16*>(v.data)); break;
+    case DType::bf16: run(static_cast<const bf16*>(v.data)); break;
+  }
+  check(cudaGetLastError(), "transpose kernel");
 }
 
 void require_supported(const Problem& p) {
@@ -110,7 +141,8 @@ void require_supported(const Problem& p) {
     if (!on_device(views[i]->data)) throw Error(std::string(names[i]) + " is marked as a CUDA tensor but is not device memory");
   if (p.lse && !on_device(p.lse)) throw Error("lse must be device memory for the CUDA backend");
   cudaGetLastError();  // clear any error the attribute queries left
-  if (p.Nq > INT32_MAX || p.Nk > INT32_MAX || p.Hq > 65535 || p.B > 65535) throw Error("problem too large for the CUDA grid");
+  if (p.Nq > INT32_MAX || p.Nk > INT32_MAX || p.Hq > 65535 || p.B > 65535 || p.B * p.Hkv > 65535)
+    throw Error("problem too large for the CUDA grid");
 }
 
 }  // namespace
@@ -121,24 +153,31 @@ void dma_attention(const Problem& p) {
   int* flags = buf.alloc<int>(3 * sizeof(int));
   check(cudaMemsetAsync(flags, 0, 3 * sizeof(int)), "cudaMemset");
   const int64_t d = p.d, nb = d / 32;
-  const int64_t kv_elems = p.B * p.Hkv * p.Nk * d;
-  uint16_t* vb = buf.alloc<uint16_t>(size_t(kv_elems) * 2);
-  scan(p.q, nullptr, flags);
-  scan(p.k, nullptr, flags + 1);
-  scan(p.v, vb, flags + 2);
+  const int64_t ldv = (p.Nk + kTile - 1) / kTile * kTile;
+  uint16_t* vt = buf.alloc<uint16_t>(size_t(p.B * p.Hkv * d * ldv) * 2);
+  scan(p.q, flags);
+  scan(p.k, flags + 1);
+  transpose_v(p.v, ldv, vt, flags + 2);
 
   const int nslots = p.policy.high == p.policy.low ? 1 : 2;
   const Format fmt[2] = {p.policy.high, p.policy.low};
   PrefillParams pp{};
   const int64_t q_rows = p.B * p.Hq * p.Nq, k_rows = p.B * p.Hkv * p.Nk;
   QuantTarget qt[2], kt[2];
+  const int64_t k_tiles = p.B * p.Hkv * (ldv / kTile);
   for (int s = 0; s < nslots; ++s) {
     uint8_t* q8 = buf.alloc<uint8_t>(size_t(q_rows * d));
     uint8_t* qs = buf.alloc<uint8_t>(size_t(q_rows * nb));
     uint8_t* k8 = buf.alloc<uint8_t>(size_t(k_rows * d));
-    uint8_t* ks = buf.alloc<uint8_t>(size_t(k_rows * nb));
-    qt[s] = {fmt[s], q8, qs, true};
-    kt[s] = {fmt[s], k8, ks, true};
+    uint8_t* ks = buf.alloc<uint8_t>(size_t(p.B * p.Hkv * ldv * nb));  // padded rows (see QuantTarget)
+    float* krs = buf.alloc<float>(size_t(p.B * p.Hkv * ldv) * sizeof(float));
+    int* kuni = buf.alloc<int>(size_t(k_tiles) * sizeof(int));
+    check(cudaMemsetAsync(krs, 0, size_t(p.B * p.Hkv * ldv) * sizeof(float)), "cudaMemset");
+    check(cudaMemsetAsync(kuni, 1, size_t(k_tiles) * sizeof(int)), "cudaMemset");  // nonzero: uniform until shown not
+    qt[s] = {fmt[s], q8, qs, true, true};
+    kt[s] = {fmt[s], k8, ks, true, true, krs, ldv, kuni};
+    pp.krs[s] = krs;
+    pp.kuni[s] = kuni;
     pp.q8[s] = q8;
     pp.qs[s] = qs;
     pp.k8[s] = k8;
@@ -148,7 +187,8 @@ void dma_attention(const Problem& p) {
   quantize_rows(p.q, p.policy.scale_rule, qt[0], nslots == 2 ? qt[1] : QuantTarget{}, nullptr);
   quantize_rows(p.k, p.policy.scale_rule, kt[0], nslots == 2 ? kt[1] : QuantTarget{}, nullptr);
 
-  pp.v = vb;
+  pp.vt = vt;
+  pp.ldv = ldv;
   pp.out = p.out.data;
   pp.out_sb = p.out.stride[0];
   pp.out_sh = p.out.stride[1];

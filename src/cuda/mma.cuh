@@ -1,4 +1,5 @@
-// Warp-level tensor-core primitives (mma.sync, sm_89+), named for the math they do.
+// Warp-level helpers: the mma.sync FP8 block dot (sm_89+; GpuMma measures its precision), the
+// fragment layouts the wgmma kernel's registers follow, and per-element intrinsics.
 // Fragment layouts (PTX ISA, m16n8k32 8-bit and m16n8k16 16-bit): g = lane / 4, t = lane % 4;
 //   A 16x32 fp8: a[0] = (row g, k 4t..4t+3), a[1] = (row g+8, same k), a[2] = (row g, k 16+4t..),
 //                a[3] = (row g+8, k 16+4t..); B 32x8: b[0] = (k 4t..4t+3, col g), b[1] = (k 16+4t.., col g)
@@ -28,26 +29,19 @@ __device__ __forceinline__ void mma_fp8_block(float d[4], const uint32_t a[4], u
   }
 }
 
-// c += A.B, bf16 inputs, fp32 accumulation.
-__device__ __forceinline__ void mma_bf16_acc(float c[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+// Two floats rounded to bf16 (nearest-even, as to_bf16) in one instruction; lo in the low half.
+__device__ __forceinline__ uint32_t bf16x2_rn(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
 }
 
-// Four 8x8 b16 matrices from shared memory, transposed. Lane L addresses row L % 16 of a 16-row
-// slice of a row-major [k][n] tile, at column offset (L / 16) * 8: then {r[0], r[1]} and
-// {r[2], r[3]} are the m16n8k16 B fragments of the two adjacent n8 column blocks.
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* smem_row) {
-  const uint32_t addr = uint32_t(__cvta_generic_to_shared(smem_row));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
+// 2^x on the special-function unit (flushes subnormal results to zero; 2^-inf = 0).
+__device__ __forceinline__ float exp2_approx(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(r) : "f"(x));
+  return r;
 }
-
-__device__ __forceinline__ uint32_t pack_bf16(uint16_t lo, uint16_t hi) { return uint32_t(lo) | (uint32_t(hi) << 16); }
 
 // Max and sum over the 4 lanes that share a row of a C fragment.
 __device__ __forceinline__ float quad_max(float x) {

@@ -1,14 +1,19 @@
-// DMA prefill on tensor cores (mma.sync; a first, correct kernel — the wgmma/TMA kernel replaces
-// it). One CTA = one 128-position query tile (aligned in absolute positions, so one format per key
-// tile) x its key tiles, ascending; 8 warps x 16 rows. K (in the tile's format) and V stream into a
-// double buffer with cp.async while the previous tile computes; S by one FP8 MMA per 32-wide MX
-// block into a fresh accumulator, promoted with the block scales on the CUDA cores (DESIGN §5,
-// exact MX scaling); online softmax in fp32; P rounded to bf16 times bf16 V. Heavy (late) causal
-// tiles are scheduled first.
+// DMA prefill on Hopper's warpgroup tensor cores (wgmma). One CTA = one 128-position query tile
+// (aligned in absolute positions, so one format per key tile) x its key tiles in ascending order;
+// two warpgroups of 64 query rows each. K (in the tile's format, FP8 bytes) and V (bf16,
+// transposed by the pre-pass so both wgmma operands are K-major) stream into a double buffer with
+// cp.async while the previous tile computes. Heavy (late) causal tiles are scheduled first.
+//
+// S = Q.K^T per tile with MX scaling (DESIGN §3, §5). Where every row of the warpgroup's Q and every
+// key of the tile carries one scale for all of d (the quantize pass folds block scales into the FP8
+// codes where that is exact), all of d runs as one wgmma chain and the row x key scales multiply S
+// once; otherwise one wgmma per 32-wide block, promoted with the block scales on the CUDA cores.
+// Online softmax in fp32; P rounded to bf16 (registers) times bf16 V (shared memory).
 #include <cmath>
 
 #include "cuda/mma.cuh"
 #include "cuda/prefill.cuh"
+#include "cuda/wgmma.cuh"
 #include "dmattn/error.hpp"
 #include "dmattn/mx_codec.hpp"
 #include "dmattn/numeric.hpp"
@@ -16,17 +21,24 @@
 namespace dmattn::cuda {
 namespace {
 
-constexpr int BM = kPrefillRows, BN = kTile, kThreads = BM * 2;  // 8 warps x 16 rows
+constexpr int BM = kPrefillRows, BN = kTile, kThreads = 256;  // 2 warpgroups x 64 rows
+constexpr float kLog2e = 1.4426950408889634f;
 
+// Shared memory (every tile 1024-byte aligned, as the swizzle needs):
+//   Q: [2 slots][BM rows][D bytes] swizzled, then Q scales as floats [2][BM][D/32];
+//   per stage: V^T as two [D][64 keys] bf16 halves (128-byte rows), K [BN][D bytes], the keys' row
+//   scales [BN] floats (folded tiles) and block scales [BN][D/32] E8M0 bytes (per-block tiles).
 template <int D>
 struct Smem {
   static constexpr int kNb = D / 32;
-  static constexpr int kKStride = D + 16;  // bytes per K row; the pad spreads rows over banks
-  static constexpr int kVStride = D + 8;   // bf16 per V row
-  static constexpr int kK = BN * kKStride, kKs = BN * kNb * 4, kV = BN * kVStride * 2;
-  static constexpr int kStage = kK + kKs + kV;                           // one key tile
-  static constexpr int kQ = 2 * BM * kKStride, kQs = 2 * BM * kNb * 4;  // both slots' Q rows
-  static constexpr int kBytes = 2 * kStage + kQ + kQs;
+  static constexpr int kQK = BN * D;                 // one K tile or one Q slot
+  static constexpr int kVHalf = D * 128, kVt = 2 * kVHalf;
+  static constexpr int kQ = 2 * kQK, kQs = 2 * BM * kNb * 4;
+  static constexpr int kStage = kVt + kQK + 1024;  // + BN floats and BN * kNb bytes (<= 1024 for D <= 128)
+  static_assert(BN * 4 + BN * kNb <= 1024);
+  static constexpr int kFlags = kQ + kQs + 2 * kStage;  // int q_folded[2][2]
+  static constexpr int kBytes = kFlags + 16;
+  static_assert(kQ % 1024 == 0 && kQs % 1024 == 0 && kStage % 1024 == 0);
 };
 
 // 16-byte global->shared copy that bypasses registers; zero-fills when `valid` is false.
@@ -38,24 +50,92 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
+// The accumulator register i of a m64nN tile holds column 8*(i/4) + 2t + (i%2) of row half (i/2)%2.
+__device__ __forceinline__ int acc_col(int i, int t) { return 8 * (i / 4) + 2 * t + (i % 2); }
+
+// Multiplies S (rows r = (i/2)%2 by rscale[r]) by the keys' row scales (smem, adjacent pairs).
+__device__ __forceinline__ void scale_by_keys(float (&s)[BN / 2], const float* sks, const float (&rscale)[2], int t) {
+#pragma unroll
+  for (int nt = 0; nt < BN / 8; ++nt) {
+    const float2 k = *reinterpret_cast<const float2*>(sks + acc_col(4 * nt, t));
+    s[4 * nt] *= rscale[0] * k.x;
+    s[4 * nt + 1] *= rscale[0] * k.y;
+    s[4 * nt + 2] *= rscale[1] * k.x;
+    s[4 * nt + 3] *= rscale[1] * k.y;
+  }
+}
+
+// S for this warpgroup's 64 rows x the tile's 128 keys, times rscale (the softmax scale, per row).
+//  - folded tile: all of d as one wgmma chain, then the row and key scales once;
+//  - otherwise one wgmma per (64-key half, 32-wide block) into a fresh accumulator, promoted with
+//    the block scales sq * sk on the CUDA cores.
+// Precision (GpuMma.WgmmaFp8DotPrecision): Hopper's FP8 wgmma keeps about 13 bits of its sum, so
+// E4M3/FP6 blocks, and chains over blocks of different magnitude, differ from the oracle's fp32 sums
+// by up to ~1e-4 of sum|p|; one block of E2M1 values is exact. Measured against the oracle: <= 1e-3
+// rel. L2 (bench/RESULTS.md). A ping-pong variant of the per-block path (two accumulators in
+// flight) ran 3x slower than this serial one on the H200.
+template <int D, bool kE5M2>
+__device__ __forceinline__ void tile_scores(float (&s)[BN / 2], bool folded, const uint8_t* sq, const float* sqs,
+                                            const uint8_t* sk, const float* sks, const uint8_t* sks8,
+                                            const float (&rscale)[2], int t) {
+  constexpr int NB = D / 32;
+  if (folded) {
+    wg::fence();
+#pragma unroll
+    for (int c = 0; c < NB; ++c) wg::mma_fp8<BN, kE5M2>(s, wg::desc<D>(sq, c * 32), wg::desc<D>(sk, c * 32), c > 0);
+    wg::commit();
+    wg::wait<0>();
+    wg::pin(s);
+    scale_by_keys(s, sks, rscale, t);
+    return;
+  }
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) s[i] = 0.0f;
+#pragma unroll
+  for (int half = 0; half < 2; ++half)
+#pragma unroll 1
+    for (int c = 0; c < NB; ++c) {
+      float part[BN / 4];
+#pragma unroll
+      for (int i = 0; i < BN / 4; ++i) part[i] = 0.0f;
+      wg::fence();
+      wg::mma_fp8<BN / 2, kE5M2>(part, wg::desc<D>(sq, c * 32), wg::desc<D>(sk + half * (BN / 2) * D, c * 32), false);
+      wg::commit();
+      wg::wait<0>();
+      wg::pin(part);
+#pragma unroll
+      for (int i = 0; i < BN / 4; ++i) {
+        const float k = decode_e8m0(sks8[(half * BN / 2 + acc_col(i, t)) * NB + c]);
+        s[half * BN / 4 + i] += sqs[((i / 2) % 2) * 8 * NB + c] * k * part[i];
+      }
+    }
+#pragma unroll
+  for (int i = 0; i < BN / 2; ++i) s[i] *= rscale[(i / 2) % 2];
+}
+
 template <int D, class TOut>
 __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParams p) {
   using S = Smem<D>;
   constexpr int NB = S::kNb;
-  extern __shared__ __align__(16) uint8_t smem[];
-  // Stage st: K bytes [BN][kKStride], K scales as floats [BN][NB], V bf16 [BN][kVStride].
-  auto sK = [&](int st) { return smem + st * S::kStage; };
-  auto sKs = [&](int st) { return reinterpret_cast<float*>(smem + st * S::kStage + S::kK); };
-  auto sV = [&](int st) { return reinterpret_cast<uint16_t*>(smem + st * S::kStage + S::kK + S::kKs); };
-  uint8_t* sQ = smem + 2 * S::kStage;                                // [2][BM][kKStride]
-  float* sQs = reinterpret_cast<float*>(sQ + S::kQ);             // [2][BM][NB]
+  extern __shared__ __align__(1024) uint8_t smem[];
+  uint8_t* sQ = smem;
+  float* sQs = reinterpret_cast<float*>(smem + S::kQ);
+  auto sVt = [&](int st) { return smem + S::kQ + S::kQs + st * S::kStage; };
+  auto sK = [&](int st) { return sVt(st) + S::kVt; };
+  auto sKr = [&](int st) { return reinterpret_cast<float*>(sK(st) + S::kQK); };
+  auto sKb = [&](int st) { return sK(st) + S::kQK + BN * 4; };
+  // [slot][warpgroup]: every Q row of the warpgroup has one scale for all of d.
+  auto q_folded = reinterpret_cast<int(*)[2]>(smem + S::kFlags);
+  if (threadIdx.x == 0 && (__cvta_generic_to_shared(smem) & 1023) != 0) __trap();  // the swizzle needs it
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int wgi = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4,
+            t = lane % 4;
   const int h = blockIdx.y, b = blockIdx.z, hk = h / (p.Hq / p.Hkv);
   const int64_t off = int64_t(p.Nk) - p.Nq;
   const int64_t pos0 = (p.first_block + (p.blocks - 1 - blockIdx.x)) * BM;  // late tiles first
   const int64_t qtile = hd::floor_div(pos0, kTile);
-  const int64_t pos[2] = {pos0 + warp * 16 + g, pos0 + warp * 16 + g + 8};
+  const int row_in_cta = wgi * 64 + warp * 16 + g;  // and +8
+  const int64_t pos[2] = {pos0 + row_in_cta, pos0 + row_in_cta + 8};
   const int64_t row[2] = {pos[0] - off, pos[1] - off};
   const bool valid[2] = {row[0] >= 0 && row[0] < p.Nq, row[1] >= 0 && row[1] < p.Nq};
   const int nslots = p.q8[1] ? 2 : 1;
@@ -65,168 +145,140 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
   for (int r = 0; r < 2; ++r)
     kmax[r] = !valid[r] ? -1 : p.causal ? int(min(int64_t(p.Nk) - 1, pos[r])) : p.Nk - 1;
 
-  // Q rows of this CTA in both slots to shared memory (zeros for rows outside [0, Nq)); the MMA
-  // fragments are read per tile from there, which keeps registers for S and O.
+  // Q rows of this CTA in both slots (zeros for rows outside [0, Nq)) and their scales.
+  if (threadIdx.x < 4) q_folded[threadIdx.x / 2][threadIdx.x % 2] = 1;
   for (int i = threadIdx.x; i < 2 * BM * D / 16; i += kThreads) {
     const int s = i / (BM * D / 16), r = (i / (D / 16)) % BM, chunk = i % (D / 16);
     const int64_t qrow = pos0 + r - off;
     uint4 w = make_uint4(0, 0, 0, 0);
     if (s < nslots && qrow >= 0 && qrow < p.Nq)
       w = *reinterpret_cast<const uint4*>(p.q8[s] + ((int64_t(b) * p.Hq + h) * p.Nq + qrow) * D + chunk * 16);
-    *reinterpret_cast<uint4*>(sQ + (s * BM + r) * S::kKStride + chunk * 16) = w;
+    *reinterpret_cast<uint4*>(sQ + s * S::kQK + wg::swizzled<D>(r, chunk * 16)) = w;
   }
-  for (int i = threadIdx.x; i < 2 * BM * NB; i += kThreads) {
-    const int s = i / (BM * NB), r = (i / NB) % BM, c = i % NB;
+  __syncthreads();  // q_folded initialised
+  {
+    const int s = threadIdx.x / BM, r = threadIdx.x % BM;  // kThreads = 2 * BM: one (slot, row) each
     const int64_t qrow = pos0 + r - off;
     const bool ok = s < nslots && qrow >= 0 && qrow < p.Nq;
-    sQs[i] = ok ? decode_e8m0(p.qs[s][((int64_t(b) * p.Hq + h) * p.Nq + qrow) * NB + c]) : 0.0f;
-  }
-
-  float o[D / 8][4];
+    bool uniform = true;
+    float first = 0.0f;
 #pragma unroll
-  for (int i = 0; i < D / 8; ++i) o[i][0] = o[i][1] = o[i][2] = o[i][3] = 0.0f;
+    for (int c = 0; c < NB; ++c) {
+      const float v = ok ? decode_e8m0(p.qs[s][((int64_t(b) * p.Hq + h) * p.Nq + qrow) * NB + c]) : 0.0f;
+      sQs[(s * BM + r) * NB + c] = v;
+      first = c == 0 ? v : first;
+      uniform &= v == first;
+    }
+    if (!uniform) q_folded[s][r / 64] = 0;
+  }
+  wg::fence_async_smem();  // Q bytes written by st.shared are read by wgmma
+
+  float o[D / 2];
+#pragma unroll
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
 
   const int64_t kend = p.causal ? min(int64_t(p.Nk), max(int64_t(0), pos0 + BM)) : int64_t(p.Nk);
   const int64_t tiles = (kend + BN - 1) / BN;
   const int64_t kv_base = (int64_t(b) * p.Hkv + hk) * p.Nk;
+  const uint16_t* vt = p.vt + (int64_t(b) * p.Hkv + hk) * D * p.ldv;
+  const int64_t kv_tile0 = (int64_t(b) * p.Hkv + hk) * p.ldv;  // this head's row scales
 
   auto slot_of = [&](int64_t j) { return (nslots == 2 && !p.policy.is_high(qtile, j)) ? 1 : 0; };
-  // Issues the asynchronous copies of key tile j's K (its format) and V into stage st.
+  // Issues the asynchronous copies of key tile j's K (its format) and V^T into stage st.
   auto issue = [&](int64_t j, int st) {
     const uint8_t* k8 = slot_of(j) ? p.k8[1] : p.k8[0];
     for (int i = threadIdx.x; i < BN * D / 16; i += kThreads) {
       const int key = i / (D / 16), chunk = i % (D / 16);
       const int64_t gk = min(j * BN + key, int64_t(p.Nk) - 1);  // clamped address; zero-filled below
-      cp_async16(sK(st) + key * S::kKStride + chunk * 16, k8 + (kv_base + gk) * D + chunk * 16, j * BN + key < p.Nk);
+      cp_async16(sK(st) + wg::swizzled<D>(key, chunk * 16), k8 + (kv_base + gk) * D + chunk * 16, j * BN + key < p.Nk);
     }
-    for (int i = threadIdx.x; i < BN * D / 8; i += kThreads) {
-      const int key = i / (D / 8), chunk = i % (D / 8);
-      const int64_t gk = min(j * BN + key, int64_t(p.Nk) - 1);
-      cp_async16(sV(st) + key * S::kVStride + chunk * 8, p.v + (kv_base + gk) * D + chunk * 8, j * BN + key < p.Nk);
+    // V^T rows and row scales are padded to ldv (a multiple of BN, zeros past Nk): all in bounds.
+    for (int i = threadIdx.x; i < D * BN / 8; i += kThreads) {
+      const int dim = i / (BN / 8), kchunk = i % (BN / 8);
+      cp_async16(sVt(st) + (kchunk / 8) * S::kVHalf + wg::swizzled<128>(dim, (kchunk % 8) * 16),
+                 vt + dim * p.ldv + j * BN + kchunk * 8, true);
     }
+    if (threadIdx.x < BN / 4)
+      cp_async16(sKr(st) + threadIdx.x * 4, (slot_of(j) ? p.krs[1] : p.krs[0]) + kv_tile0 + j * BN + threadIdx.x * 4, true);
+    else if (threadIdx.x < BN / 4 + BN * NB / 16)
+      cp_async16(sKb(st) + (threadIdx.x - BN / 4) * 16,
+                 (slot_of(j) ? p.ks[1] : p.ks[0]) + (kv_tile0 + j * BN) * NB + (threadIdx.x - BN / 4) * 16, true);
     cp_async_commit();
   };
-  // K block scales (unaligned in general, so plain loads), decoded to floats.
-  auto load_scales = [&](int64_t j, int st) {
-    const uint8_t* ks = slot_of(j) ? p.ks[1] : p.ks[0];
-    for (int i = threadIdx.x; i < BN * NB; i += kThreads) {
-      const int64_t gk = j * BN + i / NB;
-      sKs(st)[i] = gk < p.Nk ? decode_e8m0(ks[(kv_base + gk) * NB + i % NB]) : 0.0f;
-    }
-  };
+  // Whether every key of tile j has one scale for all of d (read a tile ahead, off the critical path).
+  auto k_uniform = [&](int64_t j) { return (slot_of(j) ? p.kuni[1] : p.kuni[0])[kv_tile0 / BN + j] != 0; };
 
-  if (tiles > 0) {
-    issue(0, 0);
-    load_scales(0, 0);
-  }
+  bool k_uniform_next = tiles > 0 && k_uniform(0);
+  if (tiles > 0) issue(0, 0);
   for (int64_t j = 0; j < tiles; ++j) {
     const int slot = slot_of(j), st = int(j & 1);
     const bool e5m2 = slot ? p.e5m2[1] : p.e5m2[0];
+    const bool k_folded = k_uniform_next;
     if (j + 1 < tiles) {
       issue(j + 1, st ^ 1);  // stage st^1 was released by the barrier that ended iteration j-1
-      load_scales(j + 1, st ^ 1);
+      k_uniform_next = k_uniform(j + 1);
       cp_async_wait<1>();
     } else {
       cp_async_wait<0>();
     }
+    wg::fence_async_smem();
     __syncthreads();  // tile j's K, V and scales are visible to every warp
-    const uint8_t* sKt = sK(st);
-    const float* sKst = sKs(st);
-    const uint16_t* sVt = sV(st);
+    const bool folded = k_folded && q_folded[slot][wgi];
 
-    // S = sum over MX blocks c of (sq * sk) * (Q_c . K_c), each block one MMA.
-    float s[BN / 8][4];
-#pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt) s[nt][0] = s[nt][1] = s[nt][2] = s[nt][3] = 0.0f;
-#pragma unroll 1  // one MX block at a time: unrolling c hoists loads and spills registers
-    for (int c = 0; c < NB; ++c) {
-      const uint8_t* qr = sQ + (slot * BM + warp * 16 + g) * S::kKStride + c * 32 + t * 4;
-      const uint32_t a[4] = {*reinterpret_cast<const uint32_t*>(qr), *reinterpret_cast<const uint32_t*>(qr + 8 * S::kKStride),
-                             *reinterpret_cast<const uint32_t*>(qr + 16),
-                             *reinterpret_cast<const uint32_t*>(qr + 8 * S::kKStride + 16)};
-      const float qs0 = sQs[(slot * BM + warp * 16 + g) * NB + c], qs1 = sQs[(slot * BM + warp * 16 + g + 8) * NB + c];
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt) {
-        const uint8_t* kr = sKt + (nt * 8 + g) * S::kKStride + c * 32 + t * 4;
-        const uint32_t b0 = *reinterpret_cast<const uint32_t*>(kr), b1 = *reinterpret_cast<const uint32_t*>(kr + 16);
-        float part[4];
-        if (e5m2)
-          mma_fp8_block<true>(part, a, b0, b1);
-        else
-          mma_fp8_block<false>(part, a, b0, b1);
-        const float k0 = sKst[(nt * 8 + 2 * t) * NB + c], k1 = sKst[(nt * 8 + 2 * t + 1) * NB + c];
-        s[nt][0] += (qs0 * k0) * part[0];
-        s[nt][1] += (qs0 * k1) * part[1];
-        s[nt][2] += (qs1 * k0) * part[2];
-        s[nt][3] += (qs1 * k1) * part[3];
-      }
-    }
+    float s[BN / 2];
+    const uint8_t* sq = sQ + slot * S::kQK + wgi * 64 * D;
+    const float* sqs = sQs + (slot * BM + wgi * 64 + warp * 16 + g) * NB;
+    const float rscale[2] = {p.scale * (folded ? sqs[0] : 1.0f), p.scale * (folded ? sqs[8 * NB] : 1.0f)};
+    if (e5m2)
+      tile_scores<D, true>(s, folded, sq, sqs, sK(st), sKr(st), sKb(st), rscale, t);
+    else
+      tile_scores<D, false>(s, folded, sq, sqs, sK(st), sKr(st), sKb(st), rscale, t);
 
-    // Scale, mask, online softmax (fp32). Tiles every row of the warp sees whole skip the mask.
+    // Mask (tiles every row of the warp sees whole skip it), online softmax (fp32).
     float mx[2] = {-INFINITY, -INFINITY};
     const int key0 = int(j) * BN;
-    if (__all_sync(0xffffffffu, key0 + BN - 1 <= min(kmax[0], kmax[1]))) {
+    const bool whole = __all_sync(0xffffffffu, key0 + BN - 1 <= min(kmax[0], kmax[1]));
 #pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          s[nt][e] *= p.scale;
-          mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
-        }
-    } else {
-#pragma unroll
-      for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int key = key0 + nt * 8 + 2 * t + (e & 1);
-          s[nt][e] = key <= kmax[e / 2] ? s[nt][e] * p.scale : -INFINITY;
-          mx[e / 2] = fmaxf(mx[e / 2], s[nt][e]);
-        }
+    for (int i = 0; i < BN / 2; ++i) {
+      if (!whole && key0 + acc_col(i, t) > kmax[(i / 2) % 2]) s[i] = -INFINITY;
+      mx[(i / 2) % 2] = fmaxf(mx[(i / 2) % 2], s[i]);
     }
     float alpha[2], mref[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const float mnew = fmaxf(m[r], quad_max(mx[r]));
       // A row that has seen no key yet keeps its state (as if the tile were skipped).
-      alpha[r] = mnew == -INFINITY ? 1.0f : __expf(m[r] - mnew);
+      alpha[r] = mnew == -INFINITY ? 1.0f : exp2_approx((m[r] - mnew) * kLog2e);
       mref[r] = mnew == -INFINITY ? 0.0f : mnew;
       m[r] = mnew;
       l[r] *= alpha[r];
     }
 #pragma unroll
-    for (int nt = 0; nt < BN / 8; ++nt)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        s[nt][e] = __expf(s[nt][e] - mref[e / 2]);
-        l[e / 2] += s[nt][e];
-      }
-#pragma unroll
-    for (int i = 0; i < D / 8; ++i) {
-      o[i][0] *= alpha[0];
-      o[i][1] *= alpha[0];
-      o[i][2] *= alpha[1];
-      o[i][3] *= alpha[1];
+    for (int i = 0; i < BN / 2; ++i) {
+      s[i] = exp2_approx((s[i] - mref[(i / 2) % 2]) * kLog2e);  // the difference first: exact near the max
+      l[(i / 2) % 2] += s[i];
     }
+#pragma unroll
+    for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) % 2];
 
-    // O += bf16(P) . bf16(V), 16 keys per MMA.
+    // O += bf16(P) . V, 16 keys per wgmma; P's accumulator layout is the A-fragment layout.
+    uint32_t a[BN / 16][4];
 #pragma unroll
     for (int kc = 0; kc < BN / 16; ++kc) {
-      uint32_t a[4];
-      a[0] = pack_bf16(to_bf16(s[2 * kc][0]).bits, to_bf16(s[2 * kc][1]).bits);
-      a[1] = pack_bf16(to_bf16(s[2 * kc][2]).bits, to_bf16(s[2 * kc][3]).bits);
-      a[2] = pack_bf16(to_bf16(s[2 * kc + 1][0]).bits, to_bf16(s[2 * kc + 1][1]).bits);
-      a[3] = pack_bf16(to_bf16(s[2 * kc + 1][2]).bits, to_bf16(s[2 * kc + 1][3]).bits);
-      // ldmatrix.trans: lanes 0-15 address the tile's 16 key rows; each yields two n8 B fragments.
-      const uint16_t* vrow = sVt + (kc * 16 + (lane % 16)) * S::kVStride + (lane / 16) * 8;
-#pragma unroll
-      for (int dn = 0; dn < D / 8; dn += 2) {
-        uint32_t b[4];
-        ldmatrix_x4_trans(b, vrow + dn * 8);
-        mma_bf16_acc(o[dn], a, b[0], b[1]);
-        mma_bf16_acc(o[dn + 1], a, b[2], b[3]);
-      }
+      const float* q0 = s + 8 * kc;  // registers of columns 16kc..16kc+7 (4) and 16kc+8.. (4)
+      a[kc][0] = bf16x2_rn(q0[0], q0[1]);
+      a[kc][1] = bf16x2_rn(q0[2], q0[3]);
+      a[kc][2] = bf16x2_rn(q0[4], q0[5]);
+      a[kc][3] = bf16x2_rn(q0[6], q0[7]);
     }
+    wg::fence();
+#pragma unroll
+    for (int kc = 0; kc < BN / 16; ++kc)
+      wg::mma_bf16_rs<D>(o, a[kc], wg::desc<128>(sVt(st) + (kc / 4) * S::kVHalf, (kc % 4) * 32));
+    wg::commit();
+    wg::wait<0>();
+    wg::pin(o);
     __syncthreads();  // every warp is done with stage st before it is refilled
   }
 
@@ -237,10 +289,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
     if (!valid[r]) continue;
     TOut* orow = static_cast<TOut*>(p.out) + b * p.out_sb + h * p.out_sh + row[r] * p.out_sn;
 #pragma unroll
-    for (int dn = 0; dn < D / 8; ++dn) {
-      orow[dn * 8 + 2 * t] = from_float<TOut>(lr > 0.0f ? o[dn][2 * r] / lr : 0.0f);
-      orow[dn * 8 + 2 * t + 1] = from_float<TOut>(lr > 0.0f ? o[dn][2 * r + 1] / lr : 0.0f);
-    }
+    for (int i = 0; i < D / 2; ++i)
+      if ((i / 2) % 2 == r) orow[acc_col(i, t)] = from_float<TOut>(lr > 0.0f ? o[i] / lr : 0.0f);
     if (p.lse && t == 0) p.lse[(int64_t(b) * p.Hq + h) * p.Nq + row[r]] = lr > 0.0f ? m[r] + logf(lr) : -INFINITY;
   }
 }

@@ -1,6 +1,6 @@
 // The DMA prefill kernel's parameters. Inputs are prepared by attention_cuda.cu: Q and K rows in the
-// tensor-core form of each format (FP8 bytes + E8M0 scales, one set per slot: 0 = high, 1 = low),
-// V as bf16.
+// tensor-core form of each format (FP8 bytes + E8M0 scales, one set per slot: 0 = high, 1 = low;
+// scales folded into the codes where exact), V as bf16, transposed.
 #pragma once
 #include <cuda_runtime.h>
 
@@ -13,9 +13,12 @@ struct PrefillParams {
   const uint8_t* q8[2];  // [B*Hq*Nq, d] FP8 bytes
   const uint8_t* qs[2];  // [B*Hq*Nq, d/32] E8M0
   const uint8_t* k8[2];  // [B*Hkv*Nk, d]
-  const uint8_t* ks[2];  // [B*Hkv*Nk, d/32]
+  const uint8_t* ks[2];  // [B*Hkv, ldv, d/32] (rows padded like krs)
+  const float* krs[2];   // [B*Hkv, ldv]: a key's one scale when its blocks share it (else < 0)
+  const int* kuni[2];    // [B*Hkv, ldv/128]: nonzero where every key of the tile has one scale
   bool e5m2[2];          // slot's FP8 type is E5M2 (else E4M3)
-  const uint16_t* v;     // bf16 bits, [B*Hkv*Nk, d]
+  const uint16_t* vt;    // bf16 bits, [B*Hkv, d, ldv]: V transposed, zeros past Nk
+  int64_t ldv;           // a multiple of 128 (the key tile)
   void* out;             // [B,Hq,Nq,d], unit stride on d
   int64_t out_sb, out_sh, out_sn;
   float* lse;  // [B,Hq,Nq] or null

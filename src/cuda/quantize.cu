@@ -59,14 +59,14 @@ __global__ void quantize_rows_kernel(const T* __restrict__ x, Geometry g, int64_
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
     bad |= __shfl_xor_sync(0xffffffffu, int(bad), s) != 0;
   }
-  if (!active) return;
   const int64_t d = g.nblk * kBlock;
+  const int row_lanes = int(g.nblk) * 4;  // the lanes holding one row (a power of two when folding)
 #pragma unroll
   for (int t = 0; t < 2; ++t) {
     if (t >= targets) break;
     const QuantTarget& q = t == 0 ? t0 : t1;
     const Elem e = t == 0 ? e0 : e1;
-    const uint8_t sc = bad ? kE8M0NaN : choose_e8m0(amax, e, rule);
+    uint8_t sc = bad ? kE8M0NaN : choose_e8m0(amax, e, rule);
     const int xexp = int(sc) - 127;
     const ElemSpec spec = elem_spec(e);
     const Elem to = e == Elem::e5m2 ? Elem::e5m2 : Elem::e4m3;
@@ -76,20 +76,56 @@ __global__ void quantize_rows_kernel(const T* __restrict__ x, Geometry g, int64_
       codes[i] = sc == kE8M0NaN ? uint8_t(0) : encode_elem(spec, hd::ldexp2(v[i], -xexp));
       if (q.fp8_bytes) codes[i] = encode_elem(to, decode_elem(e, codes[i]));
     }
-    const int64_t first = int64_t(row) * d + int64_t(c) * kBlock + part * kPerLane;  // element index of codes[0]
-    if (e == Elem::e2m1 && !q.fp8_bytes) {
-      uint32_t w = 0;
+    if (q.fold) {  // uniform across the grid: every lane takes part in the shuffles
+      int smax = sc;
+      for (int s = 4; s < row_lanes; s <<= 1) smax = max(smax, __shfl_xor_sync(0xffffffffu, smax, s));
+      const int k = int(sc) - smax;  // <= 0: this block's codes shift down by 2^k
+      uint8_t folded[kPerLane];
+      bool exact = !bad && smax != kE8M0NaN;
 #pragma unroll
-      for (int i = 0; i < kPerLane; ++i) w |= uint32_t(codes[i]) << (4 * i);
-      *reinterpret_cast<uint32_t*>(q.codes + first / 2) = w;
-    } else {
-      uint2 w;
-      uint8_t* wb = reinterpret_cast<uint8_t*>(&w);
+      for (int i = 0; i < kPerLane; ++i) {
+        const float value = decode_elem(to, codes[i]);
+        // FP8 values are >= 2^-16 in magnitude, so a shift below 2^-24 cannot stay representable.
+        const float shifted = k >= -24 ? hd::ldexp2(value, k) : 0.0f;
+        folded[i] = encode_elem(to, shifted);
+        exact &= value == 0.0f || (k >= -24 && decode_elem(to, folded[i]) == shifted);
+      }
+      for (int s = 1; s < row_lanes; s <<= 1) exact &= __shfl_xor_sync(0xffffffffu, int(exact), s) != 0;
+      if (exact) {
 #pragma unroll
-      for (int i = 0; i < kPerLane; ++i) wb[i] = codes[i];
-      *reinterpret_cast<uint2*>(q.codes + first) = w;
+        for (int i = 0; i < kPerLane; ++i) codes[i] = folded[i];
+        sc = uint8_t(smax);
+      }
     }
-    if (part == 0) q.scales[int64_t(blk)] = sc;
+    if (active) {
+      const int64_t first = int64_t(row) * d + int64_t(c) * kBlock + part * kPerLane;  // element index of codes[0]
+      if (e == Elem::e2m1 && !q.fp8_bytes) {
+        uint32_t w = 0;
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) w |= uint32_t(codes[i]) << (4 * i);
+        *reinterpret_cast<uint32_t*>(q.codes + first / 2) = w;
+      } else {
+        uint2 w;
+        uint8_t* wb = reinterpret_cast<uint8_t*>(&w);
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) wb[i] = codes[i];
+        *reinterpret_cast<uint2*>(q.codes + first) = w;
+      }
+      // With row scales, the block scales take the same padded row layout: [B*H][row_pad][d/32].
+      if (part == 0) q.scales[q.row_scale ? (int64_t(bh) * q.row_pad + n) * g.nblk + c : int64_t(blk)] = sc;
+    }
+    if (q.row_scale) {  // uniform across the grid, like q.fold
+      int smin = sc, smax = sc;
+      for (int s = 4; s < row_lanes; s <<= 1) {
+        smin = min(smin, __shfl_xor_sync(0xffffffffu, smin, s));
+        smax = max(smax, __shfl_xor_sync(0xffffffffu, smax, s));
+      }
+      if (active && part == 0 && c == 0) {
+        const bool uniform = smin == smax && smax != kE8M0NaN;
+        q.row_scale[int64_t(bh) * q.row_pad + n] = uniform ? decode_e8m0(uint8_t(smax)) : -1.0f;
+        if (!uniform) atomicAnd(q.tile_uniform + int64_t(bh) * (q.row_pad / 128) + n / 128, 0);
+      }
+    }
   }
 }
 
@@ -107,6 +143,11 @@ void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first
     if (!fi.has_codes || fi.block != kBlock)
       throw Error("quantize_rows: format " + std::string(fi.name) + " is not an MX 32-block format");
     if (!t->codes || !t->scales) throw Error("quantize_rows: missing output buffers");
+    if (t->row_scale && (!t->tile_uniform || t->row_pad < x.shape[2] || t->row_pad % 128 != 0 ||
+                         (x.shape[3] / kBlock) & (x.shape[3] / kBlock - 1) || x.shape[3] > 8 * kBlock))
+      throw Error("quantize_rows: row scales need tile flags, row_pad >= N (a multiple of 128) and d/32 a power of two <= 8");
+    if (t->fold && (!t->fp8_bytes || (x.shape[3] / kBlock) & (x.shape[3] / kBlock - 1) || x.shape[3] > 8 * kBlock))
+      throw Error("quantize_rows: folding needs the FP8-byte form and d/32 a power of two <= 8");
   }
   Geometry g{x.shape[1], x.shape[2], x.shape[3] / kBlock, x.stride[0], x.stride[1], x.stride[2]};
   const int64_t nblocks = x.shape[0] * x.shape[1] * x.shape[2] * g.nblk;

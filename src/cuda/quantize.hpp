@@ -16,6 +16,20 @@ struct QuantTarget {
   // Tensor-core form: one byte per element, the element's value as an FP8 byte (E5M2 for mxfp8-e5m2,
   // E4M3 for every other element format, which it holds exactly), ready for FP8 MMA.
   bool fp8_bytes = false;
+  // With fp8_bytes: where it is exact, fold a row's block scales into its codes (each block's
+  // values shifted by 2^(its scale - the row's largest), the FP8 bytes holding them exactly) and
+  // give every block of the row the largest scale. The values code x scale are unchanged; a row
+  // whose scales all agree lets the kernel run all of d as one MMA chain with one scale per row
+  // (DESIGN §5). Rows where a shifted value would round keep their own scales.
+  bool fold = false;
+  // Optional, for the prefill kernel: per row, the row's one scale as a float when all its blocks
+  // share it (else -1), in [B*H][row_pad] (row_pad a multiple of 128, zeros past N are the
+  // caller's); and per 128-row tile of each (b, h), 0 where some row has no single scale (the
+  // caller sets the array to nonzero first). With row_scale set, `scales` is padded the same way:
+  // [B*H][row_pad][d/32], so a tile's block scales are one aligned run of bytes.
+  float* row_scale = nullptr;
+  int64_t row_pad = 0;
+  int* tile_uniform = nullptr;
 };
 
 // The FP8 element type a format's values take in the tensor-core form.

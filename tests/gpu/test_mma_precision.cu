@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "cuda/mma.cuh"
+#include "cuda/wgmma.cuh"
 #include "dmattn/mx_codec.hpp"
 #include "dmattn/synthetic.hpp"
 
@@ -89,7 +90,104 @@ double max_error_ulps(bool fp4_values, uint64_t seed, int* inexact) {
     }
   return worst;
 }
+// One warpgroup: A and B are [64 rows][128 bytes] E4M3 codes (four 32-wide blocks each). out[0..3]:
+// the 64x64 block dots of blocks c = 0..3, each one wgmma into a fresh accumulator; out[4]: all four
+// as one wgmma chain. Row-major [64][64] each.
+__global__ void wgmma_dots(const uint8_t* a, const uint8_t* b, float* out) {
+  __shared__ __align__(1024) uint8_t sa[64 * 128], sb[64 * 128];
+  for (int i = threadIdx.x; i < 64 * 128; i += 128) {
+    sa[cuda::wg::swizzled<128>(i / 128, i % 128)] = a[i];
+    sb[cuda::wg::swizzled<128>(i / 128, i % 128)] = b[i];
+  }
+  cuda::wg::fence_async_smem();
+  __syncthreads();
+  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
+  for (int c = 0; c <= 4; ++c) {
+    float d[32];
+    for (int i = 0; i < 32; ++i) d[i] = 0.0f;
+    cuda::wg::fence();
+    for (int k = (c == 4 ? 0 : c); k <= (c == 4 ? 3 : c); ++k)
+      cuda::wg::mma_fp8<64, false>(d, cuda::wg::desc<128>(sa, k * 32), cuda::wg::desc<128>(sb, k * 32), k != (c == 4 ? 0 : c));
+    cuda::wg::commit();
+    cuda::wg::wait<0>();
+    cuda::wg::pin(d);
+    for (int i = 0; i < 32; ++i)
+      out[c * 4096 + (16 * warp + g + 8 * ((i / 2) % 2)) * 64 + 8 * (i / 4) + 2 * t + i % 2] = d[i];
+  }
+}
+
+struct DotStats {
+  int inexact = 0, total = 0;
+  double worst_rel = 0;  // |got - exact| / (sum of |products|): the accumulator's own error
+  void add(float got, double exact, double mag) {
+    ++total;
+    inexact += got != float(exact);
+    if (mag > 0) worst_rel = std::max(worst_rel, std::fabs(got - exact) / mag);
+  }
+};
+
+// Codes per class: 0 = random E4M3 values of an MX block (normal data scaled so the block's amax
+// is near 448); 1 = E2M1 values; 2 = E2M1 values shifted down by 2^0..2^-8 per (row, block), as
+// folding makes them.
+void wgmma_precision(int cls, uint64_t seed, DotStats& single, DotStats& chain) {
+  Rng rng(seed);
+  std::vector<uint8_t> A(64 * 128), B(64 * 128);
+  for (auto* m : {&A, &B})
+    for (int r = 0; r < 64; ++r)
+      for (int c = 0; c < 4; ++c) {
+        const int shift = cls == 2 ? -int(rng.next_u64() % 9) : 0;
+        for (int k = 0; k < 32; ++k) {
+          float v = cls == 0 ? float(rng.normal() * 160.0) : decode_elem(Elem::e2m1, uint8_t(rng.next_u64() % 16));
+          (*m)[size_t(r * 128 + c * 32 + k)] = encode_elem(Elem::e4m3, std::ldexp(v, shift));
+        }
+      }
+  uint8_t *da, *db;
+  float* dout;
+  cudaMalloc(&da, A.size());
+  cudaMalloc(&db, B.size());
+  cudaMalloc(&dout, 5 * 4096 * sizeof(float));
+  cudaMemcpy(da, A.data(), A.size(), cudaMemcpyHostToDevice);
+  cudaMemcpy(db, B.data(), B.size(), cudaMemcpyHostToDevice);
+  wgmma_dots<<<1, 128>>>(da, db, dout);
+  std::vector<float> out(5 * 4096);
+  cudaMemcpy(out.data(), dout, out.size() * sizeof(float), cudaMemcpyDeviceToHost);
+  cudaFree(da);
+  cudaFree(db);
+  cudaFree(dout);
+  for (int m = 0; m < 64; ++m)
+    for (int n = 0; n < 64; ++n) {
+      double all = 0, all_mag = 0;
+      for (int c = 0; c < 4; ++c) {
+        double exact = 0, mag = 0;
+        for (int k = 0; k < 32; ++k) {
+          const double p = double(decode_elem(Elem::e4m3, A[size_t(m * 128 + c * 32 + k)])) *
+                           decode_elem(Elem::e4m3, B[size_t(n * 128 + c * 32 + k)]);
+          exact += p;
+          mag += std::fabs(p);
+        }
+        single.add(out[size_t(c * 4096 + m * 64 + n)], exact, mag);
+        all += exact;
+        all_mag += mag;
+      }
+      chain.add(out[size_t(4 * 4096 + m * 64 + n)], all, all_mag);
+    }
+}
 }  // namespace
+
+// wgmma (the prefill kernel's instruction) on the value classes the kernel feeds it. The property
+// the kernel relies on: E2M1 values (as MXFP4 tiles carry them, unfolded) sum exactly in one
+// block. Everything else is recorded: Hopper's FP8 wgmma keeps fewer accumulator bits than fp32.
+TEST(GpuMma, WgmmaFp8DotPrecision) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const char* names[3] = {"E4M3 MX block values", "E2M1 values", "E2M1 values shifted <= 2^-8"};
+  for (int cls = 0; cls < 3; ++cls) {
+    DotStats single, chain;
+    for (uint64_t s = 0; s < 4; ++s) wgmma_precision(cls, 77 * cls + s, single, chain);
+    std::printf("wgmma %-28s one block: %5d of %d inexact (worst %.2e of sum|p|); 4-block chain: %5d of %d (worst %.2e)\n",
+                names[cls], single.inexact, single.total, single.worst_rel, chain.inexact, chain.total, chain.worst_rel);
+    if (cls == 1) EXPECT_EQ(single.inexact, 0);
+  }
+}
 
 TEST(GpuMma, Fp8BlockDotPrecision) {
   SKIP_WITHOUT_CUDA_DEVICE();

@@ -5,10 +5,13 @@
 
 #include "gpu_test.hpp"
 
+#include <cmath>
+#include <cstdio>
 #include <vector>
 
 #include "cuda/quantize.hpp"
 #include "dmattn/error.hpp"
+#include "dmattn/mx_codec.hpp"
 #include "dmattn/quantize.hpp"
 #include "dmattn/synthetic.hpp"
 
@@ -83,4 +86,58 @@ TEST(GpuQuantize, RejectsWhatItCannotDo) {
   v.device = Device::cpu;
   EXPECT_THROW(cuda::quantize_rows(v, ScaleRule::ocp, {Format::mxfp4, buf, buf}, {}, nullptr), Error);
   cudaFree(buf);
+}
+
+// Folding (QuantTarget::fold) changes codes and scales, never values: every element's FP8 byte x
+// its scale equals the CPU codec's code x scale. Rows whose blocks' scales differ by a factor <= 4
+// always fold for MXFP4 (a shifted E2M1 value stays an exact E4M3 value); MXFP8 rows fold only
+// where no small value would round, so some do and some do not.
+TEST(GpuQuantize, FoldingKeepsValuesAndUnifiesRowScales) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  for (int64_t d : {64, 128}) {
+    const int64_t rows = 512, nb = d / 32;
+    Rng rng(99 + d);
+    std::vector<float> x(size_t(rows * d));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < d; ++i)  // per-block magnitudes 2^0..2^2 over a per-row level
+        x[size_t(r * d + i)] = float(rng.normal() * std::ldexp(1.0, int((i / 32 + r) % 3) + int(r % 9) - 4));
+    HostTensor host = HostTensor::from_floats(x, {1, 1, rows, d}, DType::f32);
+    void* dx;
+    CUDA_OK(cudaMalloc(&dx, host.nbytes()));
+    CUDA_OK(cudaMemcpy(dx, host.bytes(), host.nbytes(), cudaMemcpyHostToDevice));
+    const TensorView view = TensorView::contiguous(dx, DType::f32, {1, 1, rows, d}, Device::cuda);
+    for (Format f : {Format::mxfp4, Format::mxfp8_e4m3, Format::mxfp8_e5m2}) {
+      const Quantized want = quantize(x.data(), rows, d, f, ScaleRule::ocp);
+      const std::vector<float> want_values = dequantize(want);
+      uint8_t *codes, *scales;
+      CUDA_OK(cudaMalloc(&codes, size_t(rows * d)));
+      CUDA_OK(cudaMalloc(&scales, size_t(rows * nb)));
+      CUDA_OK(cudaMemset(codes, 0xA5, size_t(rows * d)));
+      CUDA_OK(cudaMemset(scales, 0xA5, size_t(rows * nb)));
+      cuda::quantize_rows(view, ScaleRule::ocp, {f, codes, scales, true, true}, {}, nullptr);
+      std::vector<uint8_t> gc(size_t(rows * d)), gs(size_t(rows * nb));
+      CUDA_OK(cudaMemcpy(gc.data(), codes, gc.size(), cudaMemcpyDeviceToHost));
+      CUDA_OK(cudaMemcpy(gs.data(), scales, gs.size(), cudaMemcpyDeviceToHost));
+      const Elem fp8 = cuda::mma_elem(f);
+      int64_t folded_rows = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        bool uniform = true;
+        for (int64_t i = 0; i < d; ++i) {
+          const float got = decode_elem(fp8, gc[size_t(r * d + i)]) * decode_e8m0(gs[size_t(r * nb + i / 32)]);
+          ASSERT_EQ(got, want_values[size_t(r * d + i)]) << format_name(f) << " d=" << d << " row " << r << " elem " << i;
+          uniform &= gs[size_t(r * nb + i / 32)] == gs[size_t(r * nb)];
+        }
+        folded_rows += uniform;
+      }
+      if (f == Format::mxfp4)
+        EXPECT_EQ(folded_rows, rows) << "d=" << d;
+      else
+        EXPECT_GT(folded_rows, 0) << format_name(f) << " d=" << d;
+      std::printf("[fold] %s d=%lld: %lld of %lld rows folded\n", std::string(format_name(f)).c_str(), (long long)d, (long long)folded_rows,
+                  (long long)rows);
+      cudaFree(codes);
+      cudaFree(scales);
+    }
+    cudaFree(dx);
+  }
 }
