@@ -73,6 +73,7 @@ Problem validate(const TensorView& q, const TensorView& k, const TensorView& v, 
   p.causal = o.causal;
   p.policy = pol;
   p.threads = o.threads;
+  p.stream = o.stream;
   return p;
 }
 

@@ -14,6 +14,7 @@ struct Problem {
   bool causal = false;
   Policy policy{};
   int threads = 0;
+  void* stream = nullptr;  // cudaStream_t for the CUDA backend
 
   int64_t group() const { return Hq / Hkv; }
   int64_t position(int64_t r) const { return r + Nk - Nq; }  // causal (bottom-right) alignment
@@ -30,7 +31,7 @@ void dma_attention(const Problem& p);    // DMA, DESIGN §3
 }  // namespace cpu
 
 namespace cuda {
-void dma_attention(const Problem& p);  // all tensors on the current CUDA device; default stream
+void dma_attention(const Problem& p);  // all tensors on the current CUDA device; ordered on p.stream
 }  // namespace cuda
 
 }  // namespace dmattn

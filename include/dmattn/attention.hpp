@@ -39,6 +39,10 @@ struct AttentionOptions {
   Backend backend = Backend::automatic;
   bool exact = false;  // fp64 reference instead of DMA
   int threads = 0;     // CPU worker threads; 0 = all hardware threads
+  // CUDA backend: the cudaStream_t every launch and allocation is ordered on (null: the default
+  // stream). attention() still returns only when the result is complete (it checks the inputs'
+  // NaN/Inf flags on the host), so callers need no extra synchronisation.
+  void* stream = nullptr;
 };
 
 // Throws dmattn::Error on invalid input (shapes, head dim, NaN/Inf, unavailable backend).

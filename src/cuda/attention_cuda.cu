@@ -20,18 +20,19 @@ void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw Error(std::string(what) + ": " + cudaGetErrorString(e));
 }
 
-// Device buffers freed on scope exit (also when an error unwinds).
+// Device buffers on one stream, freed on scope exit (also when an error unwinds).
 struct Buffers {
+  cudaStream_t stream = nullptr;
   std::vector<void*> ptrs;
   template <class T>
   T* alloc(size_t bytes) {
     void* p = nullptr;
-    check(cudaMallocAsync(&p, bytes ? bytes : 1, nullptr), "cudaMallocAsync");  // stream-ordered pool: cheap
+    check(cudaMallocAsync(&p, bytes ? bytes : 1, stream), "cudaMallocAsync");  // stream-ordered pool: cheap
     ptrs.push_back(p);
     return static_cast<T*>(p);
   }
   ~Buffers() {
-    for (void* p : ptrs) cudaFreeAsync(p, nullptr);
+    for (void* p : ptrs) cudaFreeAsync(p, stream);
   }
 };
 
@@ -79,15 +80,15 @@ __global__ void transpose_v_kernel(const T* v, Shape shape, Shape stride, int64_
 
 // Flags (*flag = 1) a non-finite value in the view. Asynchronous: the caller reads the flag after
 // its last launch, with one synchronisation.
-void scan(const TensorView& t, int* flag) {
+void scan(const TensorView& t, int* flag, cudaStream_t stream) {
   const unsigned blocks = 1024;
   const bool contiguous = t.stride == TensorView::contiguous(nullptr, t.dtype, t.shape).stride;
   auto run = [&](auto* typed) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
     if (contiguous)
-      scan_kernel<T, true><<<blocks, 256>>>(typed, t.shape, t.stride, flag);
+      scan_kernel<T, true><<<blocks, 256, 0, stream>>>(typed, t.shape, t.stride, flag);
     else
-      scan_kernel<T, false><<<blocks, 256>>>(typed, t.shape, t.stride, flag);
+      scan_kernel<T, false><<<blocks, 256, 0, stream>>>(typed, t.shape, t.stride, flag);
   };
   switch (t.dtype) {
     case DType::f32: run(static_cast<const float*>(t.data)); break;
@@ -98,9 +99,9 @@ void scan(const TensorView& t, int* flag) {
 }
 
 // V^T in bf16 for the PV tensor-core operand; flags non-finite values like scan().
-void transpose_v(const TensorView& v, int64_t ldv, uint16_t* vt, int* flag) {
+void transpose_v(const TensorView& v, int64_t ldv, uint16_t* vt, int* flag, cudaStream_t stream) {
   const dim3 grid(unsigned(ldv / 32), unsigned(v.shape[3] / 32), unsigned(v.shape[0] * v.shape[1]));
-  auto run = [&](auto* typed) { transpose_v_kernel<<<grid, dim3(32, 8)>>>(typed, v.shape, v.stride, ldv, vt, flag); };
+  auto run = [&](auto* typed) { transpose_v_kernel<<<grid, dim3(32, 8), 0, stream>>>(typed, v.shape, v.stride, ldv, vt, flag); };
   switch (v.dtype) {
     case DType::f32: run(static_cast<const float*>(v.data)); break;
     case DType::f16: run(static_cast<const fp16*>(v.data)); break;
@@ -149,15 +150,16 @@ void require_supported(const Problem& p) {
 
 void dma_attention(const Problem& p) {
   require_supported(p);
-  Buffers buf;
+  const cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  Buffers buf{stream};
   int* flags = buf.alloc<int>(3 * sizeof(int));
-  check(cudaMemsetAsync(flags, 0, 3 * sizeof(int)), "cudaMemset");
+  check(cudaMemsetAsync(flags, 0, 3 * sizeof(int), stream), "cudaMemset");
   const int64_t d = p.d, nb = d / 32;
   const int64_t ldv = (p.Nk + kTile - 1) / kTile * kTile;
   uint16_t* vt = buf.alloc<uint16_t>(size_t(p.B * p.Hkv * d * ldv) * 2);
-  scan(p.q, flags);
-  scan(p.k, flags + 1);
-  transpose_v(p.v, ldv, vt, flags + 2);
+  scan(p.q, flags, stream);
+  scan(p.k, flags + 1, stream);
+  transpose_v(p.v, ldv, vt, flags + 2, stream);
 
   const int nslots = p.policy.high == p.policy.low ? 1 : 2;
   const Format fmt[2] = {p.policy.high, p.policy.low};
@@ -172,8 +174,8 @@ void dma_attention(const Problem& p) {
     uint8_t* ks = buf.alloc<uint8_t>(size_t(p.B * p.Hkv * ldv * nb));  // padded rows (see QuantTarget)
     float* krs = buf.alloc<float>(size_t(p.B * p.Hkv * ldv) * sizeof(float));
     int* kuni = buf.alloc<int>(size_t(k_tiles) * sizeof(int));
-    check(cudaMemsetAsync(krs, 0, size_t(p.B * p.Hkv * ldv) * sizeof(float)), "cudaMemset");
-    check(cudaMemsetAsync(kuni, 1, size_t(k_tiles) * sizeof(int)), "cudaMemset");  // nonzero: uniform until shown not
+    check(cudaMemsetAsync(krs, 0, size_t(p.B * p.Hkv * ldv) * sizeof(float), stream), "cudaMemset");
+    check(cudaMemsetAsync(kuni, 1, size_t(k_tiles) * sizeof(int), stream), "cudaMemset");  // nonzero: uniform until shown not
     qt[s] = {fmt[s], q8, qs, true, true};
     kt[s] = {fmt[s], k8, ks, true, true, krs, ldv, kuni};
     pp.krs[s] = krs;
@@ -184,8 +186,8 @@ void dma_attention(const Problem& p) {
     pp.ks[s] = ks;
     pp.e5m2[s] = mma_elem(fmt[s]) == Elem::e5m2;
   }
-  quantize_rows(p.q, p.policy.scale_rule, qt[0], nslots == 2 ? qt[1] : QuantTarget{}, nullptr);
-  quantize_rows(p.k, p.policy.scale_rule, kt[0], nslots == 2 ? kt[1] : QuantTarget{}, nullptr);
+  quantize_rows(p.q, p.policy.scale_rule, qt[0], nslots == 2 ? qt[1] : QuantTarget{}, stream);
+  quantize_rows(p.k, p.policy.scale_rule, kt[0], nslots == 2 ? kt[1] : QuantTarget{}, stream);
 
   pp.vt = vt;
   pp.ldv = ldv;
@@ -204,9 +206,10 @@ void dma_attention(const Problem& p) {
   pp.first_block = hd::floor_div(p.Nk - p.Nq, kPrefillRows);
   const int64_t blocks = hd::floor_div(p.Nk - 1, kPrefillRows) - pp.first_block + 1;
   pp.blocks = blocks;
-  launch_prefill(pp, int(d), p.out.dtype, blocks, int(p.B), nullptr);
+  launch_prefill(pp, int(d), p.out.dtype, blocks, int(p.B), stream);
   int bad[3];
-  check(cudaMemcpy(bad, flags, sizeof bad, cudaMemcpyDeviceToHost), "DMA prefill");  // the one sync
+  check(cudaMemcpyAsync(bad, flags, sizeof bad, cudaMemcpyDeviceToHost, stream), "DMA prefill");
+  check(cudaStreamSynchronize(stream), "DMA prefill");  // the one sync
   const char* names[3] = {"Q", "K", "V"};
   for (int i = 0; i < 3; ++i)
     if (bad[i]) throw Error(std::string(names[i]) + " holds a non-finite value");

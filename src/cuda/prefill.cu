@@ -2,7 +2,8 @@
 // (aligned in absolute positions, so one format per key tile) x its key tiles in ascending order;
 // two warpgroups of 64 query rows each. K (in the tile's format, FP8 bytes) and V (bf16,
 // transposed by the pre-pass so both wgmma operands are K-major) stream into a double buffer with
-// cp.async while the previous tile computes. Heavy (late) causal tiles are scheduled first.
+// cp.async while the previous tile computes; P.V overlaps the next tile's wait and S. Heavy (late)
+// causal tiles are scheduled first.
 //
 // S = Q.K^T per tile with MX scaling (DESIGN §3, §5). Where every row of the warpgroup's Q and every
 // key of the tile carries one scale for all of d (the quantize pass folds block scales into the FP8
@@ -209,19 +210,16 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
   // Whether every key of tile j has one scale for all of d (read a tile ahead, off the critical path).
   auto k_uniform = [&](int64_t j) { return (slot_of(j) ? p.kuni[1] : p.kuni[0])[kv_tile0 / BN + j] != 0; };
 
-  bool k_uniform_next = tiles > 0 && k_uniform(0);
+  // Pipeline: tile j+1 loads while tile j computes; P_j.V_j stays in flight on the tensor cores
+  // while the next iteration waits for its tile and issues S_{j+1} (the wait inside tile_scores
+  // retires both).
+  bool k_folded = tiles > 0 && k_uniform(0);
+  uint32_t a[BN / 16][4];  // bf16 P of the tile in flight (a wgmma operand until it retires)
   if (tiles > 0) issue(0, 0);
   for (int64_t j = 0; j < tiles; ++j) {
     const int slot = slot_of(j), st = int(j & 1);
     const bool e5m2 = slot ? p.e5m2[1] : p.e5m2[0];
-    const bool k_folded = k_uniform_next;
-    if (j + 1 < tiles) {
-      issue(j + 1, st ^ 1);  // stage st^1 was released by the barrier that ended iteration j-1
-      k_uniform_next = k_uniform(j + 1);
-      cp_async_wait<1>();
-    } else {
-      cp_async_wait<0>();
-    }
+    cp_async_wait<0>();
     wg::fence_async_smem();
     __syncthreads();  // tile j's K, V and scales are visible to every warp
     const bool folded = k_folded && q_folded[slot][wgi];
@@ -234,6 +232,12 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
       tile_scores<D, true>(s, folded, sq, sqs, sK(st), sKr(st), sKb(st), rscale, t);
     else
       tile_scores<D, false>(s, folded, sq, sqs, sK(st), sKr(st), sKb(st), rscale, t);
+    wg::pin(o);  // P_{j-1}.V_{j-1} has retired (the wait in tile_scores)
+    __syncthreads();  // ... in both warpgroups: stage st^1 is free for tile j+1
+    if (j + 1 < tiles) {
+      issue(j + 1, st ^ 1);
+      k_folded = k_uniform(j + 1);
+    }
 
     // Mask (tiles every row of the warp sees whole skip it), online softmax (fp32).
     float mx[2] = {-INFINITY, -INFINITY};
@@ -263,7 +267,6 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
     for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) % 2];
 
     // O += bf16(P) . V, 16 keys per wgmma; P's accumulator layout is the A-fragment layout.
-    uint32_t a[BN / 16][4];
 #pragma unroll
     for (int kc = 0; kc < BN / 16; ++kc) {
       const float* q0 = s + 8 * kc;  // registers of columns 16kc..16kc+7 (4) and 16kc+8.. (4)
@@ -276,11 +279,10 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
 #pragma unroll
     for (int kc = 0; kc < BN / 16; ++kc)
       wg::mma_bf16_rs<D>(o, a[kc], wg::desc<128>(sVt(st) + (kc / 4) * S::kVHalf, (kc % 4) * 32));
-    wg::commit();
-    wg::wait<0>();
-    wg::pin(o);
-    __syncthreads();  // every warp is done with stage st before it is refilled
+    wg::commit();  // retired by the next tile's S (or below)
   }
+  wg::wait<0>();
+  wg::pin(o);
 
   // out = O / l, lse = m + log l; rows that saw no key write zeros and -inf.
 #pragma unroll

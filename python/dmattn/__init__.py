@@ -1,0 +1,190 @@
+"""dmattn: Diagonal-Tiled Mixed-Precision Attention over microscaling (MX) formats.
+
+Attention tiles near the diagonal (and optional sink tiles) are computed in a high format (MXFP8 by
+default), every other 128x128 tile in a low one (MXFP4), in one fused flash-attention pass. Works
+on numpy arrays and PyTorch tensors (CPU, and CUDA on Hopper GPUs), without copying the inputs.
+
+    import dmattn
+    out = dmattn.attention(q, k, v, causal=True)              # q [B, Hq, N, d], k/v [B, Hkv, N, d]
+    out = dmattn.sdpa(q, k, v, is_causal=True, enable_gqa=True)   # torch SDPA's signature
+    dmattn.register_transformers()                             # attn_implementation="dmattn"
+"""
+from __future__ import annotations
+
+
+from ._dmattn import DmattnError, Policy, cuda_available, attention_into, quantize_rows, dequantize_rows
+
+__all__ = ["attention", "sdpa", "quantize", "dequantize", "Policy", "DmattnError", "cuda_available",
+           "register_transformers", "hf_policy"]
+
+
+
+def _is_torch(x) -> bool:
+    mod = type(x).__module__
+    return mod.startswith("torch")
+
+
+def _check_same_kind(q, k, v):
+    kinds = {_is_torch(t) for t in (q, k, v)}
+    if len(kinds) != 1:
+        raise TypeError("q, k and v must all be numpy arrays or all be torch tensors")
+    if _is_torch(q):
+        devs = {t.device for t in (q, k, v)}
+        if len(devs) != 1:
+            raise ValueError(f"q, k and v must be on one device (got {sorted(map(str, devs))})")
+        dts = {t.dtype for t in (q, k, v)}
+        if len(dts) != 1:
+            raise TypeError(f"q, k and v must have one dtype (got {sorted(map(str, dts))})")
+    else:
+        dts = {str(t.dtype) for t in (q, k, v)}
+        if len(dts) != 1:
+            raise TypeError(f"q, k and v must have one dtype (got {sorted(dts)})")
+
+
+def attention(q, k, v, *, causal: bool = False, scale: float | None = None, high: str = "mxfp8-e4m3",
+              low: str = "mxfp4", diag_tiles: int = 1, sink_tiles: int = 0, pv: str = "bf16",
+              scale_rule: str = "ocp", return_lse: bool = False, layout: str = "bhnd", policy: Policy | None = None):
+    """DMA attention of q, k, v; returns an array of q's kind, dtype and device (and the LSE).
+
+    Args:
+      q: queries, [B, Hq, Nq, d] (layout "bhnd") or [B, Nq, Hq, d] ("bnhd"); numpy array or torch
+        tensor, float32 / float16 / bfloat16, on the CPU or a CUDA device. Any strides (the head
+        dimension unit-stride on CUDA); never copied.
+      k, v: keys and values, [B, Hkv, Nk, d] (or [B, Nk, Hkv, d]); Hq a multiple of Hkv (GQA/MQA).
+        Same kind, dtype and device as q.
+      causal: mask keys after each query, aligned bottom-right (query row r sits at position
+        r + Nk - Nq), so prefill, chunked prefill and decode share one definition.
+      scale: softmax scale; default 1/sqrt(d).
+      high: format of the high tiles: "mxfp8-e4m3" (default), "mxfp8-e5m2", "mxfp6-e3m2",
+        "mxfp6-e2m3", "mxfp4", "nvfp4" or "bf16".
+      low: format of every other tile (default "mxfp4"); same choices.
+      diag_tiles: key tiles nearest the diagonal of each 128-row query tile that run in `high`
+        (the diagonal tile included; 0 = none; a large value = all high).
+      sink_tiles: leading key tiles (attention sinks) that run in `high`.
+      pv: precision of P.V: "bf16" (P rounded to bf16) or "mxfp8" (P and V in MXFP8 E4M3).
+      scale_rule: E8M0 block-scale rule, "ocp" (the OCP spec's floor rule) or "ceil".
+      return_lse: also return the row log-sum-exp, float32 [B, Hq, Nq] (for merging partial results).
+      layout: "bhnd" or "bnhd" (how the four axes of q, k, v and the output are ordered).
+      policy: a Policy; overrides high/low/diag_tiles/sink_tiles/pv/scale_rule when given.
+
+    Returns: out (and lse when return_lse) on q's device; CUDA work runs on torch's current stream.
+    Raises: DmattnError (a ValueError) for bad shapes, dtypes, strides, NaN/Inf inputs or
+      unsupported settings; TypeError for mixed array kinds or dtypes.
+    """
+    _check_same_kind(q, k, v)
+    if policy is None:
+        policy = Policy(high=high, low=low, diag_tiles=diag_tiles, sink_tiles=sink_tiles, pv=pv,
+                        scale_rule=scale_rule)
+    if layout not in ("bhnd", "bnhd"):
+        raise ValueError(f"layout must be 'bhnd' or 'bnhd' (got {layout!r})")
+    if getattr(q, "ndim", None) != 4:
+        raise DmattnError(f"q: expected 4 dimensions, got shape {tuple(q.shape)}")
+    B = q.shape[0]
+    Hq, Nq = (q.shape[1], q.shape[2]) if layout == "bhnd" else (q.shape[2], q.shape[1])
+    stream = 0
+    if _is_torch(q):
+        import torch
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device) if return_lse else None
+        if q.is_cuda:
+            stream = torch.cuda.current_stream(q.device).cuda_stream
+            with torch.cuda.device(q.device):
+                attention_into(q.detach(), k.detach(), v.detach(), out, lse, causal, scale, policy, layout, stream)
+        else:
+            attention_into(q.detach(), k.detach(), v.detach(), out, lse, causal, scale, policy, layout, stream)
+    else:
+        import numpy as np
+        out = np.empty(q.shape, dtype=q.dtype)
+        lse = np.empty((B, Hq, Nq), dtype=np.float32) if return_lse else None
+        attention_into(q, k, v, out, lse, causal, scale, policy, layout, stream)
+    return (out, lse) if return_lse else out
+
+
+def sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
+         scale: float | None = None, enable_gqa: bool = False, **policy):
+    """torch.nn.functional.scaled_dot_product_attention's signature, computed by dmattn.
+
+    query [B, Hq, L, E], key/value [B, Hkv, S, E] torch tensors; `policy` takes attention()'s
+    keywords (high, low, diag_tiles, sink_tiles, pv, scale_rule). Supported: no mask or
+    is_causal with L == S (torch aligns its causal mask top-left, dmattn bottom-right: they agree
+    only for square attention), dropout_p == 0, GQA with enable_gqa=True. Anything else raises
+    NotImplementedError rather than computing something different.
+    """
+    if attn_mask is not None:
+        raise NotImplementedError("dmattn.sdpa: attn_mask is not supported (use is_causal, or torch's SDPA)")
+    if dropout_p != 0.0:
+        raise NotImplementedError("dmattn.sdpa: dropout is not supported (dropout_p must be 0)")
+    if query.dim() != 4 or key.dim() != 4 or value.dim() != 4:
+        raise NotImplementedError("dmattn.sdpa: 4-D [B, H, L, E] inputs only")
+    if is_causal and query.shape[-2] != key.shape[-2]:
+        raise NotImplementedError(
+            "dmattn.sdpa: is_causal with L != S: torch aligns the causal mask top-left, dmattn bottom-right; "
+            "call dmattn.attention(causal=True) for the bottom-right (KV-cache) convention")
+    if query.shape[1] != key.shape[1] and not enable_gqa:
+        raise ValueError(f"dmattn.sdpa: {query.shape[1]} query heads and {key.shape[1]} key heads need enable_gqa=True")
+    return attention(query, key, value, causal=is_causal, scale=scale, **policy)
+
+
+def _rows(x):
+    """Any array-like -> (float32 numpy [rows, cols], original shape)."""
+    import numpy as np
+    if _is_torch(x):
+        x = x.detach().to("cpu").float().numpy()
+    a = np.ascontiguousarray(np.asarray(x, dtype=np.float32))
+    if a.ndim == 0:
+        raise ValueError("quantize: need at least one dimension")
+    return a.reshape(-1, a.shape[-1]), a.shape
+
+
+def quantize(x, format: str = "mxfp4", scale_rule: str = "ocp"):
+    """Quantizes x along its last axis (blocks of 32, 16 for NVFP4) with the CPU codec.
+
+    Returns (codes, scales, tensor_scale): uint8 numpy arrays [rows, code_cols] and [rows, blocks]
+    (rows = all leading axes flattened; E2M1 codes packed two per byte, low nibble first) and the
+    NVFP4 tensor scale (1.0 for MX formats). Bit-identical to `dmattn quantize` and the C++ API.
+    """
+    rows, _ = _rows(x)
+    return quantize_rows(rows, format, scale_rule)
+
+
+def dequantize(codes, scales, format: str, cols: int, tensor_scale: float = 1.0):
+    """Values of quantize()'s output: float32 numpy [rows, cols]."""
+    import numpy as np
+    return dequantize_rows(np.ascontiguousarray(codes, dtype=np.uint8), np.ascontiguousarray(scales, dtype=np.uint8),
+                           format, cols, tensor_scale)
+
+
+hf_policy = Policy()
+"""The Policy that attn_implementation="dmattn" uses (assign a new Policy to change it)."""
+
+
+def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers attention function: query [B, Hq, L, E], key/value [B, Hkv, S, E] (no repeat_kv)."""
+    if dropout not in (0, 0.0) and module.training:
+        raise NotImplementedError("dmattn: dropout in training is not supported")
+    causal = bool(getattr(module, "is_causal", True))
+    if attention_mask is not None:
+        # Only the plain causal mask (what generation without padding builds) is supported.
+        import torch
+        L, S = query.shape[-2], key.shape[-2]
+        m = attention_mask[..., :L, :S]
+        allowed = m > torch.finfo(m.dtype).min / 2 if m.dtype.is_floating_point else m.bool()
+        want = torch.ones(L, S, dtype=torch.bool, device=m.device).tril(S - L) if causal else \
+            torch.ones(L, S, dtype=torch.bool, device=m.device)
+        if not torch.equal(allowed.expand(m.shape[0], m.shape[1], L, S),
+                           want.expand(m.shape[0], m.shape[1], L, S)):
+            raise NotImplementedError("dmattn: attention masks other than causal (e.g. padding) are not supported")
+    out = attention(query, key, value, causal=causal, scale=scaling, policy=hf_policy)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def register_transformers(name: str = "dmattn") -> str:
+    """Registers dmattn with transformers' AttentionInterface as `name`; returns the name.
+
+    Then `AutoModelForCausalLM.from_config(cfg, attn_implementation="dmattn")` (or
+    `model.set_attn_implementation("dmattn")`) runs every attention layer through dmattn with
+    `dmattn.hf_policy`.
+    """
+    from transformers import AttentionInterface
+    AttentionInterface.register(name, _hf_attention)
+    return name

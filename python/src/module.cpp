@@ -1,0 +1,178 @@
+// The `dmattn._dmattn` extension: thin nanobind bindings over the C++ API. Arrays arrive through
+// DLPack / the buffer protocol (numpy, PyTorch CPU and CUDA) as views, never copied here; the
+// Python layer (python/dmattn/__init__.py) allocates outputs and handles argument conventions.
+#include <nanobind/nanobind.h>
+#include <nanobind/ndarray.h>
+#include <nanobind/stl/optional.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+
+#include <cstring>
+#include <string>
+
+#include "dmattn/attention.hpp"
+#include "dmattn/error.hpp"
+#include "dmattn/quantize.hpp"
+
+namespace nb = nanobind;
+using namespace dmattn;
+
+namespace {
+
+DType dtype_of(const nb::ndarray<>& a, const char* name) {
+  const nb::dlpack::dtype t = a.dtype();
+  if (t.lanes == 1 && t.code == uint8_t(nb::dlpack::dtype_code::Float) && t.bits == 32) return DType::f32;
+  if (t.lanes == 1 && t.code == uint8_t(nb::dlpack::dtype_code::Float) && t.bits == 16) return DType::f16;
+  if (t.lanes == 1 && t.code == uint8_t(nb::dlpack::dtype_code::Bfloat) && t.bits == 16) return DType::bf16;
+  throw Error(std::string(name) + ": unsupported dtype (float32, float16 and bfloat16 are supported)");
+}
+
+// A 4-D array as a [B, H, N, d] view; layout "bnhd" swaps the middle axes (no copy).
+TensorView view_of(const nb::ndarray<>& a, const char* name, const std::string& layout) {
+  if (a.ndim() != 4) throw Error(std::string(name) + ": expected 4 dimensions, got " + std::to_string(a.ndim()));
+  Device dev;
+  if (a.device_type() == nb::device::cpu::value)
+    dev = Device::cpu;
+  else if (a.device_type() == nb::device::cuda::value)
+    dev = Device::cuda;
+  else
+    throw Error(std::string(name) + ": unsupported device (CPU and CUDA arrays are supported)");
+  TensorView v;
+  v.data = a.data();
+  v.dtype = dtype_of(a, name);
+  v.device = dev;
+  for (int i = 0; i < 4; ++i) {
+    v.shape[i] = int64_t(a.shape(i));
+    v.stride[i] = int64_t(a.stride(i));
+  }
+  if (layout == "bnhd") {
+    std::swap(v.shape[1], v.shape[2]);
+    std::swap(v.stride[1], v.stride[2]);
+  } else if (layout != "bhnd") {
+    throw Error("layout must be 'bhnd' or 'bnhd' (got '" + layout + "')");
+  }
+  return v;
+}
+
+void attention_into(const nb::ndarray<>& q, const nb::ndarray<>& k, const nb::ndarray<>& v, const nb::ndarray<>& out,
+                    std::optional<nb::ndarray<>> lse, bool causal, std::optional<float> scale, const Policy& policy,
+                    const std::string& layout, uintptr_t stream) {
+  const TensorView tq = view_of(q, "q", layout), tk = view_of(k, "k", layout), tv = view_of(v, "v", layout),
+                   to = view_of(out, "out", layout);
+  float* lse_ptr = nullptr;
+  if (lse) {
+    const nb::ndarray<>& l = *lse;
+    if (dtype_of(l, "lse") != DType::f32 || l.ndim() != 3 || int64_t(l.shape(0)) != tq.shape[0] ||
+        int64_t(l.shape(1)) != tq.shape[1] || int64_t(l.shape(2)) != tq.shape[2] || l.stride(2) != 1 ||
+        l.stride(1) != int64_t(l.shape(2)) || l.stride(0) != int64_t(l.shape(1) * l.shape(2)))
+      throw Error("lse: expected a contiguous float32 array of shape [B, Hq, Nq]");
+    if ((l.device_type() == nb::device::cuda::value) != (tq.device == Device::cuda))
+      throw Error("lse: must live on the same device as q");
+    lse_ptr = static_cast<float*>(l.data());
+  }
+  AttentionOptions o;
+  o.causal = causal;
+  o.softmax_scale = scale;
+  o.policy = policy;
+  o.stream = reinterpret_cast<void*>(stream);
+  nb::gil_scoped_release unlocked;  // compute without holding the GIL
+  attention(tq, tk, tv, to, lse_ptr, o);
+}
+
+using F32Array = nb::ndarray<nb::numpy, const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
+using U8Out = nb::ndarray<nb::numpy, uint8_t, nb::ndim<2>>;
+
+template <class T>
+nb::ndarray<nb::numpy, T, nb::ndim<2>> to_numpy(std::vector<T> data, int64_t rows, int64_t cols) {
+  auto* heap = new std::vector<T>(std::move(data));
+  nb::capsule owner(heap, [](void* p) noexcept { delete static_cast<std::vector<T>*>(p); });
+  return nb::ndarray<nb::numpy, T, nb::ndim<2>>(heap->data(), {size_t(rows), size_t(cols)}, owner);
+}
+
+nb::tuple quantize_rows(const F32Array& x, const std::string& format, const std::string& rule) {
+  const Format f = parse_format(format);
+  const ScaleRule r = parse_scale_rule(rule);
+  if (!format_info(f).has_codes) throw Error("format " + format + " has no MX codes (bf16 is not a quantized format)");
+  const int64_t rows = int64_t(x.shape(0)), cols = int64_t(x.shape(1));
+  Quantized q;
+  {
+    nb::gil_scoped_release unlocked;
+    q = quantize(x.data(), rows, cols, f, r);
+  }
+  const int64_t cc = q.code_cols(), sc = q.scale_cols();
+  return nb::make_tuple(to_numpy(std::move(q.codes), rows, cc), to_numpy(std::move(q.scales), rows, sc), q.tensor_scale);
+}
+
+nb::ndarray<nb::numpy, float, nb::ndim<2>> dequantize_rows(
+    const nb::ndarray<nb::numpy, const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>& codes,
+    const nb::ndarray<nb::numpy, const uint8_t, nb::ndim<2>, nb::c_contig, nb::device::cpu>& scales,
+    const std::string& format, int64_t cols, float tensor_scale) {
+  Quantized q;
+  q.format = parse_format(format);
+  q.rows = int64_t(codes.shape(0));
+  q.cols = cols;
+  q.tensor_scale = tensor_scale;
+  if (int64_t(scales.shape(0)) != q.rows) throw Error("codes and scales must have the same number of rows");
+  q.codes.assign(codes.data(), codes.data() + codes.size());
+  q.scales.assign(scales.data(), scales.data() + scales.size());
+  std::vector<float> values = dequantize(q);  // checks the shapes against the format
+  return to_numpy(std::move(values), q.rows, cols);
+}
+
+std::string policy_repr(const Policy& p) {
+  return "Policy(high='" + std::string(format_name(p.high)) + "', low='" + std::string(format_name(p.low)) +
+         "', diag_tiles=" + std::to_string(p.diag_tiles) + ", sink_tiles=" + std::to_string(p.sink_tiles) +
+         ", scale_rule='" + std::string(scale_rule_name(p.scale_rule)) + "', pv='" + std::string(pv_name(p.pv)) +
+         "', smooth_k=" + (p.smooth_k ? "True" : "False") + ")";
+}
+
+}  // namespace
+
+NB_MODULE(_dmattn, m) {
+  m.doc() = "dmattn's compiled core (use the `dmattn` package, not this module directly).";
+  nb::exception<Error>(m, "DmattnError", PyExc_ValueError);
+
+  nb::class_<Policy>(m, "Policy", "Which 128x128 tiles run in the high and the low format (DESIGN §3).")
+      .def(
+          "__init__",
+          [](Policy* self, const std::string& high, const std::string& low, int diag_tiles, int sink_tiles,
+             const std::string& scale_rule, const std::string& pv, bool smooth_k) {
+            if (diag_tiles < 0 || sink_tiles < 0) throw Error("diag_tiles and sink_tiles must be >= 0");
+            new (self) Policy{parse_format(high), parse_format(low), diag_tiles, sink_tiles,
+                              parse_scale_rule(scale_rule), parse_pv(pv), smooth_k};
+          },
+          nb::kw_only(), nb::arg("high") = "mxfp8-e4m3", nb::arg("low") = "mxfp4", nb::arg("diag_tiles") = 1,
+          nb::arg("sink_tiles") = 0, nb::arg("scale_rule") = "ocp", nb::arg("pv") = "bf16", nb::arg("smooth_k") = false)
+      .def_prop_rw(
+          "high", [](const Policy& p) { return std::string(format_name(p.high)); },
+          [](Policy& p, const std::string& f) { p.high = parse_format(f); }, "format of the diagonal and sink tiles")
+      .def_prop_rw(
+          "low", [](const Policy& p) { return std::string(format_name(p.low)); },
+          [](Policy& p, const std::string& f) { p.low = parse_format(f); }, "format of every other tile")
+      .def_rw("diag_tiles", &Policy::diag_tiles, "key tiles nearest the diagonal that run in the high format")
+      .def_rw("sink_tiles", &Policy::sink_tiles, "leading key tiles that run in the high format")
+      .def_prop_rw(
+          "scale_rule", [](const Policy& p) { return std::string(scale_rule_name(p.scale_rule)); },
+          [](Policy& p, const std::string& r) { p.scale_rule = parse_scale_rule(r); }, "E8M0 scale rule: ocp or ceil")
+      .def_prop_rw(
+          "pv", [](const Policy& p) { return std::string(pv_name(p.pv)); },
+          [](Policy& p, const std::string& v) { p.pv = parse_pv(v); }, "P.V precision: bf16 or mxfp8")
+      .def_rw("smooth_k", &Policy::smooth_k, "subtract K's per-channel mean before quantizing")
+      .def("__repr__", &policy_repr)
+      .def("__eq__", [](const Policy& a, const Policy& b) { return policy_repr(a) == policy_repr(b); });
+
+  m.def("attention_into", &attention_into, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"),
+        nb::arg("lse").none(), nb::arg("causal"), nb::arg("scale").none(), nb::arg("policy"), nb::arg("layout"),
+        nb::arg("stream"), "DMA attention of q, k, v into out (and lse), all of one device.");
+  m.def("quantize_rows", &quantize_rows, nb::arg("x"), nb::arg("format"), nb::arg("scale_rule"),
+        "float32 [rows, cols] -> (codes, scales, tensor_scale), the CPU codec.");
+  m.def("dequantize_rows", &dequantize_rows, nb::arg("codes"), nb::arg("scales"), nb::arg("format"), nb::arg("cols"),
+        nb::arg("tensor_scale"), "Inverse of quantize_rows: float32 [rows, cols].");
+  m.def("cuda_available", [] {
+#if defined(DMATTN_HAVE_CUDA)
+    return true;
+#else
+    return false;
+#endif
+  }, "Whether this build has the CUDA backend.");
+}
