@@ -126,6 +126,14 @@ std::string policy_repr(const Policy& p) {
          "', smooth_k=" + (p.smooth_k ? "True" : "False") + ")";
 }
 
+// Policy's format fields read and written as their names ("mxfp4", ...).
+auto format_getter(Format Policy::*field) {
+  return [field](const Policy& p) { return std::string(format_name(p.*field)); };
+}
+auto format_setter(Format Policy::*field) {
+  return [field](Policy& p, const std::string& name) { p.*field = parse_format(name); };
+}
+
 }  // namespace
 
 NB_MODULE(_dmattn, m) {
@@ -143,12 +151,9 @@ NB_MODULE(_dmattn, m) {
           },
           nb::kw_only(), nb::arg("high") = "mxfp8-e4m3", nb::arg("low") = "mxfp4", nb::arg("diag_tiles") = 1,
           nb::arg("sink_tiles") = 0, nb::arg("scale_rule") = "ocp", nb::arg("pv") = "bf16", nb::arg("smooth_k") = false)
-      .def_prop_rw(
-          "high", [](const Policy& p) { return std::string(format_name(p.high)); },
-          [](Policy& p, const std::string& f) { p.high = parse_format(f); }, "format of the diagonal and sink tiles")
-      .def_prop_rw(
-          "low", [](const Policy& p) { return std::string(format_name(p.low)); },
-          [](Policy& p, const std::string& f) { p.low = parse_format(f); }, "format of every other tile")
+      .def_prop_rw("high", format_getter(&Policy::high), format_setter(&Policy::high),
+                   "format of the diagonal and sink tiles")
+      .def_prop_rw("low", format_getter(&Policy::low), format_setter(&Policy::low), "format of every other tile")
       .def_rw("diag_tiles", &Policy::diag_tiles, "key tiles nearest the diagonal that run in the high format")
       .def_rw("sink_tiles", &Policy::sink_tiles, "leading key tiles that run in the high format")
       .def_prop_rw(

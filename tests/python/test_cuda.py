@@ -1,0 +1,58 @@
+"""dmattn on PyTorch CUDA tensors (marker `cuda`, CTest label gpu): the CUDA backend against the CPU
+oracle, the caller's stream, and device errors. Skipped, with the reason, without a device."""
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+import dmattn  # noqa: E402
+from conftest import llm_like  # noqa: E402
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+    pytest.mark.skipif(not dmattn.cuda_available(), reason="dmattn built without the CUDA backend"),
+]
+
+
+def qkv(seed, N=1000, d=128, dtype=torch.bfloat16):
+    rng = np.random.default_rng(seed)
+    mk = lambda h: torch.from_numpy(llm_like(rng, (1, h, N, d))).to(dtype)  # noqa: E731
+    return mk(8), mk(2), mk(2)
+
+
+@pytest.mark.parametrize("policy", [{}, {"high": "mxfp4"}, {"diag_tiles": 2, "sink_tiles": 1}])
+def test_cuda_matches_cpu_oracle(policy):
+    q, k, v = qkv(1)
+    ref, ref_lse = dmattn.attention(q, k, v, causal=True, return_lse=True, **policy)
+    out, lse = dmattn.attention(q.cuda(), k.cuda(), v.cuda(), causal=True, return_lse=True, **policy)
+    assert out.is_cuda and out.dtype == torch.bfloat16 and lse.is_cuda
+    rel = ((out.cpu().float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel < 5e-3, rel  # 2e-3 on the same codes (bench/RESULTS.md), plus bf16 output rounding
+    assert torch.allclose(lse.cpu(), ref_lse, rtol=2e-3, atol=2e-3)
+
+
+def test_runs_on_the_current_stream():
+    q, k, v = (t.cuda() for t in qkv(2))
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        out = dmattn.attention(q, k, v, causal=True)
+    assert torch.equal(out, dmattn.attention(q, k, v, causal=True))
+
+
+def test_bnhd_layout_on_cuda():
+    q, k, v = (t.cuda() for t in qkv(3))
+    t = lambda a: a.transpose(1, 2).contiguous()  # noqa: E731
+    got = dmattn.attention(t(q), t(k), t(v), causal=True, layout="bnhd")
+    assert torch.equal(got.transpose(1, 2), dmattn.attention(q, k, v, causal=True))
+
+
+def test_cuda_errors():
+    q, k, v = (t.cuda() for t in qkv(4))
+    with pytest.raises(dmattn.DmattnError, match="nvfp4|MX"):
+        dmattn.attention(q, k, v, low="nvfp4")
+    with pytest.raises(ValueError, match="one device"):
+        dmattn.attention(q, k.cpu(), v)
+    bad = q.clone()
+    bad[0, 0, 0, 0] = float("inf")
+    with pytest.raises(dmattn.DmattnError, match="non-finite"):
+        dmattn.attention(bad, k, v)

@@ -1,0 +1,119 @@
+"""dmattn on numpy arrays: agreement with the C++ CLI bit for bit, layouts, LSE, errors."""
+import numpy as np
+import pytest
+
+import dmattn
+from conftest import llm_like
+
+
+def qkv(seed=0, B=1, Hq=4, Hkv=2, Nq=300, Nk=300, d=64, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    return (llm_like(rng, (B, Hq, Nq, d), dtype), llm_like(rng, (B, Hkv, Nk, d), dtype),
+            llm_like(rng, (B, Hkv, Nk, d), dtype))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("policy", [[], ["--diag-tiles", "2", "--sink-tiles", "1"], ["--low", "nvfp4"]])
+def test_matches_cli_bit_for_bit(tmp_path, cli, causal, policy):
+    q, k, v = qkv(seed=1 + causal, Nq=200, Nk=333)
+    for name, a in (("q", q), ("k", k), ("v", v)):
+        np.save(tmp_path / f"{name}.npy", a)
+    args = ["run", "--q", tmp_path / "q.npy", "--k", tmp_path / "k.npy", "--v", tmp_path / "v.npy",
+            "--out", tmp_path / "o.npy", "--lse", tmp_path / "lse.npy", *policy] + (["--causal"] if causal else [])
+    cli(*args)
+    kw = dict(zip([p.lstrip("-").replace("-", "_") for p in policy[::2]], policy[1::2]))
+    kw = {key: (int(val) if key.endswith("tiles") else val) for key, val in kw.items()}
+    out, lse = dmattn.attention(q, k, v, causal=causal, return_lse=True, **kw)
+    assert out.dtype == np.float32 and out.shape == q.shape
+    assert np.array_equal(out, np.load(tmp_path / "o.npy"))
+    assert np.array_equal(lse, np.load(tmp_path / "lse.npy"))
+
+
+def test_bnhd_layout_is_a_view_of_the_same_problem():
+    q, k, v = qkv(seed=3)
+    want = dmattn.attention(q, k, v, causal=True)
+    t = lambda a: np.ascontiguousarray(a.transpose(0, 2, 1, 3))  # noqa: E731
+    got = dmattn.attention(t(q), t(k), t(v), causal=True, layout="bnhd")
+    assert got.shape == t(q).shape
+    assert np.array_equal(got.transpose(0, 2, 1, 3), want)
+    # Strided (non-contiguous) inputs are read in place: a transposed view equals its copy.
+    got2 = dmattn.attention(t(q).transpose(0, 2, 1, 3), k, v, causal=True)
+    assert np.array_equal(got2, want)
+
+
+def test_half_precision_inputs_give_outputs_of_their_dtype():
+    q, k, v = qkv(seed=4, dtype=np.float16)
+    out = dmattn.attention(q, k, v)
+    assert out.dtype == np.float16
+    ref = dmattn.attention(q.astype(np.float32), k.astype(np.float32), v.astype(np.float32))
+    assert np.array_equal(out, ref.astype(np.float16))
+
+
+def test_dma_sits_between_all_high_and_all_low():
+    q, k, v = qkv(seed=5, Nq=512, Nk=512)
+    exact = dmattn.attention(q, k, v, causal=True, high="bf16", low="bf16")
+    err = lambda o: np.linalg.norm(o - exact) / np.linalg.norm(exact)  # noqa: E731
+    hi = err(dmattn.attention(q, k, v, causal=True, low="mxfp8-e4m3"))
+    lo = err(dmattn.attention(q, k, v, causal=True, high="mxfp4"))
+    dma = err(dmattn.attention(q, k, v, causal=True))
+    assert hi < dma < lo
+
+
+def test_policy_value_type():
+    p = dmattn.Policy()
+    assert repr(p) == ("Policy(high='mxfp8-e4m3', low='mxfp4', diag_tiles=1, sink_tiles=0, scale_rule='ocp', "
+                       "pv='bf16', smooth_k=False)")
+    p2 = dmattn.Policy(low="nvfp4", sink_tiles=2)
+    assert p2 != p and p2.low == "nvfp4" and p2.sink_tiles == 2
+    p2.low = "mxfp4"
+    p2.sink_tiles = 0
+    assert p2 == p
+    with pytest.raises(ValueError, match="format"):
+        dmattn.Policy(high="fp7")
+    with pytest.raises(ValueError):
+        dmattn.Policy(diag_tiles=-1)
+    q, k, v = qkv(seed=6)
+    assert np.array_equal(dmattn.attention(q, k, v, policy=dmattn.Policy(diag_tiles=3)),
+                          dmattn.attention(q, k, v, diag_tiles=3))
+
+
+def test_bad_inputs_raise_clear_errors():
+    q, k, v = qkv(seed=7)
+    with pytest.raises(dmattn.DmattnError, match="4 dimensions"):
+        dmattn.attention(q[0], k, v)
+    with pytest.raises(TypeError, match="one dtype"):
+        dmattn.attention(q, k.astype(np.float16), v)
+    with pytest.raises(dmattn.DmattnError, match="dtype"):
+        dmattn.attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64))
+    with pytest.raises(dmattn.DmattnError):
+        dmattn.attention(q[:, :3], k, v)  # 3 query heads over 2 KV heads
+    with pytest.raises(dmattn.DmattnError):
+        dmattn.attention(q[..., :48], k[..., :48], v[..., :48])  # head dim not a multiple of 32
+    bad = q.copy()
+    bad[0, 1, 2, 3] = np.nan
+    with pytest.raises(dmattn.DmattnError, match="non-finite|NaN"):
+        dmattn.attention(bad, k, v)
+    with pytest.raises(ValueError, match="layout"):
+        dmattn.attention(q, k, v, layout="nbhd")
+
+
+def test_quantize_round_trip_and_cli_agreement(tmp_path, cli):
+    rng = np.random.default_rng(8)
+    x = llm_like(rng, (5, 96))
+    for fmt in ("mxfp4", "mxfp8-e4m3", "nvfp4"):
+        codes, scales, ts = dmattn.quantize(x, fmt)
+        assert codes.dtype == np.uint8 and codes.shape == (5, 48 if fmt in ("mxfp4", "nvfp4") else 96)
+        np.save(tmp_path / "x.npy", x)
+        cli("quantize", "--in", tmp_path / "x.npy", "--format", fmt, "--codes", tmp_path / "c.npy",
+            "--scales", tmp_path / "s.npy", *(["--tensor-scale", tmp_path / "t.npy"] if fmt == "nvfp4" else []))
+        assert np.array_equal(codes, np.load(tmp_path / "c.npy").reshape(codes.shape))
+        assert np.array_equal(scales, np.load(tmp_path / "s.npy").reshape(scales.shape))
+        y = dmattn.dequantize(codes, scales, fmt, 96, ts)
+        assert y.shape == x.shape
+        rel = np.linalg.norm(y - x) / np.linalg.norm(x)
+        assert rel < (0.05 if fmt == "mxfp8-e4m3" else 0.3)
+        if fmt == "nvfp4":  # its tensor scale is recomputed from the new amax
+            continue
+        # Values already on the grid survive exactly.
+        codes2, scales2, ts2 = dmattn.quantize(y, fmt)
+        assert np.array_equal(dmattn.dequantize(codes2, scales2, fmt, 96, ts2), y)
