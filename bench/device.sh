@@ -10,7 +10,7 @@ B=build-sm90
 declare -A row
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 
-cmake -S . -B $B -G Ninja -DDMATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DDMATTN_DEPS="$PWD/.deps" \
+cmake -S . -B $B -G Ninja -DDMATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DDMATTN_DEPS="$PWD/.deps" -DPython_EXECUTABLE="$(command -v python3)" \
   >"$OUT/configure.log" 2>&1 && cmake --build $B -j16 >"$OUT/build.log" 2>&1
 row[build]=$([ $? -eq 0 ] && echo ok || echo FAILED)
 grep -A2 "Function properties for .*prefill_kernel" "$OUT/build.log" | grep -E "spill|Used" | sort | uniq -c
@@ -19,6 +19,13 @@ cuobjdump -sass $B/CMakeFiles/dmattn.dir/src/cuda/prefill.cu.o 2>/dev/null | gre
 
 if [ "${QUICK:-0}" = 1 ]; then  # correctness of the GPU tests + the main benchmark row, no sanitizer
   $B/tests/dmattn_gpu_tests 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^\[  (FAILED|PASSED|  OK) |rel_l2|fold|SKIP|wgmma|E2M1|E4M3" | head -60
+  ctest --test-dir $B -R python --output-on-failure >"$OUT/ctest_python.log" 2>&1
+  grep -E "tests passed|Test +#|passed|failed" "$OUT/ctest_python.log" | tail -6
+  for tool in memcheck racecheck; do  # a small case with both S paths (folded and per block)
+    compute-sanitizer --tool $tool --error-exitcode 9 $B/tests/dmattn_gpu_tests \
+      --gtest_filter=GpuPrefill.MatchesCpuOracleWhereScalesDoNotFold >"$OUT/sanitizer_$tool.log" 2>&1
+    echo "sanitizer $tool rc=$? $(grep -m1 SUMMARY "$OUT/sanitizer_$tool.log")"
+  done
   PYTHONUNBUFFERED=1 python3 bench/compare_sdpa.py $B "$OUT" 16384 2>&1 | tee "$OUT/compare_sdpa.txt" | tail -16
   if [ "${PROFILE:-0}" = 1 ]; then  # where the prefill kernel's time goes (one launch, N=8192)
     ncu --kernel-name regex:prefill_kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight --section WarpStateStats \
