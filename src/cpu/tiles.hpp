@@ -1,0 +1,40 @@
+// The CPU DMA engine's building blocks, shared by prefill (dma.cpp) and decode over the KV cache
+// (decode.cpp): keys and values of one (batch, kv head) in compute form, and the online-softmax step
+// of one query row over one 128-key tile. One implementation, so decode and prefill round alike.
+#pragma once
+#include <vector>
+
+#include "dmattn/format.hpp"
+#include "dmattn/policy.hpp"
+
+namespace dmattn::cpu {
+
+constexpr int kPVBlock = 32;  // MXFP8 block along keys for pv = mxfp8
+
+// One format's keys for one (batch, kv head), tile-major and transposed so that the inner loops run
+// over the 128 keys of a tile with unit stride. Keys past Nk are zero.
+struct KeyTiles {
+  int blk = 32, nblk = 0;
+  std::vector<float> kt;  // [tiles][d][T] element values
+  std::vector<float> st;  // [tiles][nblk][T] block scales
+};
+
+// V for one (batch, kv head), row-major [tiles*T][d], zero past Nk; for pv = mxfp8 also the scales
+// of the 32-key blocks of each column, [tiles*T/32][d].
+struct ValueRows {
+  std::vector<float> v;
+  std::vector<float> s;
+};
+
+// Keys [nk, d] (row-major floats) in format f, as KeyTiles; NVFP4's tensor scale from all of them.
+KeyTiles prepare_keys(const std::vector<float>& kf, int64_t nk, int d, Format f, ScaleRule rule, int threads);
+// Values [nk, d] for P.V in precision pv.
+ValueRows prepare_values(const std::vector<float>& vf, int64_t nk, int d, PV pv, ScaleRule rule, int threads);
+
+// One query row (elements qe[d], block scales qs in K's format) against key tile `ktile` of K and
+// value tile `vtile` of V, nvalid keys visible: the online-softmax update of the row's running max
+// m, sum l and unnormalised output acc[d] (tiles must come in ascending key order).
+void online_tile(const float* qe, const float* qs, const KeyTiles& K, int64_t ktile, const ValueRows& V,
+                 int64_t vtile, int nvalid, int d, float scale, PV pv, ScaleRule rule, float& m, float& l, float* acc);
+
+}  // namespace dmattn::cpu
