@@ -31,14 +31,6 @@ struct Case {
   const char* name;
 };
 
-Policy make(Format high, Format low, int diag, int sinks) {
-  Policy p;
-  p.high = high;
-  p.low = low;
-  p.diag_tiles = diag;
-  p.sink_tiles = sinks;
-  return p;
-}
 
 // lse_tol: relative LSE tolerance; the default suits logits of ordinary size (see below).
 void check_qkv(const Case& c, const QKV& x, DType dtype, double lse_tol = 2e-3) {
@@ -95,14 +87,14 @@ TEST(GpuPrefill, MatchesCpuOracle) {
       {1, 1, 1, 1, 64, true, Policy{}, "N=1"},
       {4, 1, 77, 77, 128, true, Policy{}, "N=77 MQA"},
       {8, 8, 128, 128, 64, false, Policy{}, "N=128 MHA"},
-      {4, 1, 1000, 1000, 128, true, make(e4, f4, 2, 1), "N=1000 diag2 sink1"},
+      {4, 1, 1000, 1000, 128, true, Policy{e4, f4, 2, 1}, "N=1000 diag2 sink1"},
       {8, 1, 300, 1000, 64, true, Policy{}, "chunked prefill Nq<Nk"},
       {4, 4, 1000, 300, 128, true, Policy{}, "Nq>Nk (rows with no keys)"},
-      {4, 1, 4096, 4096, 128, true, make(e4, f4, 1, 0), "N=4096 default"},
-      {2, 2, 4096, 4096, 128, true, make(f4, f4, 0, 0), "N=4096 all-low"},
-      {4, 2, 3000, 3000, 128, true, make(f4, Format::mxfp6_e3m2, 2, 1), "FP4 diag / FP6 low"},
-      {2, 2, 2000, 2000, 64, false, make(e4, e4, 0, 0), "all-high non-causal"},
-      {2, 1, 2000, 2000, 128, false, make(Format::mxfp8_e5m2, Format::mxfp6_e2m3, 1, 1), "e5m2/e2m3 non-causal"},
+      {4, 1, 4096, 4096, 128, true, Policy{e4, f4, 1, 0}, "N=4096 default"},
+      {2, 2, 4096, 4096, 128, true, Policy{f4, f4, 0, 0}, "N=4096 all-low"},
+      {4, 2, 3000, 3000, 128, true, Policy{f4, Format::mxfp6_e3m2, 2, 1}, "FP4 diag / FP6 low"},
+      {2, 2, 2000, 2000, 64, false, Policy{e4, e4, 0, 0}, "all-high non-causal"},
+      {2, 1, 2000, 2000, 128, false, Policy{Format::mxfp8_e5m2, Format::mxfp6_e2m3, 1, 1}, "e5m2/e2m3 non-causal"},
       {8, 1, 8192, 8192, 128, true, Policy{}, "N=8192 GQA 8"},
   };
   const uint64_t seed = fresh_seed();
@@ -130,7 +122,7 @@ TEST(GpuPrefill, MatchesCpuOracleWhereScalesDoNotFold) {
     // Spread rows meet spread keys with logits in the thousands; there an E4M3 block's wgmma sum
     // is off by ~1e-3 of its largest product, which reaches the LSE (measured: 2353.6 vs 2336.6 on
     // an H100), while the outputs stay within the usual bound. LSE is held to 2e-2 here.
-    for (const Policy& pol : {Policy{}, Policy::all(Format::mxfp4), make(Format::mxfp8_e4m3, Format::mxfp4, 2, 1)})
+    for (const Policy& pol : {Policy{}, Policy::all(Format::mxfp4), Policy{Format::mxfp8_e4m3, Format::mxfp4, 2, 1}})
       check_qkv({4, 2, 700, 700, d, true, pol, "unfoldable rows"}, y, DType::f32, 2e-2);
   }
 }

@@ -1,0 +1,91 @@
+// A paged, MX-quantized KV cache and decode attention over it (CPU; the oracle for a GPU decode).
+//
+// Storage: pages of 128 tokens (one key tile) x all KV heads. K lives in the page's format: the
+// policy's high format for the most recent `diag_tiles` pages and the first `sink_tiles` pages,
+// the low format otherwise; V in bf16 (pv = bf16). A page that leaves the recent window is
+// re-encoded to the low format from the original K values, which the cache retains (as fp32) only
+// while a page is in the window and not a sink; so every page holds exactly the codes the prefill
+// path computes for that tile from the same inputs (re-encoding from the high format's values
+// instead would round twice; the test measures that difference).
+//
+// Decode semantics (DESIGN §3 with the decode alignment): Nq new queries of a sequence of length L
+// sit at positions L-Nq..L-1 (causal, bottom-right); key page j runs in the format it is stored in,
+// i.e. the policy of the query tile of position L-1. For queries that all lie in that tile this is
+// exactly the prefill definition, and decode equals the prefill path's last Nq rows. Queries that
+// straddle a 128-position boundary (Nq > 1 only) use the newest tile's policy for all rows.
+// Split-KV: each split runs its pages in ascending order (online softmax), partial results merge
+// by LSE; one split reproduces prefill bit for bit, more splits round P relative to each split's
+// own maximum (rel. L2 ~1e-3 against one split, see DESIGN findings).
+#pragma once
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "dmattn/policy.hpp"
+#include "dmattn/tensor.hpp"
+
+namespace dmattn {
+
+class KVCache {
+ public:
+  // Throws dmattn::Error for what a cache cannot hold: NVFP4 (its tensor scale needs all tokens),
+  // pv = mxfp8 and smooth_k (both depend on tokens not yet appended), head dims unsupported.
+  KVCache(int64_t kv_heads, int64_t head_dim, const Policy& policy);
+
+  int new_sequence();                  // an empty sequence's id
+  void free_sequence(int seq);         // its pages return to the pool (reused by later appends)
+  // Appends n tokens: k and v are [1, kv_heads, n, head_dim] views on the CPU (any float dtype).
+  void append(int seq, const TensorView& k, const TensorView& v);
+
+  int64_t length(int seq) const;
+  const std::vector<int32_t>& page_table(int seq) const;  // logical page -> physical page
+  // Bytes this sequence holds: K codes and scales, V (bf16), and retained fp32 K of window pages.
+  size_t bytes(int seq) const;
+  int64_t kv_heads() const { return heads_; }
+  int64_t head_dim() const { return d_; }
+  const Policy& policy() const { return policy_; }
+
+  struct Page {
+    Format format{};                // K's storage format now
+    std::vector<uint8_t> codes;     // [heads][128][code bytes of one row]
+    std::vector<uint8_t> scales;    // [heads][128][d / 32]
+    std::vector<uint16_t> v;        // [heads][128][d], bf16 bits
+    std::vector<float> kept;        // [heads][128][d] original K while re-encoding is ahead; else empty
+  };
+  const Page& page(int32_t id) const { return pages_[size_t(id)]; }
+
+  // Re-encode a window page from its high-format values instead of the retained originals (the
+  // alternative the header comment mentions; for measuring its effect only).
+  bool reencode_from_high = false;
+
+ private:
+  struct Sequence {
+    std::vector<int32_t> table;
+    int64_t length = 0;
+    bool live = false;
+  };
+  bool high_block(int64_t block, int64_t last_block) const;
+  void encode_rows(Page& pg, int64_t h, int64_t row0, int64_t rows, const float* k) const;
+  void settle(Sequence& s);  // re-encode pages that left the window
+  Sequence& seq(int id);
+  const Sequence& seq(int id) const;
+
+  int64_t heads_, d_;
+  Policy policy_;
+  std::vector<Page> pages_;
+  std::vector<int32_t> free_pages_;
+  std::vector<Sequence> seqs_;
+};
+
+struct DecodeOptions {
+  std::optional<float> softmax_scale;  // default 1/sqrt(d)
+  int splits = 1;                      // split-KV: pages per sequence divided into this many ranges
+  int threads = 0;                     // CPU worker threads; 0 = all
+};
+
+// q: [S, Hq, Nq, d] CPU view (S = seqs.size(), Hq a multiple of the cache's kv heads, 1 <= Nq <= 16,
+// Nq <= each sequence's length); out likewise; lse [S, Hq, Nq] or null.
+void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const TensorView& q, const TensorView& out,
+                      float* lse, const DecodeOptions& opts = {});
+
+}  // namespace dmattn

@@ -1,0 +1,134 @@
+// Decode attention over the KV cache on the CPU (semantics in include/dmattn/kv_cache.hpp): the
+// oracle for a GPU split-KV decode. Pages are decoded from their stored codes once per (sequence,
+// kv head); each query row runs the prefill engine's online-softmax step (cpu/tiles.hpp) over the
+// pages of each split in ascending order, and the splits merge by LSE.
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <string>
+
+#include "cpu/parallel.hpp"
+#include "cpu/tiles.hpp"
+#include "dmattn/attention.hpp"
+#include "dmattn/error.hpp"
+#include "dmattn/kv_cache.hpp"
+#include "dmattn/mx_codec.hpp"
+#include "dmattn/numeric.hpp"
+#include "dmattn/quantize.hpp"
+
+namespace dmattn {
+namespace {
+constexpr int64_t T = kTile;
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+// One page of one head in the engine's compute form (a single key tile).
+struct PageTiles {
+  Format format{};
+  cpu::KeyTiles keys;
+  cpu::ValueRows values;
+};
+
+PageTiles unpack(const KVCache::Page& pg, int64_t h, int64_t d) {
+  PageTiles t;
+  t.format = pg.format;
+  const FormatInfo fi = format_info(pg.format);
+  const bool packed = fi.elem == Elem::e2m1;
+  const int64_t cb = packed ? d / 2 : d, nb = d / 32;
+  t.keys.blk = 32;
+  t.keys.nblk = int(nb);
+  t.keys.kt.assign(size_t(d * T), 0.0f);
+  t.keys.st.assign(size_t(nb * T), 0.0f);
+  for (int64_t n = 0; n < T; ++n) {
+    const uint8_t* codes = pg.codes.data() + (h * T + n) * cb;
+    for (int64_t k = 0; k < d; ++k) {
+      const uint8_t c = packed ? uint8_t((codes[k / 2] >> (4 * (k % 2))) & 0xF) : codes[k];
+      t.keys.kt[size_t(k * T + n)] = decode_elem(fi.elem, c);
+    }
+    for (int64_t c = 0; c < nb; ++c) t.keys.st[size_t(c * T + n)] = decode_e8m0(pg.scales[size_t((h * T + n) * nb + c)]);
+  }
+  t.values.v.resize(size_t(T * d));
+  for (int64_t i = 0; i < T * d; ++i) t.values.v[size_t(i)] = to_float(bf16{pg.v[size_t(h * T * d + i)]});
+  return t;
+}
+}  // namespace
+
+void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const TensorView& q, const TensorView& out,
+                      float* lse, const DecodeOptions& opts) {
+  const int64_t S = int64_t(seqs.size()), Hkv = cache.kv_heads(), d = cache.head_dim();
+  const int64_t Hq = q.shape[1], Nq = q.shape[2];
+  if (q.device != Device::cpu || out.device != Device::cpu) throw Error("decode_attention: CPU tensors only for now");
+  if (q.shape[0] != S || q.shape[3] != d || Hq < 1 || Hq % Hkv != 0)
+    throw Error("decode_attention: q must be [" + std::to_string(S) + ", a multiple of " + std::to_string(Hkv) +
+                ", Nq, " + std::to_string(d) + "]");
+  if (Nq < 1 || Nq > 16) throw Error("decode_attention: 1 to 16 new queries per sequence (got " + std::to_string(Nq) + ")");
+  if (out.shape != q.shape) throw Error("decode_attention: out must have q's shape");
+  if (opts.splits < 1) throw Error("decode_attention: splits must be >= 1");
+  for (int s : seqs)
+    if (cache.length(s) < Nq)
+      throw Error("decode_attention: sequence " + std::to_string(s) + " holds " + std::to_string(cache.length(s)) +
+                  " tokens, fewer than the " + std::to_string(Nq) + " queries (append their keys first)");
+  const float scale = opts.softmax_scale.value_or(1.0f / std::sqrt(float(d)));
+  const Policy& pol = cache.policy();
+  const int64_t group = Hq / Hkv;
+
+  cpu::parallel_for(S * Hkv, opts.threads, [&](int64_t item) {
+    const int64_t si = item / Hkv, hk = item % Hkv;
+    const int64_t L = cache.length(seqs[size_t(si)]);
+    const std::vector<int32_t>& table = cache.page_table(seqs[size_t(si)]);
+    std::vector<PageTiles> pages;
+    pages.reserve(table.size());
+    for (int32_t p : table) pages.push_back(unpack(cache.page(p), hk, d));
+    const int64_t np = int64_t(pages.size());
+    const int64_t splits = std::min<int64_t>(opts.splits, np);
+    std::vector<float> qf(static_cast<size_t>(d)), qe[2], qs[2], acc(static_cast<size_t>(splits * d)),
+        o(static_cast<size_t>(d));
+    const Format fmt[2] = {pol.high, pol.low};
+    for (int s = 0; s < 2; ++s) {
+      qe[s].resize(size_t(d));
+      qs[s].resize(size_t(d / 32));
+    }
+    std::vector<float> m(static_cast<size_t>(splits)), l(static_cast<size_t>(splits));
+    for (int64_t g = 0; g < group; ++g) {
+      const int64_t h = hk * group + g;
+      for (int64_t r = 0; r < Nq; ++r) {
+        load_row(q, si, h, r, qf.data());
+        for (float x : qf)
+          if (!std::isfinite(x)) throw Error("decode_attention: q holds a non-finite value");
+        for (int s = 0; s < 2; ++s)
+          quantize_row_values(qf.data(), int(d), fmt[s], pol.scale_rule, 1.0f, qe[s].data(), qs[s].data());
+        const int64_t kend = L - Nq + r + 1;  // causal, bottom-right
+        std::fill(m.begin(), m.end(), kNegInf);
+        std::fill(l.begin(), l.end(), 0.0f);
+        std::fill(acc.begin(), acc.end(), 0.0f);
+        for (int64_t sp = 0; sp < splits; ++sp) {
+          for (int64_t j = sp * np / splits; j < (sp + 1) * np / splits; ++j) {
+            if (j * T >= kend) break;
+            const PageTiles& pt = pages[size_t(j)];
+            const int slot = pt.format == pol.high ? 0 : 1;
+            const int nvalid = int(std::min<int64_t>(T, kend - j * T));
+            cpu::online_tile(qe[slot].data(), qs[slot].data(), pt.keys, 0, pt.values, 0, nvalid, int(d), scale, PV::bf16,
+                             pol.scale_rule, m[size_t(sp)], l[size_t(sp)], acc.data() + sp * d);
+          }
+        }
+        // LSE merge; one split reduces to prefill's out = acc / l exactly (its factor is exp(0) = 1).
+        float M = kNegInf;
+        for (float x : m) M = std::max(M, x);
+        float lsum = 0.0f;
+        std::fill(o.begin(), o.end(), 0.0f);
+        for (int64_t sp = 0; sp < splits; ++sp) {
+          if (m[size_t(sp)] == kNegInf) continue;
+          const float w = std::exp(m[size_t(sp)] - M);
+          lsum += l[size_t(sp)] * w;
+          for (int64_t i = 0; i < d; ++i) o[size_t(i)] += acc[size_t(sp * d + i)] * w;
+        }
+        if (!(std::isfinite(M) && std::isfinite(lsum) && lsum > 0.0f))
+          throw Error("decode_attention: scores overflow fp32 (sequence " + std::to_string(seqs[size_t(si)]) + ")");
+        for (float& x : o) x /= lsum;
+        store_row(out, si, h, r, o.data());
+        if (lse) lse[(si * Hq + h) * Nq + r] = M + std::log(lsum);
+      }
+    }
+  });
+}
+
+}  // namespace dmattn

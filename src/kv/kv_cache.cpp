@@ -1,0 +1,168 @@
+#include "dmattn/kv_cache.hpp"
+
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "dmattn/attention.hpp"
+#include "dmattn/error.hpp"
+#include "dmattn/numeric.hpp"
+#include "dmattn/quantize.hpp"
+
+namespace dmattn {
+namespace {
+constexpr int64_t T = kTile;
+
+int64_t code_bytes(Format f, int64_t d) { return format_info(f).elem == Elem::e2m1 ? d / 2 : d; }
+}  // namespace
+
+KVCache::KVCache(int64_t kv_heads, int64_t head_dim, const Policy& policy)
+    : heads_(kv_heads), d_(head_dim), policy_(policy) {
+  if (kv_heads < 1) throw Error("KVCache: kv_heads must be >= 1");
+  if (!head_dim_supported(head_dim)) throw Error("KVCache: unsupported head dim " + std::to_string(head_dim));
+  for (Format f : {policy.high, policy.low}) {
+    const FormatInfo fi = format_info(f);
+    if (!fi.has_codes || fi.block != 32)
+      throw Error("KVCache: stores MX 32-block formats (mxfp8-*, mxfp6-*, mxfp4), not " + std::string(fi.name));
+  }
+  if (policy.pv != PV::bf16) throw Error("KVCache: pv = mxfp8 is not supported (V blocks span future tokens)");
+  if (policy.smooth_k) throw Error("KVCache: smooth_k is not supported (K's mean changes with every token)");
+  if (policy.diag_tiles < 0 || policy.sink_tiles < 0) throw Error("KVCache: diag_tiles and sink_tiles must be >= 0");
+}
+
+KVCache::Sequence& KVCache::seq(int id) {
+  if (id < 0 || size_t(id) >= seqs_.size() || !seqs_[size_t(id)].live)
+    throw Error("KVCache: no sequence " + std::to_string(id));
+  return seqs_[size_t(id)];
+}
+const KVCache::Sequence& KVCache::seq(int id) const { return const_cast<KVCache*>(this)->seq(id); }
+
+int KVCache::new_sequence() {
+  for (size_t i = 0; i < seqs_.size(); ++i)
+    if (!seqs_[i].live) {
+      seqs_[i] = Sequence{{}, 0, true};
+      return int(i);
+    }
+  seqs_.push_back(Sequence{{}, 0, true});
+  return int(seqs_.size() - 1);
+}
+
+void KVCache::free_sequence(int id) {
+  Sequence& s = seq(id);
+  for (int32_t p : s.table) {
+    pages_[size_t(p)] = Page{};  // release the storage; the slot is reused
+    free_pages_.push_back(p);
+  }
+  s = Sequence{};
+}
+
+int64_t KVCache::length(int id) const { return seq(id).length; }
+const std::vector<int32_t>& KVCache::page_table(int id) const { return seq(id).table; }
+
+size_t KVCache::bytes(int id) const {
+  size_t n = 0;
+  for (int32_t p : seq(id).table) {
+    const Page& pg = pages_[size_t(p)];
+    n += pg.codes.size() + pg.scales.size() + pg.v.size() * sizeof(uint16_t) + pg.kept.size() * sizeof(float);
+  }
+  return n;
+}
+
+// The decode alignment of DESIGN §3: page j is high while it is one of the diag_tiles pages ending at
+// the newest one, or a sink.
+bool KVCache::high_block(int64_t block, int64_t last_block) const {
+  return last_block - block < policy_.diag_tiles || block < policy_.sink_tiles;
+}
+
+// Quantizes rows [row0, row0 + rows) of head h from k ([rows][d] floats) in the page's format.
+void KVCache::encode_rows(Page& pg, int64_t h, int64_t row0, int64_t rows, const float* k) const {
+  const Quantized q = quantize(k, rows, d_, pg.format, policy_.scale_rule);
+  const int64_t cb = code_bytes(pg.format, d_), nb = d_ / 32;
+  std::copy(q.codes.begin(), q.codes.end(), pg.codes.begin() + (h * T + row0) * cb);
+  std::copy(q.scales.begin(), q.scales.end(), pg.scales.begin() + (h * T + row0) * nb);
+}
+
+void KVCache::settle(Sequence& s) {
+  if (s.length == 0) return;
+  const int64_t last = (s.length - 1) / T;
+  for (int64_t j = 0; j <= last; ++j) {
+    Page& pg = pages_[size_t(s.table[size_t(j)])];
+    if (high_block(j, last) || pg.format == policy_.low) continue;
+    // Left the window: re-encode K in the low format, from the retained originals (or, for the
+    // comparison, from the high format's values).
+    const int64_t rows = std::min<int64_t>(T, s.length - j * T);
+    std::vector<float> src;
+    if (reencode_from_high) {
+      Quantized q;
+      q.format = pg.format;
+      q.rule = policy_.scale_rule;
+      q.rows = heads_ * T;
+      q.cols = d_;
+      q.codes = pg.codes;
+      q.scales = pg.scales;
+      src = dequantize(q);
+    } else {
+      src = pg.kept;
+    }
+    pg.format = policy_.low;
+    pg.codes.assign(size_t(heads_ * T * code_bytes(pg.format, d_)), 0);
+    pg.scales.assign(size_t(heads_ * T * (d_ / 32)), 0);
+    for (int64_t h = 0; h < heads_; ++h) encode_rows(pg, h, 0, rows, src.data() + h * T * d_);
+    pg.kept.clear();
+    pg.kept.shrink_to_fit();
+  }
+}
+
+void KVCache::append(int id, const TensorView& k, const TensorView& v) {
+  Sequence& s = seq(id);
+  for (const TensorView* t : {&k, &v}) {
+    if (t->device != Device::cpu) throw Error("KVCache::append: k and v must be CPU tensors");
+    if (t->shape[0] != 1 || t->shape[1] != heads_ || t->shape[3] != d_)
+      throw Error("KVCache::append: expected [1, " + std::to_string(heads_) + ", n, " + std::to_string(d_) + "]");
+  }
+  if (k.shape[2] != v.shape[2]) throw Error("KVCache::append: k and v hold different token counts");
+  const int64_t n = k.shape[2];
+  // Everything is read and checked before the cache changes, so a bad input leaves it as it was.
+  std::vector<float> kall(size_t(heads_ * n * d_)), vall(size_t(heads_ * n * d_));
+  for (int64_t h = 0; h < heads_; ++h)
+    for (int64_t i = 0; i < n; ++i) {
+      load_row(k, 0, h, i, kall.data() + (h * n + i) * d_);
+      load_row(v, 0, h, i, vall.data() + (h * n + i) * d_);
+    }
+  for (size_t i = 0; i < kall.size(); ++i)
+    if (!std::isfinite(kall[i]) || !std::isfinite(vall[i])) throw Error("KVCache::append: k or v holds a non-finite value");
+  for (int64_t t0 = 0; t0 < n;) {
+    const int64_t pos = s.length, block = pos / T, off = pos % T, take = std::min(n - t0, T - off);
+    if (off == 0) {  // a new page, in the format its block has as the newest one
+      int32_t id_page;
+      if (!free_pages_.empty()) {
+        id_page = free_pages_.back();
+        free_pages_.pop_back();
+      } else {
+        id_page = int32_t(pages_.size());
+        pages_.emplace_back();
+      }
+      Page& pg = pages_[size_t(id_page)];
+      pg.format = high_block(block, block) ? policy_.high : policy_.low;
+      pg.codes.assign(size_t(heads_ * T * code_bytes(pg.format, d_)), 0);
+      pg.scales.assign(size_t(heads_ * T * (d_ / 32)), 0);
+      pg.v.assign(size_t(heads_ * T * d_), 0);
+      // Originals are kept only where a later re-encoding will need them.
+      if (pg.format != policy_.low && block >= policy_.sink_tiles) pg.kept.assign(size_t(heads_ * T * d_), 0.0f);
+      s.table.push_back(id_page);
+    }
+    Page& pg = pages_[size_t(s.table[size_t(block)])];
+    for (int64_t h = 0; h < heads_; ++h) {
+      const float* kr = kall.data() + (h * n + t0) * d_;
+      const float* vr = vall.data() + (h * n + t0) * d_;
+      for (int64_t i = 0; i < take * d_; ++i) pg.v[size_t((h * T + off) * d_ + i)] = to_bf16(vr[i]).bits;
+      encode_rows(pg, h, off, take, kr);
+      if (!pg.kept.empty()) std::copy(kr, kr + take * d_, pg.kept.begin() + (h * T + off) * d_);
+    }
+    s.length += take;
+    t0 += take;
+    settle(s);
+  }
+}
+
+}  // namespace dmattn

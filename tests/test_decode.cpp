@@ -1,0 +1,212 @@
+// KV cache and decode (CPU): decode equals the prefill path's last rows on the same cache contents
+// (bit for bit with one split), split-KV merges within bf16-P rounding, ragged batches, page tables
+// with holes, length-1 sequences, memory accounting, re-encoding, and errors.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdio>
+#include <limits>
+
+#include "dmattn/attention.hpp"
+#include "dmattn/error.hpp"
+#include "dmattn/kv_cache.hpp"
+#include "dmattn/metrics.hpp"
+#include "dmattn/numeric.hpp"
+#include "dmattn/synthetic.hpp"
+
+using namespace dmattn;
+
+namespace {
+
+// Rows [t0, t0 + n) of a [1, H, N, d] view.
+TensorView rows(const TensorView& t, int64_t t0, int64_t n) {
+  TensorView v = t;
+  v.data = static_cast<std::byte*>(t.data) + t0 * t.stride[2] * int64_t(dtype_size(t.dtype));
+  v.shape[2] = n;
+  return v;
+}
+
+// Appends k/v to a new sequence of `cache` in chunks of the given sizes (then the rest).
+int fill(KVCache& cache, const QKV& x, std::vector<int64_t> chunks) {
+  const int s = cache.new_sequence();
+  const int64_t L = x.k.shape()[2];
+  int64_t t = 0;
+  for (size_t i = 0; t < L; ++i) {
+    const int64_t n = i < chunks.size() ? std::min(chunks[i], L - t) : L - t;
+    cache.append(s, rows(x.k.view(), t, n), rows(x.v.view(), t, n));
+    t += n;
+  }
+  return s;
+}
+
+// LLM-like keys and values of length L and the last nq of its queries (positions L-nq..L-1).
+QKV problem(int64_t hq, int64_t hkv, int64_t nq, int64_t L, int64_t d, uint64_t seed) {
+  QKV x = llm_like_qkv({1, hq, hkv, L, L, d}, seed);
+  return QKV{HostTensor::copy_of(rows(x.q.view(), L - nq, nq)), std::move(x.k), std::move(x.v)};
+}
+
+struct Out {
+  HostTensor out;
+  std::vector<float> lse;
+};
+
+Out prefill(const QKV& x, const Policy& pol) {
+  AttentionOptions o;
+  o.causal = true;
+  o.policy = pol;
+  Out r{HostTensor(DType::f32, x.q.shape()), std::vector<float>(size_t(x.q.shape()[1] * x.q.shape()[2]))};
+  attention(x.q.view(), x.k.view(), x.v.view(), r.out.view(), r.lse.data(), o);
+  return r;
+}
+
+Out decode(const KVCache& cache, int seq, const HostTensor& q, int splits = 1) {
+  Out r{HostTensor(DType::f32, q.shape()), std::vector<float>(size_t(q.shape()[1] * q.shape()[2]))};
+  DecodeOptions o;
+  o.splits = splits;
+  decode_attention(cache, {seq}, q.view(), r.out.view(), r.lse.data(), o);
+  return r;
+}
+
+
+}  // namespace
+
+TEST(Decode, EqualsPrefillLastRowsBitForBit) {
+  const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
+  const Policy pols[] = {Policy{}, Policy{e4, f4, 2, 1}, Policy{e4, f4, 0, 0}, Policy{Format::mxfp6_e2m3, Format::mxfp8_e5m2, 1, 0}};
+  int checked = 0;
+  for (int64_t L : {1, 77, 128, 129, 300, 1000})
+    for (int64_t nq : {1, 4, 16}) {
+      if (nq > L || (L - nq) / kTile != (L - 1) / kTile) continue;  // queries in the newest tile only
+      for (const Policy& pol : pols) {
+        const QKV x = problem(4, 2, nq, L, 64, uint64_t(L * 31 + nq));
+        KVCache cache(2, 64, pol);
+        const int s = fill(cache, x, {1, 50, 129});
+        ASSERT_EQ(cache.length(s), L);
+        const Out want = prefill(x, pol), got = decode(cache, s, x.q);
+        ASSERT_EQ(got.out.to_floats(), want.out.to_floats()) << "L=" << L << " Nq=" << nq << " " << pol.describe();
+        ASSERT_EQ(got.lse, want.lse) << "L=" << L << " Nq=" << nq;
+        ++checked;
+      }
+    }
+  EXPECT_GE(checked, 40);
+}
+
+TEST(Decode, SplitKvMergesByLse) {
+  const QKV x = problem(8, 2, 4, 1000, 128, 5);
+  KVCache cache(2, 128, Policy{});
+  const int s = fill(cache, x, {});
+  const Out one = decode(cache, s, x.q, 1);
+  for (int splits : {2, 3, 8, 100}) {
+    const Out many = decode(cache, s, x.q, splits);
+    const double rel = compare(many.out.to_floats(), one.out.to_floats()).rel_l2;
+    std::printf("splits=%d: rel. L2 vs one split %.2e\n", splits, rel);
+    EXPECT_LT(rel, 5e-3);  // P is rounded to bf16 relative to each split's own maximum
+    EXPECT_GT(rel, 0.0);   // ... so it does change (the merge is not a no-op)
+    for (size_t i = 0; i < one.lse.size(); ++i) EXPECT_NEAR(many.lse[i], one.lse[i], 1e-5 * (1 + std::fabs(one.lse[i])));
+  }
+}
+
+TEST(Decode, RaggedBatchWithPageTablesWithHoles) {
+  const Policy pol{Format::mxfp8_e4m3, Format::mxfp4, 1, 1};
+  KVCache cache(2, 64, pol);
+  const int64_t lens[3] = {700, 300, 901};
+  std::vector<QKV> xs;
+  for (int i = 0; i < 3; ++i) xs.push_back(problem(6, 2, 3, lens[i], 64, uint64_t(100 + i)));
+  int ids[3];
+  for (int i = 0; i < 3; ++i) ids[i] = cache.new_sequence();
+  // Interleaved appends, so each sequence's pages are scattered through the pool.
+  for (int64_t t = 0; t < 901; t += 100)
+    for (int i = 0; i < 3; ++i)
+      if (t < lens[i]) {
+        const int64_t n = std::min<int64_t>(100, lens[i] - t);
+        cache.append(ids[i], rows(xs[size_t(i)].k.view(), t, n), rows(xs[size_t(i)].v.view(), t, n));
+      }
+  cache.free_sequence(ids[1]);  // its pages go back to the pool ...
+  const QKV extra = problem(6, 2, 3, 1300, 64, 200);
+  const int late = fill(cache, extra, {});  // ... and are reused here: a table with holes in between
+  bool gap = false;
+  const auto& table = cache.page_table(late);
+  for (size_t i = 1; i < table.size(); ++i) gap |= table[i] != table[i - 1] + 1;
+  EXPECT_TRUE(gap);
+  // One batch over sequences of different lengths; each row equals its own sequence's prefill.
+  const std::vector<int> batch = {ids[0], late, ids[2]};
+  const QKV* src[3] = {&xs[0], &extra, &xs[2]};
+  std::vector<float> qall;
+  for (const QKV* x : src) {
+    const std::vector<float> q = x->q.to_floats();
+    qall.insert(qall.end(), q.begin(), q.end());
+  }
+  const HostTensor q = HostTensor::from_floats(qall, {3, 6, 3, 64});
+  HostTensor out(DType::f32, q.shape());
+  decode_attention(cache, batch, q.view(), out.view(), nullptr);
+  const std::vector<float> got = out.to_floats();
+  for (int i = 0; i < 3; ++i) {
+    const std::vector<float> want = prefill(*src[i], pol).out.to_floats();
+    ASSERT_EQ(std::vector<float>(got.begin() + i * int64_t(want.size()), got.begin() + (i + 1) * int64_t(want.size())), want)
+        << "sequence " << i;
+  }
+}
+
+TEST(Decode, LengthOneReturnsTheValue) {
+  const QKV x = random_qkv({1, 2, 1, 1, 1, 32}, 9);
+  KVCache cache(1, 32, Policy{});
+  const int s = fill(cache, x, {});
+  const Out r = decode(cache, s, x.q);
+  const std::vector<float> v = x.v.to_floats(), o = r.out.to_floats();
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < 32; ++i) EXPECT_EQ(o[size_t(h * 32 + i)], round_bf16(v[size_t(i)]));
+}
+
+TEST(Decode, MemoryAndReencoding) {
+  const int64_t L = 1024, d = 128, H = 2;
+  const QKV x = problem(4, H, 1, L, d, 11);
+  KVCache cache(H, d, Policy{});
+  const int s = fill(cache, x, {});
+  // 8 pages: 7 low (MXFP4: d/2 code bytes + d/32 scales per row), the newest high (MXFP8: d + d/32)
+  // with its fp32 originals kept for the re-encoding ahead; V in bf16 everywhere.
+  const size_t rows = size_t(H * kTile);
+  const size_t want = 7 * rows * (d / 2 + d / 32 + 2 * d) + rows * (d + d / 32 + 2 * d + 4 * d);
+  EXPECT_EQ(cache.bytes(s), want);
+  const double bf16_kv = double(L * H * d * 2 * 2);
+  std::printf("KV cache, L=%lld d=%lld Hkv=%lld: %zu bytes = %.3f of a bf16 K+V cache (K alone: %.3f)\n", (long long)L,
+              (long long)d, (long long)H, cache.bytes(s), double(cache.bytes(s)) / bf16_kv,
+              double(cache.bytes(s) - L * H * d * 2) / (bf16_kv / 2));
+  // Re-encoding from retained originals reproduces prefill; from the MXFP8 values it rounds twice.
+  KVCache twice(H, d, Policy{});
+  twice.reencode_from_high = true;
+  const int s2 = fill(twice, x, {});
+  const Out want_out = prefill(x, Policy{});
+  const Out a = decode(cache, s, x.q), b = decode(twice, s2, x.q);
+  EXPECT_EQ(a.out.to_floats(), want_out.out.to_floats());
+  const double rel = compare(b.out.to_floats(), want_out.out.to_floats()).rel_l2;
+  std::printf("re-encoding MXFP4 from MXFP8 values instead of the originals: rel. L2 %.2e vs prefill\n", rel);
+  EXPECT_GT(rel, 0.0);
+  EXPECT_LT(rel, 0.1);
+}
+
+TEST(Decode, RejectsWhatItCannotDo) {
+  EXPECT_THROW(KVCache(2, 64, Policy{Format::mxfp8_e4m3, Format::nvfp4, 1, 0}), Error);
+  Policy pv;
+  pv.pv = PV::mxfp8;
+  EXPECT_THROW(KVCache(2, 64, pv), Error);
+  EXPECT_THROW(KVCache(2, 48, Policy{}), Error);
+  const QKV x = random_qkv({1, 4, 2, 17, 300, 64}, 3);
+  KVCache cache(2, 64, Policy{});
+  const int s = fill(cache, x, {});
+  HostTensor out(DType::f32, x.q.shape());
+  EXPECT_THROW(decode_attention(cache, {s}, x.q.view(), out.view(), nullptr), Error);  // Nq = 17 > 16
+  const QKV y = random_qkv({1, 3, 2, 1, 10, 64}, 4);
+  HostTensor out3(DType::f32, y.q.shape());
+  EXPECT_THROW(decode_attention(cache, {s}, y.q.view(), out3.view(), nullptr), Error);  // 3 heads over 2
+  const QKV z = random_qkv({1, 4, 2, 8, 4, 64}, 5);
+  KVCache small(2, 64, Policy{});
+  const int t = fill(small, z, {});
+  HostTensor out8(DType::f32, z.q.shape());
+  EXPECT_THROW(decode_attention(small, {t}, z.q.view(), out8.view(), nullptr), Error);  // 8 queries, 4 tokens
+  std::vector<float> bad = z.k.to_floats();
+  bad[5] = std::numeric_limits<float>::quiet_NaN();
+  const HostTensor kbad = HostTensor::from_floats(bad, z.k.shape());
+  EXPECT_THROW(small.append(t, kbad.view(), z.v.view()), Error);
+  EXPECT_EQ(small.length(t), 4);  // unchanged
+  EXPECT_THROW(small.length(99), Error);
+}
