@@ -12,10 +12,11 @@ on numpy arrays and PyTorch tensors (CPU, and CUDA on Hopper GPUs), without copy
 from __future__ import annotations
 
 
-from ._dmattn import DmattnError, Policy, cuda_available, attention_into, quantize_rows, dequantize_rows
+from ._dmattn import (DmattnError, KVCache, Policy, attention_into, cuda_available, decode_into, dequantize_rows,
+                      quantize_rows)
 
-__all__ = ["attention", "sdpa", "quantize", "dequantize", "Policy", "DmattnError", "cuda_available",
-           "register_transformers", "hf_policy"]
+__all__ = ["attention", "sdpa", "decode", "KVCache", "quantize", "dequantize", "Policy", "DmattnError",
+           "cuda_available", "register_transformers", "hf_policy"]
 
 
 
@@ -123,6 +124,32 @@ def sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: b
     if query.shape[1] != key.shape[1] and not enable_gqa:
         raise ValueError(f"dmattn.sdpa: {query.shape[1]} query heads and {key.shape[1]} key heads need enable_gqa=True")
     return attention(query, key, value, causal=is_causal, scale=scale, **policy)
+
+
+def decode(cache: KVCache, seqs, q, *, scale: float | None = None, splits: int = 1, return_lse: bool = False):
+    """Decode attention of new queries over a KVCache (CPU).
+
+    Args:
+      cache: the KVCache holding each sequence's keys and values (including the new tokens').
+      seqs: the sequence ids, one per row of q's first axis.
+      q: [len(seqs), Hq, Nq, d] numpy array or CPU torch tensor, 1 <= Nq <= 16; the queries of each
+        sequence's last Nq positions (causal, bottom-right).
+      scale: softmax scale; default 1/sqrt(d).
+      splits: split-KV ranges per sequence, merged by LSE (1 reproduces prefill bit for bit).
+      return_lse: also return the row log-sum-exp [len(seqs), Hq, Nq], float32.
+    """
+    seqs = [int(s) for s in seqs]
+    if _is_torch(q):
+        import torch
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty(tuple(q.shape[:3]), dtype=torch.float32) if return_lse else None
+        decode_into(cache, seqs, q.detach(), out, lse, scale, splits)
+    else:
+        import numpy as np
+        out = np.empty(q.shape, dtype=q.dtype)
+        lse = np.empty(q.shape[:3], dtype=np.float32) if return_lse else None
+        decode_into(cache, seqs, q, out, lse, scale, splits)
+    return (out, lse) if return_lse else out
 
 
 def _rows(x):

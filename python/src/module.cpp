@@ -6,12 +6,14 @@
 #include <nanobind/stl/optional.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/vector.h>
 
 #include <cstring>
 #include <string>
 
 #include "dmattn/attention.hpp"
 #include "dmattn/error.hpp"
+#include "dmattn/kv_cache.hpp"
 #include "dmattn/quantize.hpp"
 
 namespace nb = nanobind;
@@ -119,6 +121,29 @@ nb::ndarray<nb::numpy, float, nb::ndim<2>> dequantize_rows(
   return to_numpy(std::move(values), q.rows, cols);
 }
 
+// A CPU view for the cache and decode (which run on the CPU).
+TensorView cpu_view(const nb::ndarray<>& a, const char* name) {
+  const TensorView v = view_of(a, name, "bhnd");
+  if (v.device != Device::cpu) throw Error(std::string(name) + ": the KV cache and decode run on the CPU for now");
+  return v;
+}
+
+void decode_into(const KVCache& cache, const std::vector<int>& seqs, const nb::ndarray<>& q, const nb::ndarray<>& out,
+                 std::optional<nb::ndarray<>> lse, std::optional<float> scale, int splits) {
+  const TensorView tq = cpu_view(q, "q"), to = cpu_view(out, "out");
+  float* lse_ptr = nullptr;
+  if (lse) {
+    if (dtype_of(*lse, "lse") != DType::f32 || lse->size() != size_t(tq.shape[0] * tq.shape[1] * tq.shape[2]))
+      throw Error("lse: expected a contiguous float32 array of shape [S, Hq, Nq]");
+    lse_ptr = static_cast<float*>(lse->data());
+  }
+  DecodeOptions o;
+  o.softmax_scale = scale;
+  o.splits = splits;
+  nb::gil_scoped_release unlocked;
+  decode_attention(cache, seqs, tq, to, lse_ptr, o);
+}
+
 std::string policy_repr(const Policy& p) {
   return "Policy(high='" + std::string(format_name(p.high)) + "', low='" + std::string(format_name(p.low)) +
          "', diag_tiles=" + std::to_string(p.diag_tiles) + ", sink_tiles=" + std::to_string(p.sink_tiles) +
@@ -166,6 +191,29 @@ NB_MODULE(_dmattn, m) {
       .def("__repr__", &policy_repr)
       .def("__eq__", [](const Policy& a, const Policy& b) { return policy_repr(a) == policy_repr(b); });
 
+  nb::class_<KVCache>(m, "KVCache",
+                      "Paged MX-quantized KV cache (CPU): 128-token pages, K in the page's format (high for the "
+                      "newest diag_tiles pages and the sink pages, low otherwise), V in bf16.")
+      .def(nb::init<int64_t, int64_t, const Policy&>(), nb::arg("kv_heads"), nb::arg("head_dim"),
+           nb::arg("policy") = Policy{})
+      .def("new_sequence", &KVCache::new_sequence, "An empty sequence; returns its id.")
+      .def("free_sequence", &KVCache::free_sequence, nb::arg("seq"), "Returns the sequence's pages to the pool.")
+      .def(
+          "append",
+          [](KVCache& c, int seq, const nb::ndarray<>& k, const nb::ndarray<>& v) {
+            const TensorView tk = cpu_view(k, "k"), tv = cpu_view(v, "v");
+            nb::gil_scoped_release unlocked;
+            c.append(seq, tk, tv);
+          },
+          nb::arg("seq"), nb::arg("k"), nb::arg("v"), "Appends k, v: [1, kv_heads, n, head_dim] arrays.")
+      .def("length", &KVCache::length, nb::arg("seq"))
+      .def("bytes", &KVCache::bytes, nb::arg("seq"), "Bytes the sequence holds (codes, scales, V, kept originals).")
+      .def("page_table", &KVCache::page_table, nb::arg("seq"), "Logical page -> physical page.")
+      .def_prop_ro("kv_heads", &KVCache::kv_heads)
+      .def_prop_ro("head_dim", &KVCache::head_dim)
+      .def_prop_ro("policy", &KVCache::policy);
+  m.def("decode_into", &decode_into, nb::arg("cache"), nb::arg("seqs"), nb::arg("q"), nb::arg("out"),
+        nb::arg("lse").none(), nb::arg("scale").none(), nb::arg("splits"), "Decode attention over the cache.");
   m.def("attention_into", &attention_into, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"),
         nb::arg("lse").none(), nb::arg("causal"), nb::arg("scale").none(), nb::arg("policy"), nb::arg("layout"),
         nb::arg("stream"), "DMA attention of q, k, v into out (and lse), all of one device.");

@@ -117,3 +117,24 @@ def test_quantize_round_trip_and_cli_agreement(tmp_path, cli):
         # Values already on the grid survive exactly.
         codes2, scales2, ts2 = dmattn.quantize(y, fmt)
         assert np.array_equal(dmattn.dequantize(codes2, scales2, fmt, 96, ts2), y)
+
+
+def test_kv_cache_decode_equals_attention_last_rows():
+    rng = np.random.default_rng(9)
+    L, nq = 300, 4
+    q = llm_like(rng, (1, 4, L, 64))
+    k, v = llm_like(rng, (1, 2, L, 64)), llm_like(rng, (1, 2, L, 64))
+    want, want_lse = dmattn.attention(q, k, v, causal=True, return_lse=True, diag_tiles=2, sink_tiles=1)
+    cache = dmattn.KVCache(2, 64, dmattn.Policy(diag_tiles=2, sink_tiles=1))
+    s = cache.new_sequence()
+    for t0 in range(0, L, 70):  # appended in chunks, as generation would
+        cache.append(s, np.ascontiguousarray(k[:, :, t0:t0 + 70]), np.ascontiguousarray(v[:, :, t0:t0 + 70]))
+    assert cache.length(s) == L and len(cache.page_table(s)) == 3
+    # 3 pages x 256 rows (2 heads x 128): all high (sink + 2-page window), MXFP8 K = 64 + 2 scale bytes
+    # a row, bf16 V = 128 bytes, and the window pages keep fp32 K (256 bytes) for re-encoding.
+    assert cache.bytes(s) == 256 * (66 + 128) + 2 * 256 * (66 + 128 + 256)
+    out, lse = dmattn.decode(cache, [s], np.ascontiguousarray(q[:, :, -nq:]), return_lse=True)
+    assert np.array_equal(out, want[:, :, -nq:])
+    assert np.array_equal(lse, want_lse[:, :, -nq:])
+    with pytest.raises(dmattn.DmattnError, match="16"):
+        dmattn.decode(cache, [s], np.ascontiguousarray(q[:, :, -17:]))
