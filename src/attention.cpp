@@ -34,8 +34,10 @@ void check_view(const TensorView& t, const char* name) {
     if (t.shape[i] < 1) throw Error(std::string(name) + " has an empty dimension: shape " + shape_str(t.shape));
 }
 
+}  // namespace
+
 Problem validate(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
-                      float* lse, const AttentionOptions& o) {
+                 float* lse, const AttentionOptions& o) {
   check_view(q, "Q");
   check_view(k, "K");
   check_view(v, "V");
@@ -76,8 +78,6 @@ Problem validate(const TensorView& q, const TensorView& k, const TensorView& v, 
   p.stream = o.stream;
   return p;
 }
-
-}  // namespace
 
 void attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out, float* lse,
                const AttentionOptions& opts) {

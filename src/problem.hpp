@@ -25,6 +25,10 @@ struct Problem {
   float* lse_at(int64_t b, int64_t h, int64_t r) const { return lse ? lse + (b * Hq + h) * Nq + r : nullptr; }
 };
 
+// Checks an attention call's arguments (shapes, dtypes, policy, scale) and describes it.
+Problem validate(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out, float* lse,
+                 const AttentionOptions& o);
+
 namespace cpu {
 void exact_attention(const Problem& p);  // fp64 reference
 void dma_attention(const Problem& p);    // DMA, DESIGN §3
