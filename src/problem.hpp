@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "dmattn/attention.hpp"
+#include "dmattn/kv_cache.hpp"
 
 namespace dmattn {
 
@@ -35,6 +36,9 @@ void dma_attention(const Problem& p);    // DMA, DESIGN §3
 }  // namespace cpu
 
 namespace cuda {
+// Decode over the cache's pages (copied to the device per call); q, out and lse on the device.
+void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const TensorView& q, const TensorView& out,
+                      float* lse, float scale, int splits);
 void dma_attention(const Problem& p);  // all tensors on the current CUDA device; ordered on p.stream
 }  // namespace cuda
 

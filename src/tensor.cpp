@@ -100,4 +100,12 @@ std::vector<float> HostTensor::to_floats() const {
   return v;
 }
 
+TensorView slice_tokens(const TensorView& t, int64_t n0, int64_t n) {
+  if (n0 < 0 || n < 0 || n0 + n > t.shape[2]) throw Error("slice_tokens: rows out of range");
+  TensorView v = t;
+  v.data = static_cast<std::byte*>(t.data) + n0 * t.stride[2] * int64_t(dtype_size(t.dtype));
+  v.shape[2] = n;
+  return v;
+}
+
 }  // namespace dmattn

@@ -18,13 +18,6 @@ using namespace dmattn;
 
 namespace {
 
-// Rows [t0, t0 + n) of a [1, H, N, d] view.
-TensorView rows(const TensorView& t, int64_t t0, int64_t n) {
-  TensorView v = t;
-  v.data = static_cast<std::byte*>(t.data) + t0 * t.stride[2] * int64_t(dtype_size(t.dtype));
-  v.shape[2] = n;
-  return v;
-}
 
 // Appends k/v to a new sequence of `cache` in chunks of the given sizes (then the rest).
 int fill(KVCache& cache, const QKV& x, std::vector<int64_t> chunks) {
@@ -33,7 +26,7 @@ int fill(KVCache& cache, const QKV& x, std::vector<int64_t> chunks) {
   int64_t t = 0;
   for (size_t i = 0; t < L; ++i) {
     const int64_t n = i < chunks.size() ? std::min(chunks[i], L - t) : L - t;
-    cache.append(s, rows(x.k.view(), t, n), rows(x.v.view(), t, n));
+    cache.append(s, slice_tokens(x.k.view(), t, n), slice_tokens(x.v.view(), t, n));
     t += n;
   }
   return s;
@@ -42,7 +35,7 @@ int fill(KVCache& cache, const QKV& x, std::vector<int64_t> chunks) {
 // LLM-like keys and values of length L and the last nq of its queries (positions L-nq..L-1).
 QKV problem(int64_t hq, int64_t hkv, int64_t nq, int64_t L, int64_t d, uint64_t seed) {
   QKV x = llm_like_qkv({1, hq, hkv, L, L, d}, seed);
-  return QKV{HostTensor::copy_of(rows(x.q.view(), L - nq, nq)), std::move(x.k), std::move(x.v)};
+  return QKV{HostTensor::copy_of(slice_tokens(x.q.view(), L - nq, nq)), std::move(x.k), std::move(x.v)};
 }
 
 struct Out {
@@ -119,7 +112,7 @@ TEST(Decode, RaggedBatchWithPageTablesWithHoles) {
     for (int i = 0; i < 3; ++i)
       if (t < lens[i]) {
         const int64_t n = std::min<int64_t>(100, lens[i] - t);
-        cache.append(ids[i], rows(xs[size_t(i)].k.view(), t, n), rows(xs[size_t(i)].v.view(), t, n));
+        cache.append(ids[i], slice_tokens(xs[size_t(i)].k.view(), t, n), slice_tokens(xs[size_t(i)].v.view(), t, n));
       }
   cache.free_sequence(ids[1]);  // its pages go back to the pool ...
   const QKV extra = problem(6, 2, 3, 1300, 64, 200);

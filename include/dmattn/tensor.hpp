@@ -33,6 +33,9 @@ struct TensorView {
 
 std::string shape_str(const Shape& s);
 
+// Rows [n0, n0 + n) of the third axis (tokens) of a [B, H, N, d] view: a view, no copy.
+TensorView slice_tokens(const TensorView& t, int64_t n0, int64_t n);
+
 // Reads one row (the last axis, length shape[3]) of a CPU view as float.
 void load_row(const TensorView& t, int64_t b, int64_t h, int64_t n, float* dst);
 // Writes one row of a CPU view from float, rounding to its dtype (nearest-even).

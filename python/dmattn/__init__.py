@@ -127,7 +127,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: b
 
 
 def decode(cache: KVCache, seqs, q, *, scale: float | None = None, splits: int = 1, return_lse: bool = False):
-    """Decode attention of new queries over a KVCache (CPU).
+    """Decode attention of new queries over a KVCache (CPU for now).
 
     Args:
       cache: the KVCache holding each sequence's keys and values (including the new tokens').
@@ -142,7 +142,7 @@ def decode(cache: KVCache, seqs, q, *, scale: float | None = None, splits: int =
     if _is_torch(q):
         import torch
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        lse = torch.empty(tuple(q.shape[:3]), dtype=torch.float32) if return_lse else None
+        lse = torch.empty(tuple(q.shape[:3]), dtype=torch.float32, device=q.device) if return_lse else None
         decode_into(cache, seqs, q.detach(), out, lse, scale, splits)
     else:
         import numpy as np

@@ -121,20 +121,22 @@ nb::ndarray<nb::numpy, float, nb::ndim<2>> dequantize_rows(
   return to_numpy(std::move(values), q.rows, cols);
 }
 
-// A CPU view for the cache and decode (which run on the CPU).
+// A CPU view for the cache's appends (the cache lives in host memory).
 TensorView cpu_view(const nb::ndarray<>& a, const char* name) {
   const TensorView v = view_of(a, name, "bhnd");
-  if (v.device != Device::cpu) throw Error(std::string(name) + ": the KV cache and decode run on the CPU for now");
+  if (v.device != Device::cpu) throw Error(std::string(name) + ": the KV cache takes CPU arrays (it lives in host memory)");
   return v;
 }
 
 void decode_into(const KVCache& cache, const std::vector<int>& seqs, const nb::ndarray<>& q, const nb::ndarray<>& out,
                  std::optional<nb::ndarray<>> lse, std::optional<float> scale, int splits) {
-  const TensorView tq = cpu_view(q, "q"), to = cpu_view(out, "out");
+  const TensorView tq = view_of(q, "q", "bhnd"), to = view_of(out, "out", "bhnd");
   float* lse_ptr = nullptr;
   if (lse) {
     if (dtype_of(*lse, "lse") != DType::f32 || lse->size() != size_t(tq.shape[0] * tq.shape[1] * tq.shape[2]))
       throw Error("lse: expected a contiguous float32 array of shape [S, Hq, Nq]");
+    if ((lse->device_type() == nb::device::cuda::value) != (tq.device == Device::cuda))
+      throw Error("lse: must live on the same device as q");
     lse_ptr = static_cast<float*>(lse->data());
   }
   DecodeOptions o;

@@ -56,3 +56,4 @@ def test_cuda_errors():
     bad[0, 0, 0, 0] = float("inf")
     with pytest.raises(dmattn.DmattnError, match="non-finite"):
         dmattn.attention(bad, k, v)
+
