@@ -11,6 +11,7 @@
 #include "dmattn/error.hpp"
 #include "dmattn/kv_cache.hpp"
 #include "dmattn/metrics.hpp"
+#include "dmattn/npy.hpp"
 #include "dmattn/numeric.hpp"
 #include "dmattn/synthetic.hpp"
 
@@ -202,4 +203,29 @@ TEST(Decode, RejectsWhatItCannotDo) {
   EXPECT_THROW(small.append(t, kbad.view(), z.v.view()), Error);
   EXPECT_EQ(small.length(t), 4);  // unchanged
   EXPECT_THROW(small.length(99), Error);
+}
+
+// Token-by-token generation over the real model's layer-20 activations (SmolLM2, 512 tokens): every
+// step's decode equals that row of the prefill path, so decode quality is exactly the prefill
+// tables' (bench/RESULTS.md), not just within their bounds.
+TEST(Decode, TokenByTokenEqualsPrefillOnRealActivations) {
+  const std::string base = std::string(DMATTN_SOURCE_DIR) + "/tests/data/layer20_";
+  const QKV x{read_npy_tensor(base + "q.npy", "q"), read_npy_tensor(base + "k.npy", "k"),
+              read_npy_tensor(base + "v.npy", "v")};
+  const int64_t Hq = x.q.shape()[1], Hkv = x.k.shape()[1], N = x.k.shape()[2], d = x.k.shape()[3];
+  for (const Policy& pol : {Policy{}, Policy{Format::mxfp8_e4m3, Format::mxfp4, 1, 1}}) {
+    const Out want = prefill(x, pol);
+    const std::vector<float> wo = want.out.to_floats();
+    KVCache cache(Hkv, d, pol);
+    const int s = cache.new_sequence();
+    int64_t mismatches = 0;
+    for (int64_t t = 0; t < N; ++t) {
+      cache.append(s, slice_tokens(x.k.view(), t, 1), slice_tokens(x.v.view(), t, 1));
+      const HostTensor q = HostTensor::copy_of(slice_tokens(x.q.view(), t, 1));
+      const std::vector<float> got = decode(cache, s, q).out.to_floats();
+      for (int64_t h = 0; h < Hq; ++h)
+        for (int64_t i = 0; i < d; ++i) mismatches += got[size_t(h * d + i)] != wo[size_t((h * N + t) * d + i)];
+    }
+    EXPECT_EQ(mismatches, 0) << pol.describe();
+  }
 }
