@@ -76,6 +76,10 @@ Problem validate(const TensorView& q, const TensorView& k, const TensorView& v, 
   p.policy = pol;
   p.threads = o.threads;
   p.stream = o.stream;
+  p.q_pos0 = o.q_offset.value_or(p.Nk - p.Nq);
+  p.k_pos0 = o.k_offset.value_or(0);
+  if (p.k_pos0 % kTile != 0)
+    throw Error("k_offset must be a multiple of 128 (whole key tiles), got " + std::to_string(p.k_pos0));
   return p;
 }
 
@@ -92,6 +96,7 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v, co
 #if defined(DMATTN_HAVE_CUDA)
     if (!on_gpu) throw Error("the CUDA backend needs tensors on the GPU (attention_on_device stages host tensors)");
     if (opts.exact) throw Error("the exact fp64 reference runs on the CPU only");
+    if (opts.q_offset || opts.k_offset) throw Error("q_offset / k_offset run on the CPU backend for now");
     cuda::dma_attention(p);
     return;
 #else

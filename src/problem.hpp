@@ -16,11 +16,13 @@ struct Problem {
   Policy policy{};
   int threads = 0;
   void* stream = nullptr;  // cudaStream_t for the CUDA backend
+  int64_t q_pos0 = 0, k_pos0 = 0;  // absolute positions of query row 0 and key 0 (k_pos0 % 128 == 0)
 
   int64_t group() const { return Hq / Hkv; }
-  int64_t position(int64_t r) const { return r + Nk - Nq; }  // causal (bottom-right) alignment
-  // One past the last key that row r sees.
-  int64_t key_end(int64_t r) const { return causal ? std::clamp<int64_t>(position(r) + 1, 0, Nk) : Nk; }
+  int64_t position(int64_t r) const { return q_pos0 + r; }  // default q_pos0 = Nk - Nq: bottom-right
+  // One past the last key (local index) that row r sees.
+  int64_t key_end(int64_t r) const { return causal ? std::clamp<int64_t>(position(r) + 1 - k_pos0, 0, Nk) : Nk; }
+  int64_t key_tile0() const { return k_pos0 / kTile; }  // absolute tile of local key tile 0
   // Absolute query tile of row r (floor division: positions can be negative when Nq > Nk).
   int64_t query_tile(int64_t r) const { return hd::floor_div(position(r), kTile); }
   float* lse_at(int64_t b, int64_t h, int64_t r) const { return lse ? lse + (b * Hq + h) * Nq + r : nullptr; }

@@ -43,6 +43,12 @@ struct AttentionOptions {
   // stream). attention() still returns only when the result is complete (it checks the inputs'
   // NaN/Inf flags on the host), so callers need no extra synchronisation.
   void* stream = nullptr;
+  // Absolute positions of the first query and the first key (default: bottom-right alignment, the
+  // queries are the last Nq of Nk positions: q_offset = Nk - Nq, k_offset = 0). Set both to attend a
+  // block of a longer sequence, e.g. one shard pair of ring attention: the causal mask and the
+  // policy's tiles then use these positions. k_offset must be a multiple of 128 (whole key tiles).
+  // CPU backend only for now.
+  std::optional<int64_t> q_offset, k_offset;
 };
 
 // Throws dmattn::Error on invalid input (shapes, head dim, NaN/Inf, unavailable backend).

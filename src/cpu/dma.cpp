@@ -100,7 +100,7 @@ void dma_attention(const Problem& p) {
           for (int64_t ri = 0; ri < rows; ++ri) {
             const int64_t r = r0 + ri, kend = p.key_end(r);
             if (j * T >= kend) continue;
-            const int slot = p.policy.is_high(p.query_tile(r), j) ? slots.high() : slots.low();
+            const int slot = p.policy.is_high(p.query_tile(r), p.key_tile0() + j) ? slots.high() : slots.low();
             const int nvalid = int(std::min<int64_t>(T, kend - j * T));
             online_tile(qe[slot].data() + ri * d, qs[slot].data() + ri * keys[slot].nblk, keys[slot], j, values, j,
                         nvalid, d, p.scale, p.policy.pv, rule, m[size_t(ri)], l[size_t(ri)], acc.data() + ri * d);
