@@ -15,7 +15,7 @@ from __future__ import annotations
 from ._dmattn import (DmattnError, KVCache, Policy, attention_into, cuda_available, decode_into, dequantize_rows,
                       quantize_rows)
 
-__all__ = ["attention", "sdpa", "decode", "KVCache", "quantize", "dequantize", "Policy", "DmattnError",
+__all__ = ["attention", "sdpa", "decode", "ring_attention", "KVCache", "quantize", "dequantize", "Policy", "DmattnError",
            "cuda_available", "register_transformers", "hf_policy"]
 
 
@@ -44,7 +44,8 @@ def _check_same_kind(q, k, v):
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, high: str = "mxfp8-e4m3",
               low: str = "mxfp4", diag_tiles: int = 1, sink_tiles: int = 0, pv: str = "bf16",
-              scale_rule: str = "ocp", return_lse: bool = False, layout: str = "bhnd", policy: Policy | None = None):
+              scale_rule: str = "ocp", return_lse: bool = False, layout: str = "bhnd", policy: Policy | None = None,
+              q_offset: int | None = None, k_offset: int | None = None):
     """DMA attention of q, k, v; returns an array of q's kind, dtype and device (and the LSE).
 
     Args:
@@ -67,6 +68,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, high
       return_lse: also return the row log-sum-exp, float32 [B, Hq, Nq] (for merging partial results).
       layout: "bhnd" or "bnhd" (how the four axes of q, k, v and the output are ordered).
       policy: a Policy; overrides high/low/diag_tiles/sink_tiles/pv/scale_rule when given.
+      q_offset, k_offset: absolute positions of the first query and the first key, to attend a
+        block of a longer sequence (mask and tiles use them; k_offset a multiple of 128). Default:
+        the queries are the last Nq of the Nk positions. CPU only for now.
 
     Returns: out (and lse when return_lse) on q's device; CUDA work runs on torch's current stream.
     Raises: DmattnError (a ValueError) for bad shapes, dtypes, strides, NaN/Inf inputs or
@@ -90,14 +94,16 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, high
         if q.is_cuda:
             stream = torch.cuda.current_stream(q.device).cuda_stream
             with torch.cuda.device(q.device):
-                attention_into(q.detach(), k.detach(), v.detach(), out, lse, causal, scale, policy, layout, stream)
+                attention_into(q.detach(), k.detach(), v.detach(), out, lse, causal, scale, policy, layout, stream,
+                               q_offset, k_offset)
         else:
-            attention_into(q.detach(), k.detach(), v.detach(), out, lse, causal, scale, policy, layout, stream)
+            attention_into(q.detach(), k.detach(), v.detach(), out, lse, causal, scale, policy, layout, stream,
+                           q_offset, k_offset)
     else:
         import numpy as np
         out = np.empty(q.shape, dtype=q.dtype)
         lse = np.empty((B, Hq, Nq), dtype=np.float32) if return_lse else None
-        attention_into(q, k, v, out, lse, causal, scale, policy, layout, stream)
+        attention_into(q, k, v, out, lse, causal, scale, policy, layout, stream, q_offset, k_offset)
     return (out, lse) if return_lse else out
 
 
@@ -215,3 +221,12 @@ def register_transformers(name: str = "dmattn") -> str:
     from transformers import AttentionInterface
     AttentionInterface.register(name, _hf_attention)
     return name
+
+
+
+def __getattr__(name):
+    """dmattn.ring_attention loads on first use (it needs torch.distributed; numpy users need not import torch)."""
+    if name == "ring_attention":
+        from .ring import ring_attention
+        return ring_attention
+    raise AttributeError(f"module 'dmattn' has no attribute {name!r}")

@@ -58,7 +58,8 @@ TensorView view_of(const nb::ndarray<>& a, const char* name, const std::string& 
 
 void attention_into(const nb::ndarray<>& q, const nb::ndarray<>& k, const nb::ndarray<>& v, const nb::ndarray<>& out,
                     std::optional<nb::ndarray<>> lse, bool causal, std::optional<float> scale, const Policy& policy,
-                    const std::string& layout, uintptr_t stream) {
+                    const std::string& layout, uintptr_t stream, std::optional<int64_t> q_offset,
+                    std::optional<int64_t> k_offset) {
   const TensorView tq = view_of(q, "q", layout), tk = view_of(k, "k", layout), tv = view_of(v, "v", layout),
                    to = view_of(out, "out", layout);
   float* lse_ptr = nullptr;
@@ -77,6 +78,8 @@ void attention_into(const nb::ndarray<>& q, const nb::ndarray<>& k, const nb::nd
   o.softmax_scale = scale;
   o.policy = policy;
   o.stream = reinterpret_cast<void*>(stream);
+  o.q_offset = q_offset;
+  o.k_offset = k_offset;
   nb::gil_scoped_release unlocked;  // compute without holding the GIL
   attention(tq, tk, tv, to, lse_ptr, o);
 }
@@ -218,7 +221,8 @@ NB_MODULE(_dmattn, m) {
         nb::arg("lse").none(), nb::arg("scale").none(), nb::arg("splits"), "Decode attention over the cache.");
   m.def("attention_into", &attention_into, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"),
         nb::arg("lse").none(), nb::arg("causal"), nb::arg("scale").none(), nb::arg("policy"), nb::arg("layout"),
-        nb::arg("stream"), "DMA attention of q, k, v into out (and lse), all of one device.");
+        nb::arg("stream"), nb::arg("q_offset").none() = nb::none(), nb::arg("k_offset").none() = nb::none(),
+        "DMA attention of q, k, v into out (and lse), all of one device.");
   m.def("quantize_rows", &quantize_rows, nb::arg("x"), nb::arg("format"), nb::arg("scale_rule"),
         "float32 [rows, cols] -> (codes, scales, tensor_scale), the CPU codec.");
   m.def("dequantize_rows", &dequantize_rows, nb::arg("codes"), nb::arg("scales"), nb::arg("format"), nb::arg("cols"),
