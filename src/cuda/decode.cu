@@ -192,7 +192,7 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
     void* p = nullptr;
     check(cudaMalloc(&p, bytes ? bytes : 1), "cudaMalloc");
     bufs.push_back(p);
-    if (bytes) check(cudaMemcpy(p, src, bytes, cudaMemcpyHostToDevice), "upload");
+    if (src && bytes) check(cudaMemcpy(p, src, bytes, cudaMemcpyHostToDevice), "upload");  // null src: scratch
     return p;
   };
   struct Free {
