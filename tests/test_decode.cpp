@@ -66,7 +66,10 @@ Out decode(const KVCache& cache, int seq, const HostTensor& q, int splits = 1) {
 
 TEST(Decode, EqualsPrefillLastRowsBitForBit) {
   const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
-  const Policy pols[] = {Policy{}, Policy{e4, f4, 2, 1}, Policy{e4, f4, 0, 0}, Policy{Format::mxfp6_e2m3, Format::mxfp8_e5m2, 1, 0}};
+  Policy pv8{e4, f4, 1, 1};
+  pv8.pv = PV::mxfp8;  // V in 32-key MXFP8 blocks: the open block is re-quantized as tokens arrive
+  const Policy pols[] = {Policy{}, Policy{e4, f4, 2, 1}, Policy{e4, f4, 0, 0},
+                         Policy{Format::mxfp6_e2m3, Format::mxfp8_e5m2, 1, 0}, pv8};
   int checked = 0;
   for (int64_t L : {1, 77, 128, 129, 300, 1000})
     for (int64_t nq : {1, 4, 16}) {
@@ -82,7 +85,7 @@ TEST(Decode, EqualsPrefillLastRowsBitForBit) {
         ++checked;
       }
     }
-  EXPECT_GE(checked, 40);
+  EXPECT_GE(checked, 50);
 }
 
 TEST(Decode, SplitKvMergesByLse) {
@@ -165,6 +168,14 @@ TEST(Decode, MemoryAndReencoding) {
   std::printf("KV cache, L=%lld d=%lld Hkv=%lld: %zu bytes = %.3f of a bf16 K+V cache (K alone: %.3f)\n", (long long)L,
               (long long)d, (long long)H, cache.bytes(s), double(cache.bytes(s)) / bf16_kv,
               double(cache.bytes(s) - L * H * d * 2) / (bf16_kv / 2));
+  // pv = mxfp8: V at 8 bits + one scale byte per 32 keys and channel, plus the open block's originals.
+  Policy pv8;
+  pv8.pv = PV::mxfp8;
+  KVCache small_v(H, d, pv8);
+  const int s8 = fill(small_v, x, {});
+  EXPECT_EQ(small_v.bytes(s8), want - size_t(8) * rows * d * 2 + size_t(8) * rows * (d + d / 32));
+  std::printf("with pv = mxfp8: %zu bytes = %.3f of a bf16 K+V cache\n", small_v.bytes(s8),
+              double(small_v.bytes(s8)) / bf16_kv);
   // Re-encoding from retained originals reproduces prefill; from the MXFP8 values it rounds twice.
   KVCache twice(H, d, Policy{});
   twice.reencode_from_high = true;
@@ -180,9 +191,9 @@ TEST(Decode, MemoryAndReencoding) {
 
 TEST(Decode, RejectsWhatItCannotDo) {
   EXPECT_THROW(KVCache(2, 64, Policy{Format::mxfp8_e4m3, Format::nvfp4, 1, 0}), Error);
-  Policy pv;
-  pv.pv = PV::mxfp8;
-  EXPECT_THROW(KVCache(2, 64, pv), Error);
+  Policy sk;
+  sk.smooth_k = true;
+  EXPECT_THROW(KVCache(2, 64, sk), Error);
   EXPECT_THROW(KVCache(2, 48, Policy{}), Error);
   const QKV x = random_qkv({1, 4, 2, 17, 300, 64}, 3);
   KVCache cache(2, 64, Policy{});
@@ -205,27 +216,37 @@ TEST(Decode, RejectsWhatItCannotDo) {
   EXPECT_THROW(small.length(99), Error);
 }
 
-// Token-by-token generation over the real model's layer-20 activations (SmolLM2, 512 tokens): every
-// step's decode equals that row of the prefill path, so decode quality is exactly the prefill
-// tables' (bench/RESULTS.md), not just within their bounds.
+// Token-by-token generation over the real model's layer-20 activations (SmolLM2, 512 tokens): with
+// pv = bf16 every step's decode equals that row of the full prefill, so decode quality is exactly the
+// prefill tables' (bench/RESULTS.md). With pv = mxfp8 it cannot: full prefill quantizes each 32-key V
+// block with the keys after the row (DESIGN's pv = mxfp8 leak), generation only with those it has;
+// the test measures that gap (each step still equals prefill over the same Nk: EqualsPrefillLastRows).
 TEST(Decode, TokenByTokenEqualsPrefillOnRealActivations) {
   const std::string base = std::string(DMATTN_SOURCE_DIR) + "/tests/data/layer20_";
   const QKV x{read_npy_tensor(base + "q.npy", "q"), read_npy_tensor(base + "k.npy", "k"),
               read_npy_tensor(base + "v.npy", "v")};
   const int64_t Hq = x.q.shape()[1], Hkv = x.k.shape()[1], N = x.k.shape()[2], d = x.k.shape()[3];
-  for (const Policy& pol : {Policy{}, Policy{Format::mxfp8_e4m3, Format::mxfp4, 1, 1}}) {
-    const Out want = prefill(x, pol);
-    const std::vector<float> wo = want.out.to_floats();
+  Policy pv8;
+  pv8.pv = PV::mxfp8;
+  for (const Policy& pol : {Policy{}, Policy{Format::mxfp8_e4m3, Format::mxfp4, 1, 1}, pv8}) {
+    const std::vector<float> wo = prefill(x, pol).out.to_floats();
+    std::vector<float> gen(wo.size());
     KVCache cache(Hkv, d, pol);
     const int s = cache.new_sequence();
-    int64_t mismatches = 0;
     for (int64_t t = 0; t < N; ++t) {
       cache.append(s, slice_tokens(x.k.view(), t, 1), slice_tokens(x.v.view(), t, 1));
       const HostTensor q = HostTensor::copy_of(slice_tokens(x.q.view(), t, 1));
       const std::vector<float> got = decode(cache, s, q).out.to_floats();
       for (int64_t h = 0; h < Hq; ++h)
-        for (int64_t i = 0; i < d; ++i) mismatches += got[size_t(h * d + i)] != wo[size_t((h * N + t) * d + i)];
+        std::copy(got.begin() + h * d, got.begin() + (h + 1) * d, gen.begin() + (h * N + t) * d);
     }
-    EXPECT_EQ(mismatches, 0) << pol.describe();
+    if (pol.pv == PV::bf16) {
+      EXPECT_EQ(gen, wo) << pol.describe();
+    } else {
+      const double rel = compare(gen, wo).rel_l2;
+      std::printf("pv = mxfp8: generation vs full prefill (V blocks without / with later keys): rel. L2 %.2e\n", rel);
+      EXPECT_GT(rel, 0.0);
+      EXPECT_LT(rel, 0.05);
+    }
   }
 }

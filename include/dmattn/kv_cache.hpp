@@ -2,7 +2,9 @@
 //
 // Storage: pages of 128 tokens (one key tile) x all KV heads. K lives in the page's format: the
 // policy's high format for the most recent `diag_tiles` pages and the first `sink_tiles` pages,
-// the low format otherwise; V in bf16 (pv = bf16). A page that leaves the recent window is
+// the low format otherwise; V in bf16 (pv = bf16) or MXFP8 E4M3 in 32-key blocks per channel
+// (pv = mxfp8: the open block at the end is re-quantized from its retained originals on every
+// append, zero-padded as prefill pads past Nk, so its codes are prefill's). A page that leaves the recent window is
 // re-encoded to the low format from the original K values, which the cache retains (as fp32) only
 // while a page is in the window and not a sink; so every page holds exactly the codes the prefill
 // path computes for that tile from the same inputs (re-encoding from the high format's values
@@ -29,7 +31,7 @@ namespace dmattn {
 class KVCache {
  public:
   // Throws dmattn::Error for what a cache cannot hold: NVFP4 (its tensor scale needs all tokens),
-  // pv = mxfp8 and smooth_k (both depend on tokens not yet appended), head dims unsupported.
+  // smooth_k (K's mean depends on tokens not yet appended), head dims unsupported.
   KVCache(int64_t kv_heads, int64_t head_dim, const Policy& policy);
 
   int new_sequence();                  // an empty sequence's id
@@ -39,7 +41,8 @@ class KVCache {
 
   int64_t length(int seq) const;
   const std::vector<int32_t>& page_table(int seq) const;  // logical page -> physical page
-  // Bytes this sequence holds: K codes and scales, V (bf16), and retained fp32 K of window pages.
+  // Bytes this sequence holds: K codes and scales, V (bf16, or MXFP8 codes and scales), retained
+  // fp32 K of window pages and (pv = mxfp8) the retained fp32 V of the open 32-key block.
   size_t bytes(int seq) const;
   int64_t kv_heads() const { return heads_; }
   int64_t head_dim() const { return d_; }
@@ -49,7 +52,9 @@ class KVCache {
     Format format{};                // K's storage format now
     std::vector<uint8_t> codes;     // [heads][128][code bytes of one row]
     std::vector<uint8_t> scales;    // [heads][128][d / 32]
-    std::vector<uint16_t> v;        // [heads][128][d], bf16 bits
+    std::vector<uint16_t> v;        // pv = bf16: [heads][128][d], bf16 bits
+    std::vector<uint8_t> v8;        // pv = mxfp8: [heads][128][d] E4M3 codes
+    std::vector<uint8_t> vs;        // pv = mxfp8: [heads][128 / 32][d] E8M0 scales of 32-key blocks
     std::vector<float> kept;        // [heads][128][d] original K while re-encoding is ahead; else empty
   };
   const Page& page(int32_t id) const { return pages_[size_t(id)]; }
@@ -63,7 +68,9 @@ class KVCache {
     std::vector<int32_t> table;
     int64_t length = 0;
     bool live = false;
+    std::vector<float> v_tail;  // pv = mxfp8: originals of the open 32-key block, [heads][32][d]
   };
+  void encode_values(Sequence& s, Page& pg, int64_t off, int64_t take, const float* v, int64_t n) const;
   bool high_block(int64_t block, int64_t last_block) const;
   void encode_rows(Page& pg, int64_t h, int64_t row0, int64_t rows, const float* k) const;
   void settle(Sequence& s);  // re-encode pages that left the window

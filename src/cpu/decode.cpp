@@ -47,7 +47,14 @@ PageTiles unpack(const KVCache::Page& pg, int64_t h, int64_t d) {
     for (int64_t c = 0; c < nb; ++c) t.keys.st[size_t(c * T + n)] = decode_e8m0(pg.scales[size_t((h * T + n) * nb + c)]);
   }
   t.values.v.resize(size_t(T * d));
-  for (int64_t i = 0; i < T * d; ++i) t.values.v[size_t(i)] = to_float(bf16{pg.v[size_t(h * T * d + i)]});
+  if (!pg.v.empty()) {  // pv = bf16
+    for (int64_t i = 0; i < T * d; ++i) t.values.v[size_t(i)] = to_float(bf16{pg.v[size_t(h * T * d + i)]});
+    return t;
+  }
+  // pv = mxfp8: element values and the scales of each 32-key block per channel.
+  for (int64_t i = 0; i < T * d; ++i) t.values.v[size_t(i)] = decode_elem(Elem::e4m3, pg.v8[size_t(h * T * d + i)]);
+  t.values.s.resize(size_t(T / 32 * d));
+  for (int64_t i = 0; i < T / 32 * d; ++i) t.values.s[size_t(i)] = decode_e8m0(pg.vs[size_t(h * (T / 32) * d + i)]);
   return t;
 }
 }  // namespace
@@ -110,7 +117,7 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
             const PageTiles& pt = pages[size_t(j)];
             const int slot = pt.format == pol.high ? 0 : 1;
             const int nvalid = int(std::min<int64_t>(T, kend - j * T));
-            cpu::online_tile(qe[slot].data(), qs[slot].data(), pt.keys, 0, pt.values, 0, nvalid, int(d), scale, PV::bf16,
+            cpu::online_tile(qe[slot].data(), qs[slot].data(), pt.keys, 0, pt.values, 0, nvalid, int(d), scale, pol.pv,
                              pol.scale_rule, m[size_t(sp)], l[size_t(sp)], acc.data() + sp * d);
           }
         }

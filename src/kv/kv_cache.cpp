@@ -6,6 +6,7 @@
 
 #include "dmattn/attention.hpp"
 #include "dmattn/error.hpp"
+#include "dmattn/mx_codec.hpp"
 #include "dmattn/numeric.hpp"
 #include "dmattn/quantize.hpp"
 
@@ -25,7 +26,6 @@ KVCache::KVCache(int64_t kv_heads, int64_t head_dim, const Policy& policy)
     if (!fi.has_codes || fi.block != 32)
       throw Error("KVCache: stores MX 32-block formats (mxfp8-*, mxfp6-*, mxfp4), not " + std::string(fi.name));
   }
-  if (policy.pv != PV::bf16) throw Error("KVCache: pv = mxfp8 is not supported (V blocks span future tokens)");
   if (policy.smooth_k) throw Error("KVCache: smooth_k is not supported (K's mean changes with every token)");
   if (policy.diag_tiles < 0 || policy.sink_tiles < 0) throw Error("KVCache: diag_tiles and sink_tiles must be >= 0");
 }
@@ -40,10 +40,10 @@ const KVCache::Sequence& KVCache::seq(int id) const { return const_cast<KVCache*
 int KVCache::new_sequence() {
   for (size_t i = 0; i < seqs_.size(); ++i)
     if (!seqs_[i].live) {
-      seqs_[i] = Sequence{{}, 0, true};
+      seqs_[i] = Sequence{{}, 0, true, {}};
       return int(i);
     }
-  seqs_.push_back(Sequence{{}, 0, true});
+  seqs_.push_back(Sequence{{}, 0, true, {}});
   return int(seqs_.size() - 1);
 }
 
@@ -63,9 +63,10 @@ size_t KVCache::bytes(int id) const {
   size_t n = 0;
   for (int32_t p : seq(id).table) {
     const Page& pg = pages_[size_t(p)];
-    n += pg.codes.size() + pg.scales.size() + pg.v.size() * sizeof(uint16_t) + pg.kept.size() * sizeof(float);
+    n += pg.codes.size() + pg.scales.size() + pg.v.size() * sizeof(uint16_t) + pg.v8.size() + pg.vs.size() +
+         pg.kept.size() * sizeof(float);
   }
-  return n;
+  return n + seq(id).v_tail.size() * sizeof(float);
 }
 
 // The decode alignment of DESIGN §3: page j is high while it is one of the diag_tiles pages ending at
@@ -113,6 +114,35 @@ void KVCache::settle(Sequence& s) {
   }
 }
 
+// pv = mxfp8: tokens off..off+take-1 of page pg arrive (v: [heads][n][d], rows of this chunk first);
+// every 32-key block they touch is quantized again per channel from its originals (the open block's
+// earlier tokens from s.v_tail), zero-padded past the last token as prefill pads past Nk.
+void KVCache::encode_values(Sequence& s, Page& pg, int64_t off, int64_t take, const float* v, int64_t n) const {
+  constexpr int64_t kB = 32;
+  const int64_t end = off + take;
+  if (s.v_tail.empty()) s.v_tail.assign(size_t(heads_ * kB * d_), 0.0f);
+  float col[kB];
+  uint8_t codes[kB];
+  for (int64_t b = off / kB; b * kB < end; ++b) {
+    // The block's originals, [heads][32][d]: the tail holds its tokens before off.
+    std::vector<float> blk(size_t(heads_ * kB * d_), 0.0f);
+    for (int64_t h = 0; h < heads_; ++h)
+      for (int64_t t = b * kB; t < std::min(end, (b + 1) * kB); ++t) {
+        const float* src = t < off ? s.v_tail.data() + (h * kB + t % kB) * d_ : v + (h * n + (t - off)) * d_;
+        std::copy(src, src + d_, blk.begin() + (h * kB + t % kB) * d_);
+      }
+    for (int64_t h = 0; h < heads_; ++h)
+      for (int64_t c = 0; c < d_; ++c) {
+        for (int64_t t = 0; t < kB; ++t) col[t] = blk[size_t((h * kB + t) * d_ + c)];
+        const uint8_t sc = quantize_mx_block(col, int(kB), Elem::e4m3, policy_.scale_rule, codes);
+        for (int64_t t = 0; t < kB; ++t) pg.v8[size_t((h * T + b * kB + t) * d_ + c)] = codes[t];
+        pg.vs[size_t((h * (T / kB) + b) * d_ + c)] = sc;
+      }
+    s.v_tail = blk;  // the last block touched is the open one (or complete: then it is not read again)
+  }
+  if (end % kB == 0) s.v_tail.clear();
+}
+
 void KVCache::append(int id, const TensorView& k, const TensorView& v) {
   Sequence& s = seq(id);
   for (const TensorView* t : {&k, &v}) {
@@ -146,7 +176,12 @@ void KVCache::append(int id, const TensorView& k, const TensorView& v) {
       pg.format = high_block(block, block) ? policy_.high : policy_.low;
       pg.codes.assign(size_t(heads_ * T * code_bytes(pg.format, d_)), 0);
       pg.scales.assign(size_t(heads_ * T * (d_ / 32)), 0);
-      pg.v.assign(size_t(heads_ * T * d_), 0);
+      if (policy_.pv == PV::bf16) {
+        pg.v.assign(size_t(heads_ * T * d_), 0);
+      } else {
+        pg.v8.assign(size_t(heads_ * T * d_), 0);
+        pg.vs.assign(size_t(heads_ * (T / 32) * d_), 0);
+      }
       // Originals are kept only where a later re-encoding will need them.
       if (pg.format != policy_.low && block >= policy_.sink_tiles) pg.kept.assign(size_t(heads_ * T * d_), 0.0f);
       s.table.push_back(id_page);
@@ -155,10 +190,12 @@ void KVCache::append(int id, const TensorView& k, const TensorView& v) {
     for (int64_t h = 0; h < heads_; ++h) {
       const float* kr = kall.data() + (h * n + t0) * d_;
       const float* vr = vall.data() + (h * n + t0) * d_;
-      for (int64_t i = 0; i < take * d_; ++i) pg.v[size_t((h * T + off) * d_ + i)] = to_bf16(vr[i]).bits;
+      if (policy_.pv == PV::bf16)
+        for (int64_t i = 0; i < take * d_; ++i) pg.v[size_t((h * T + off) * d_ + i)] = to_bf16(vr[i]).bits;
       encode_rows(pg, h, off, take, kr);
       if (!pg.kept.empty()) std::copy(kr, kr + take * d_, pg.kept.begin() + (h * T + off) * d_);
     }
+    if (policy_.pv == PV::mxfp8) encode_values(s, pg, off, take, vall.data() + t0 * d_, n);
     s.length += take;
     t0 += take;
     settle(s);
