@@ -1,5 +1,7 @@
 """dmattn.ring_attention over a real torch.distributed process group (gloo, CPU, 2 and 4 processes)
 against single-process attention on the whole sequence."""
+import os
+
 import numpy as np
 import pytest
 
@@ -11,6 +13,7 @@ import dmattn  # noqa: E402
 from conftest import llm_like  # noqa: E402
 
 N, HQ, HKV, D = 1024, 4, 2, 64
+os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # loopback: no dependence on the host name resolving
 
 
 def full_inputs():
