@@ -26,6 +26,7 @@ if [ "${QUICK:-0}" = 1 ]; then  # correctness of the GPU tests + the main benchm
       --gtest_filter=GpuPrefill.MatchesCpuOracleWhereScalesDoNotFold >"$OUT/sanitizer_$tool.log" 2>&1
     echo "sanitizer $tool rc=$? $(grep -m1 SUMMARY "$OUT/sanitizer_$tool.log")"
   done
+  $B/bench/bench_quantize_cuda 2>&1 | tee "$OUT/bench_quantize.txt" | tail -4
   PYTHONUNBUFFERED=1 python3 bench/compare_sdpa.py $B "$OUT" 16384 2>&1 | tee "$OUT/compare_sdpa.txt" | tail -16
   if [ "${PROFILE:-0}" = 1 ]; then  # where the prefill kernel's time goes (one launch, N=8192)
     ncu --kernel-name regex:prefill_kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight --section WarpStateStats \
@@ -49,6 +50,7 @@ done
 
 $B/bench/bench_quantize_cuda >"$OUT/bench_quantize.txt" 2>&1
 row[quantize_bw]=$(grep "mxfp8-e4m3 + mxfp4" "$OUT/bench_quantize.txt" || echo FAILED)
+row[quantize_prepass]=$(grep "pre-pass K" "$OUT/bench_quantize.txt" || echo FAILED)
 row[copy_bw]=$(grep "device copy" "$OUT/bench_quantize.txt" || echo FAILED)
 
 $B/dmattn demo --n 4096 >"$OUT/demo.txt" 2>&1
@@ -56,7 +58,7 @@ row[demo_cpu]=$(grep -m1 "DMA diag=1 sinks=0" "$OUT/demo.txt" || echo FAILED)
 
 echo
 echo "== dmattn device summary ($(cat "$OUT/gpu.txt")) =="
-for k in build ctest_all ctest_gpu sanitizer_memcheck sanitizer_racecheck copy_bw quantize_bw demo_cpu; do
+for k in build ctest_all ctest_gpu sanitizer_memcheck sanitizer_racecheck copy_bw quantize_bw quantize_prepass demo_cpu; do
   printf "%-20s %s\n" "$k" "${row[$k]}"
 done
 
