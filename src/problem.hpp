@@ -2,10 +2,13 @@
 #pragma once
 #include <algorithm>
 
+#include <vector>
+
 #include "dmattn/attention.hpp"
-#include "dmattn/kv_cache.hpp"
 
 namespace dmattn {
+
+class KVCache;
 
 struct Problem {
   TensorView q, k, v, out;

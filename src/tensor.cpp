@@ -33,18 +33,6 @@ std::string shape_str(const Shape& s) {
          std::to_string(s[3]) + "]";
 }
 
-namespace {
-// Calls f with the view's data pointer typed by its dtype.
-template <class F>
-void with_typed(const TensorView& t, F&& f) {
-  switch (t.dtype) {
-    case DType::f32: return f(static_cast<float*>(t.data));
-    case DType::f16: return f(static_cast<fp16*>(t.data));
-    case DType::bf16: return f(static_cast<bf16*>(t.data));
-  }
-}
-}  // namespace
-
 void load_row(const TensorView& t, int64_t b, int64_t h, int64_t n, float* dst) {
   const int64_t d = t.shape[3], base = t.offset(b, h, n, 0), s = t.stride[3];
   with_typed(t, [&](auto* p) {

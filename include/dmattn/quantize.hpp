@@ -24,6 +24,11 @@ struct Quantized {
 
 // Throws dmattn::Error for bf16 (no codes) and for non-finite tensor amax with NVFP4.
 Quantized quantize(const float* x, int64_t rows, int64_t cols, Format f, ScaleRule rule);
+
+// Element c of one row's codes: E2M1 packed two per byte (low nibble first), others one per byte.
+inline uint8_t element_code(const uint8_t* row, int64_t c, bool packed) {
+  return packed ? uint8_t((row[c / 2] >> (4 * (c % 2))) & 0xF) : row[c];
+}
 std::vector<float> dequantize(const Quantized& q);
 
 // Largest |x| over n values (the NVFP4 tensor scale's input).

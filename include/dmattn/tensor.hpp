@@ -7,6 +7,8 @@
 #include <string_view>
 #include <vector>
 
+#include "dmattn/numeric.hpp"
+
 namespace dmattn {
 
 enum class DType : uint8_t { f32, f16, bf16 };
@@ -32,6 +34,18 @@ struct TensorView {
 };
 
 std::string shape_str(const Shape& s);
+
+// Calls f with the view's data pointer typed by its dtype (float*, fp16* or bf16*): the one place
+// a dtype becomes a C++ type, for loops and kernel launches alike.
+template <class F>
+decltype(auto) with_typed(const TensorView& t, F&& f) {
+  switch (t.dtype) {
+    case DType::f16: return f(static_cast<fp16*>(t.data));
+    case DType::bf16: return f(static_cast<bf16*>(t.data));
+    case DType::f32: break;
+  }
+  return f(static_cast<float*>(t.data));
+}
 
 // Rows [n0, n0 + n) of the third axis (tokens) of a [B, H, N, d] view: a view, no copy.
 TensorView slice_tokens(const TensorView& t, int64_t n0, int64_t n);

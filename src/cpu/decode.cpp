@@ -4,7 +4,6 @@
 // pages of each split in ascending order, and the splits merge by LSE.
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <string>
 
 #include "cpu/parallel.hpp"
@@ -19,7 +18,6 @@
 namespace dmattn {
 namespace {
 constexpr int64_t T = kTile;
-constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
 // One page of one head in the engine's compute form (a single key tile).
 struct PageTiles {
@@ -40,10 +38,7 @@ PageTiles unpack(const KVCache::Page& pg, int64_t h, int64_t d) {
   t.keys.st.assign(size_t(nb * T), 0.0f);
   for (int64_t n = 0; n < T; ++n) {
     const uint8_t* codes = pg.codes.data() + (h * T + n) * cb;
-    for (int64_t k = 0; k < d; ++k) {
-      const uint8_t c = packed ? uint8_t((codes[k / 2] >> (4 * (k % 2))) & 0xF) : codes[k];
-      t.keys.kt[size_t(k * T + n)] = decode_elem(fi.elem, c);
-    }
+    for (int64_t k = 0; k < d; ++k) t.keys.kt[size_t(k * T + n)] = decode_elem(fi.elem, element_code(codes, k, packed));
     for (int64_t c = 0; c < nb; ++c) t.keys.st[size_t(c * T + n)] = decode_e8m0(pg.scales[size_t((h * T + n) * nb + c)]);
   }
   t.values.v.resize(size_t(T * d));
@@ -91,14 +86,12 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
     for (int32_t p : table) pages.push_back(unpack(cache.page(p), hk, d));
     const int64_t np = int64_t(pages.size());
     const int64_t splits = std::min<int64_t>(opts.splits, np);
-    std::vector<float> qf(static_cast<size_t>(d)), qe[2], qs[2], acc(static_cast<size_t>(splits * d)),
-        o(static_cast<size_t>(d));
+    std::vector<float> qf(static_cast<size_t>(d)), qe[2], qs[2];
     const Format fmt[2] = {pol.high, pol.low};
     for (int s = 0; s < 2; ++s) {
       qe[s].resize(size_t(d));
       qs[s].resize(size_t(d / 32));
     }
-    std::vector<float> m(static_cast<size_t>(splits)), l(static_cast<size_t>(splits));
     for (int64_t g = 0; g < group; ++g) {
       const int64_t h = hk * group + g;
       for (int64_t r = 0; r < Nq; ++r) {
@@ -108,35 +101,26 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
         for (int s = 0; s < 2; ++s)
           quantize_row_values(qf.data(), int(d), fmt[s], pol.scale_rule, 1.0f, qe[s].data(), qs[s].data());
         const int64_t kend = L - Nq + r + 1;  // causal, bottom-right
-        std::fill(m.begin(), m.end(), kNegInf);
-        std::fill(l.begin(), l.end(), 0.0f);
-        std::fill(acc.begin(), acc.end(), 0.0f);
+        // Each split's pages in ascending order, then the LSE merge of the splits in order (one
+        // split passes through unchanged: prefill's arithmetic exactly).
+        cpu::Partial total{int(d)};
         for (int64_t sp = 0; sp < splits; ++sp) {
+          cpu::Partial part{int(d)};
           for (int64_t j = sp * np / splits; j < (sp + 1) * np / splits; ++j) {
             if (j * T >= kend) break;
             const PageTiles& pt = pages[size_t(j)];
             const int slot = pt.format == pol.high ? 0 : 1;
             const int nvalid = int(std::min<int64_t>(T, kend - j * T));
             cpu::online_tile(qe[slot].data(), qs[slot].data(), pt.keys, 0, pt.values, 0, nvalid, int(d), scale, pol.pv,
-                             pol.scale_rule, m[size_t(sp)], l[size_t(sp)], acc.data() + sp * d);
+                             pol.scale_rule, part.m, part.l, part.acc.data());
           }
+          cpu::merge(total, part);
         }
-        // LSE merge; one split reduces to prefill's out = acc / l exactly (its factor is exp(0) = 1).
-        float M = kNegInf;
-        for (float x : m) M = std::max(M, x);
-        float lsum = 0.0f;
-        std::fill(o.begin(), o.end(), 0.0f);
-        for (int64_t sp = 0; sp < splits; ++sp) {
-          if (m[size_t(sp)] == kNegInf) continue;
-          const float w = std::exp(m[size_t(sp)] - M);
-          lsum += l[size_t(sp)] * w;
-          for (int64_t i = 0; i < d; ++i) o[size_t(i)] += acc[size_t(sp * d + i)] * w;
-        }
-        if (!(std::isfinite(M) && std::isfinite(lsum) && lsum > 0.0f))
+        if (!(std::isfinite(total.m) && std::isfinite(total.l) && total.l > 0.0f))
           throw Error("decode_attention: scores overflow fp32 (sequence " + std::to_string(seqs[size_t(si)]) + ")");
-        for (float& x : o) x /= lsum;
-        store_row(out, si, h, r, o.data());
-        if (lse) lse[(si * Hq + h) * Nq + r] = M + std::log(lsum);
+        for (float& x : total.acc) x /= total.l;
+        store_row(out, si, h, r, total.acc.data());
+        if (lse) lse[(si * Hq + h) * Nq + r] = total.m + std::log(total.l);
       }
     }
   });

@@ -19,24 +19,6 @@ namespace {
 constexpr int64_t T = kTile;
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-// One row's unnormalised partial result: running max, sum and P.V.
-struct Partial {
-  float m = kNegInf, l = 0.0f;
-  std::vector<float> acc;
-};
-
-// a <- merge(a, b) by LSE.
-void merge(Partial& a, const Partial& b) {
-  if (b.m == kNegInf) return;
-  if (a.m == kNegInf) {
-    a = b;
-    return;
-  }
-  const float M = std::max(a.m, b.m), wa = std::exp(a.m - M), wb = std::exp(b.m - M);
-  a.l = a.l * wa + b.l * wb;
-  for (size_t i = 0; i < a.acc.size(); ++i) a.acc[i] = a.acc[i] * wa + b.acc[i] * wb;
-  a.m = M;
-}
 }  // namespace
 
 RingPlan RingPlan::make(int64_t n, int ranks, Sharding sharding) {
@@ -103,12 +85,10 @@ void ring_attention_simulated(const TensorView& q, const TensorView& k, const Te
             load_row(p.q, b, h, pos, qf.data());
             for (int s = 0; s < nslots; ++s)
               quantize_row_values(qf.data(), d, fmt[s], p.policy.scale_rule, 1.0f, qe[s].data(), qs[s].data());
-            Partial total;
-            total.acc.assign(size_t(d), 0.0f);
+            cpu::Partial total(d);
             for (int step = 0; step < R; ++step) {  // the shards in the order the ring delivers them
               const int src = plan.kv_source(r, step);
-              Partial part;
-              part.acc.assign(size_t(d), 0.0f);
+              cpu::Partial part(d);
               const std::vector<int64_t> kchunks = plan.chunks_of(src);
               for (size_t c = 0; c < kchunks.size(); ++c)
                 for (int64_t t = 0; t < plan.chunk / T; ++t) {
@@ -122,7 +102,7 @@ void ring_attention_simulated(const TensorView& q, const TensorView& k, const Te
                                    nvalid, d, p.scale, p.policy.pv, p.policy.scale_rule, part.m, part.l,
                                    part.acc.data());
                 }
-              merge(total, part);
+              cpu::merge(total, part);
             }
             for (float& x : total.acc) x = total.l > 0.0f ? x / total.l : 0.0f;
             store_row(p.out, b, h, pos, total.acc.data());

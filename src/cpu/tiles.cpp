@@ -128,4 +128,17 @@ void online_tile(const float* qe, const float* qs, const KeyTiles& K, int64_t kt
   accumulate_pv(pr, nvalid, V, vtile, d, pv, rule, acc);
 }
 
+void merge(Partial& a, const Partial& b) {
+  constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  if (b.m == kNegInf) return;
+  if (a.m == kNegInf) {
+    a = b;
+    return;
+  }
+  const float M = std::max(a.m, b.m), wa = std::exp(a.m - M), wb = std::exp(b.m - M);
+  a.l = a.l * wa + b.l * wb;
+  for (size_t i = 0; i < a.acc.size(); ++i) a.acc[i] = a.acc[i] * wa + b.acc[i] * wb;
+  a.m = M;
+}
+
 }  // namespace dmattn::cpu

@@ -2,6 +2,7 @@
 // (decode.cpp): keys and values of one (batch, kv head) in compute form, and the online-softmax step
 // of one query row over one 128-key tile. One implementation, so decode and prefill round alike.
 #pragma once
+#include <limits>
 #include <vector>
 
 #include "dmattn/format.hpp"
@@ -36,5 +37,17 @@ ValueRows prepare_values(const std::vector<float>& vf, int64_t nk, int d, PV pv,
 // m, sum l and unnormalised output acc[d] (tiles must come in ascending key order).
 void online_tile(const float* qe, const float* qs, const KeyTiles& K, int64_t ktile, const ValueRows& V,
                  int64_t vtile, int nvalid, int d, float scale, PV pv, ScaleRule rule, float& m, float& l, float* acc);
+
+// One row's unnormalised partial result over some of its keys (split-KV, ring steps): running
+// max m, sum l and P.V acc[d]; m = -inf while it has seen no key.
+struct Partial {
+  float m = -std::numeric_limits<float>::infinity(), l = 0.0f;
+  std::vector<float> acc;
+  explicit Partial(int d) : acc(static_cast<size_t>(d), 0.0f) {}
+};
+
+// a <- the LSE merge of a and b. Merging into an empty partial copies, so one partial passes
+// through unchanged (a single split or ring step reproduces the single pass bit for bit).
+void merge(Partial& a, const Partial& b);
 
 }  // namespace dmattn::cpu

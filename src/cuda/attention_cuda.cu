@@ -6,6 +6,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "cuda/buffers.hpp"
 #include "cuda/prefill.cuh"
 #include "cuda/quantize.hpp"
 #include "dmattn/error.hpp"
@@ -15,26 +16,6 @@
 namespace dmattn {
 namespace cuda {
 namespace {
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw Error(std::string(what) + ": " + cudaGetErrorString(e));
-}
-
-// Device buffers on one stream, freed on scope exit (also when an error unwinds).
-struct Buffers {
-  cudaStream_t stream = nullptr;
-  std::vector<void*> ptrs;
-  template <class T>
-  T* alloc(size_t bytes) {
-    void* p = nullptr;
-    check(cudaMallocAsync(&p, bytes ? bytes : 1, stream), "cudaMallocAsync");  // stream-ordered pool: cheap
-    ptrs.push_back(p);
-    return static_cast<T*>(p);
-  }
-  ~Buffers() {
-    for (void* p : ptrs) cudaFreeAsync(p, stream);
-  }
-};
 
 // Flags a non-finite value in a [B,H,N,d] view. Contiguous views skip the index arithmetic (64-bit
 // divisions dominate otherwise).
@@ -83,30 +64,23 @@ __global__ void transpose_v_kernel(const T* v, Shape shape, Shape stride, int64_
 void scan(const TensorView& t, int* flag, cudaStream_t stream) {
   const unsigned blocks = 1024;
   const bool contiguous = t.stride == TensorView::contiguous(nullptr, t.dtype, t.shape).stride;
-  auto run = [&](auto* typed) {
-    using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
+  with_typed(t, [&](auto* typed) {
+    using T = std::remove_pointer_t<decltype(typed)>;
     if (contiguous)
       scan_kernel<T, true><<<blocks, 256, 0, stream>>>(typed, t.shape, t.stride, flag);
     else
       scan_kernel<T, false><<<blocks, 256, 0, stream>>>(typed, t.shape, t.stride, flag);
-  };
-  switch (t.dtype) {
-    case DType::f32: run(static_cast<const float*>(t.data)); break;
-    case DType::f16: run(static_cast<const fp16*>(t.data)); break;
-    case DType::bf16: run(static_cast<const bf16*>(t.data)); break;
-  }
+  });
   check(cudaGetLastError(), "scan kernel");
 }
 
 // V^T in bf16 for the PV tensor-core operand; flags non-finite values like scan().
 void transpose_v(const TensorView& v, int64_t ldv, uint16_t* vt, int* flag, cudaStream_t stream) {
   const dim3 grid(unsigned(ldv / 32), unsigned(v.shape[3] / 32), unsigned(v.shape[0] * v.shape[1]));
-  auto run = [&](auto* typed) { transpose_v_kernel<<<grid, dim3(32, 8), 0, stream>>>(typed, v.shape, v.stride, ldv, vt, flag); };
-  switch (v.dtype) {
-    case DType::f32: run(static_cast<const float*>(v.data)); break;
-    case DType::f16: run(static_cast<const fp16*>(v.data)); break;
-    case DType::bf16: run(static_cast<const bf16*>(v.data)); break;
-  }
+  with_typed(v, [&](auto* typed) {
+    using T = std::remove_pointer_t<decltype(typed)>;
+    transpose_v_kernel<T><<<grid, dim3(32, 8), 0, stream>>>(typed, v.shape, v.stride, ldv, vt, flag);
+  });
   check(cudaGetLastError(), "transpose kernel");
 }
 
@@ -151,7 +125,7 @@ void require_supported(const Problem& p) {
 void dma_attention(const Problem& p) {
   require_supported(p);
   const cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
-  Buffers buf{stream};
+  Buffers buf(stream);
   int* flags = buf.alloc<int>(3 * sizeof(int));
   check(cudaMemsetAsync(flags, 0, 3 * sizeof(int), stream), "cudaMemset");
   const int64_t d = p.d, nb = d / 32;
@@ -226,12 +200,10 @@ double attention_on_device(const TensorView& q, const TensorView& k, const Tenso
   cuda::Buffers buf;
   auto stage = [&](const TensorView& t) {
     if (t.device != Device::cpu) throw Error("attention_on_device takes host tensors");
-    const size_t bytes = size_t(t.numel()) * dtype_size(t.dtype);
-    void* d = buf.alloc<void>(bytes);
     // Host tensors reach here contiguous (HostTensor views); a strided host view is an error.
     if (t.stride != TensorView::contiguous(nullptr, t.dtype, t.shape).stride)
       throw Error("attention_on_device needs contiguous host tensors");
-    cuda::check(cudaMemcpy(d, t.data, bytes, cudaMemcpyHostToDevice), "copy to device");
+    std::byte* d = buf.upload(static_cast<const std::byte*>(t.data), size_t(t.numel()) * dtype_size(t.dtype));
     return TensorView::contiguous(d, t.dtype, t.shape, Device::cuda);
   };
   const TensorView dq = stage(q), dk = stage(k), dv = stage(v), dout = stage(out);

@@ -10,7 +10,9 @@
 #include <string>
 #include <vector>
 
+#include "cuda/buffers.hpp"
 #include "cuda/quantize.hpp"
+#include "dmattn/quantize.hpp"
 #include "problem.hpp"
 #include "dmattn/error.hpp"
 #include "dmattn/kv_cache.hpp"
@@ -21,10 +23,6 @@ namespace dmattn::cuda {
 namespace {
 
 constexpr int T = kTile;
-
-void check(cudaError_t e, const char* what) {
-  if (e != cudaSuccess) throw Error(std::string("decode: ") + what + ": " + cudaGetErrorString(e));
-}
 
 struct DecodeParams {
   const uint8_t* k8;         // [pages][Hkv][T][d] FP8 bytes
@@ -126,7 +124,8 @@ __global__ void decode_rows(const DecodeParams p) {
   }
 }
 
-// One thread per (row, column): the splits merged by LSE, as the CPU oracle merges them.
+// One thread per (row, column): the splits merged by LSE in one pass over their maxima (the CPU
+// oracle folds them pairwise; the two agree to fp32 rounding).
 template <class TOut>
 __global__ void merge_splits(const float* part, int64_t rows, int splits, int d, TOut* out, int64_t osb, int64_t osh,
                              int64_t osn, int Hq, int Nq, float* lse) {
@@ -175,53 +174,38 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
       const FormatInfo fi = format_info(pg.format);
       const Elem to = pg.format == Format::mxfp8_e5m2 ? Elem::e5m2 : Elem::e4m3;
       const bool packed = fi.elem == Elem::e2m1;
+      const int64_t row_bytes = packed ? d / 2 : d;
       table[size_t(i * max_pages) + j] = int32_t(slot.size());
       slot.push_back(pg.format == pol.high ? 0 : 1);
       for (int64_t rr = 0; rr < Hkv * T; ++rr)
-        for (int64_t k = 0; k < d; ++k) {
-          const uint8_t c = packed ? uint8_t((pg.codes[size_t(rr * d / 2 + k / 2)] >> (4 * (k % 2))) & 0xF)
-                                   : pg.codes[size_t(rr * d + k)];
-          k8.push_back(encode_elem(to, decode_elem(fi.elem, c)));
-        }
+        for (int64_t k = 0; k < d; ++k)
+          k8.push_back(encode_elem(to, decode_elem(fi.elem, element_code(pg.codes.data() + rr * row_bytes, k, packed))));
       ks.insert(ks.end(), pg.scales.begin(), pg.scales.end());
       v.insert(v.end(), pg.v.begin(), pg.v.end());
     }
   }
-  std::vector<void*> bufs;
-  auto up = [&](const void* src, size_t bytes) -> void* {
-    void* p = nullptr;
-    check(cudaMalloc(&p, bytes ? bytes : 1), "cudaMalloc");
-    bufs.push_back(p);
-    if (src && bytes) check(cudaMemcpy(p, src, bytes, cudaMemcpyHostToDevice), "upload");  // null src: scratch
-    return p;
-  };
-  struct Free {
-    std::vector<void*>& b;
-    ~Free() {
-      for (void* p : b) cudaFree(p);
-    }
-  } free_all{bufs};
+  Buffers buf;  // default stream
   DecodeParams p{};
-  p.k8 = static_cast<const uint8_t*>(up(k8.data(), k8.size()));
-  p.ks = static_cast<const uint8_t*>(up(ks.data(), ks.size()));
-  p.v = static_cast<const uint16_t*>(up(v.data(), v.size() * 2));
-  p.page_slot = static_cast<const uint8_t*>(up(slot.data(), slot.size()));
-  p.table = static_cast<const int32_t*>(up(table.data(), table.size() * 4));
-  p.length = static_cast<const int64_t*>(up(length.data(), length.size() * 8));
+  p.k8 = buf.upload(k8.data(), k8.size());
+  p.ks = buf.upload(ks.data(), ks.size());
+  p.v = buf.upload(v.data(), v.size());
+  p.page_slot = buf.upload(slot.data(), slot.size());
+  p.table = buf.upload(table.data(), table.size());
+  p.length = buf.upload(length.data(), length.size());
   p.max_pages = max_pages;
   const int64_t rows = S * Hq * Nq;
   const Format fmt[2] = {pol.high, pol.low};
   for (int s = 0; s < 2; ++s) {
-    uint8_t* q8 = static_cast<uint8_t*>(up(nullptr, size_t(rows * d)));
-    uint8_t* qs = static_cast<uint8_t*>(up(nullptr, size_t(rows * nb)));
+    uint8_t* q8 = buf.alloc<uint8_t>(size_t(rows * d));
+    uint8_t* qs = buf.alloc<uint8_t>(size_t(rows * nb));
     quantize_rows(q, pol.scale_rule, QuantTarget{fmt[s], q8, qs, true}, QuantTarget{}, nullptr);
     p.q8[s] = q8;
     p.qs[s] = qs;
     p.e5m2[s] = mma_elem(fmt[s]) == Elem::e5m2;
   }
-  p.part = static_cast<float*>(up(nullptr, size_t(rows * splits * (d + 2)) * 4));
-  int zero = 0;
-  p.bad = static_cast<int*>(up(&zero, 4));
+  p.part = buf.alloc<float>(size_t(rows * splits * (d + 2)) * sizeof(float));
+  const int zero = 0;
+  p.bad = buf.upload(&zero, 1);
   p.S = int(S);
   p.Hq = int(Hq);
   p.Hkv = int(Hkv);
@@ -235,18 +219,13 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
     decode_rows<128><<<blocks, 128>>>(p);
   check(cudaGetLastError(), "decode kernel");
   const unsigned mblocks = unsigned((rows * d + 255) / 256);
-  auto merge = [&](auto* typed) {
+  with_typed(out, [&](auto* typed) {
     merge_splits<<<mblocks, 256>>>(p.part, rows, splits, int(d), typed, out.stride[0], out.stride[1], out.stride[2],
                                    int(Hq), int(Nq), lse);
-  };
-  switch (out.dtype) {
-    case DType::f32: merge(static_cast<float*>(out.data)); break;
-    case DType::f16: merge(static_cast<fp16*>(out.data)); break;
-    case DType::bf16: merge(static_cast<bf16*>(out.data)); break;
-  }
+  });
   check(cudaGetLastError(), "merge kernel");
   int bad = 0;
-  check(cudaMemcpy(&bad, p.bad, 4, cudaMemcpyDeviceToHost), "decode");
+  check(cudaMemcpy(&bad, p.bad, sizeof bad, cudaMemcpyDeviceToHost), "decode");
   if (bad) throw Error("decode_attention: q holds a non-finite value");
 }
 

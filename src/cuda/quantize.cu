@@ -137,19 +137,21 @@ void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first
   if (x.shape[3] % kBlock != 0) throw Error("quantize_rows: d must be a multiple of 32");
   if (x.stride[3] != 1) throw Error("quantize_rows: the last axis must have unit stride");
   const int targets = second.codes ? 2 : 1;
+  // Folding and row scales combine a row's blocks with lane shuffles: d/32 a power of two <= 8.
+  const int64_t nblk = x.shape[3] / kBlock;
+  const bool row_in_lanes = (nblk & (nblk - 1)) == 0 && nblk <= 8;
   for (const QuantTarget* t : {&first, &second}) {
     if (t == &second && targets == 1) break;
     const FormatInfo fi = format_info(t->format);
     if (!fi.has_codes || fi.block != kBlock)
       throw Error("quantize_rows: format " + std::string(fi.name) + " is not an MX 32-block format");
     if (!t->codes || !t->scales) throw Error("quantize_rows: missing output buffers");
-    if (t->row_scale && (!t->tile_uniform || t->row_pad < x.shape[2] || t->row_pad % 128 != 0 ||
-                         (x.shape[3] / kBlock) & (x.shape[3] / kBlock - 1) || x.shape[3] > 8 * kBlock))
+    if (t->row_scale && (!t->tile_uniform || t->row_pad < x.shape[2] || t->row_pad % 128 != 0 || !row_in_lanes))
       throw Error("quantize_rows: row scales need tile flags, row_pad >= N (a multiple of 128) and d/32 a power of two <= 8");
-    if (t->fold && (!t->fp8_bytes || (x.shape[3] / kBlock) & (x.shape[3] / kBlock - 1) || x.shape[3] > 8 * kBlock))
+    if (t->fold && (!t->fp8_bytes || !row_in_lanes))
       throw Error("quantize_rows: folding needs the FP8-byte form and d/32 a power of two <= 8");
   }
-  Geometry g{x.shape[1], x.shape[2], x.shape[3] / kBlock, x.stride[0], x.stride[1], x.stride[2]};
+  Geometry g{x.shape[1], x.shape[2], nblk, x.stride[0], x.stride[1], x.stride[2]};
   const int64_t nblocks = x.shape[0] * x.shape[1] * x.shape[2] * g.nblk;
   if (nblocks == 0) return;
   const int threads = 256;
@@ -158,8 +160,8 @@ void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first
   const size_t es = dtype_size(x.dtype);
   const bool vec = reinterpret_cast<uintptr_t>(x.data) % 16 == 0 && (g.sb * es) % 16 == 0 && (g.sh * es) % 16 == 0 &&
                    (g.sn * es) % 16 == 0;
-  auto run = [&](auto* typed) {
-    using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
+  with_typed(x, [&](auto* typed) {
+    using T = std::remove_pointer_t<decltype(typed)>;
     const bool small = nblocks * 4 + threads < (int64_t(1) << 32);
     if (vec && small)
       quantize_rows_kernel<T, true, uint32_t><<<grid, threads, 0, stream>>>(typed, g, nblocks, rule, first, second, e0, e1, targets);
@@ -167,12 +169,7 @@ void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first
       quantize_rows_kernel<T, false, uint32_t><<<grid, threads, 0, stream>>>(typed, g, nblocks, rule, first, second, e0, e1, targets);
     else
       quantize_rows_kernel<T, false, int64_t><<<grid, threads, 0, stream>>>(typed, g, nblocks, rule, first, second, e0, e1, targets);
-  };
-  switch (x.dtype) {
-    case DType::f32: run(static_cast<const float*>(x.data)); break;
-    case DType::f16: run(static_cast<const fp16*>(x.data)); break;
-    case DType::bf16: run(static_cast<const bf16*>(x.data)); break;
-  }
+  });
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw Error(std::string("quantize_rows: launch failed: ") + cudaGetErrorString(err));
 }

@@ -120,8 +120,7 @@ std::vector<float> dequantize(const Quantized& q) {
   std::vector<float> out(size_t(q.rows * q.cols));
   for (int64_t r = 0; r < q.rows; ++r) {
     for (int64_t c = 0; c < q.cols; ++c) {
-      const uint8_t byte = q.codes[size_t(r * cc + (pack ? c / 2 : c))];
-      const uint8_t code = pack ? uint8_t((byte >> (4 * (c % 2))) & 0xF) : byte;
+      const uint8_t code = element_code(q.codes.data() + r * cc, c, pack);
       const float s = block_scale_value(q.format, q.scales[size_t(r * sc + c / fi.block)], q.tensor_scale);
       out[size_t(r * q.cols + c)] = decode_elem(fi.elem, code) * s;
     }

@@ -1,0 +1,43 @@
+// Host-side helpers of the CUDA backend: error checks and stream-ordered device buffers freed on
+// scope exit (also when an error unwinds).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <string>
+#include <vector>
+
+#include "dmattn/error.hpp"
+
+namespace dmattn::cuda {
+
+inline void check(cudaError_t e, const char* what) {
+  if (e != cudaSuccess) throw Error(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+struct Buffers {
+  cudaStream_t stream = nullptr;
+  std::vector<void*> ptrs;
+  template <class T>
+  T* alloc(size_t bytes) {
+    void* p = nullptr;
+    check(cudaMallocAsync(&p, bytes ? bytes : 1, stream), "cudaMallocAsync");  // stream-ordered pool: cheap
+    ptrs.push_back(p);
+    return static_cast<T*>(p);
+  }
+  // A device copy of n host elements.
+  template <class T>
+  T* upload(const T* src, size_t n) {
+    T* p = alloc<T>(n * sizeof(T));
+    if (n) check(cudaMemcpyAsync(p, src, n * sizeof(T), cudaMemcpyHostToDevice, stream), "upload");
+    return p;
+  }
+  Buffers() = default;
+  explicit Buffers(cudaStream_t s) : stream(s) {}
+  Buffers(const Buffers&) = delete;
+  Buffers& operator=(const Buffers&) = delete;
+  ~Buffers() {
+    for (void* p : ptrs) cudaFreeAsync(p, stream);
+  }
+};
+
+}  // namespace dmattn::cuda
