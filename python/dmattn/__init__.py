@@ -11,6 +11,8 @@ on numpy arrays and PyTorch tensors (CPU, and CUDA on Hopper GPUs), without copy
 """
 from __future__ import annotations
 
+import contextlib
+
 
 from ._dmattn import (DmattnError, KVCache, Policy, attention_into, cuda_available, decode_into, dequantize_rows,
                       quantize_rows)
@@ -91,12 +93,11 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, high
         import torch
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device) if return_lse else None
+        on_device = contextlib.nullcontext()
         if q.is_cuda:
             stream = torch.cuda.current_stream(q.device).cuda_stream
-            with torch.cuda.device(q.device):
-                attention_into(q.detach(), k.detach(), v.detach(), out, lse, causal, scale, policy, layout, stream,
-                               q_offset, k_offset)
-        else:
+            on_device = torch.cuda.device(q.device)
+        with on_device:
             attention_into(q.detach(), k.detach(), v.detach(), out, lse, causal, scale, policy, layout, stream,
                            q_offset, k_offset)
     else:

@@ -56,23 +56,26 @@ TensorView view_of(const nb::ndarray<>& a, const char* name, const std::string& 
   return v;
 }
 
+// The LSE output for q's rows: a contiguous float32 [B, Hq, Nq] array on q's device, or null.
+float* lse_of(const std::optional<nb::ndarray<>>& lse, const TensorView& q) {
+  if (!lse) return nullptr;
+  const nb::ndarray<>& l = *lse;
+  if (dtype_of(l, "lse") != DType::f32 || l.ndim() != 3 || int64_t(l.shape(0)) != q.shape[0] ||
+      int64_t(l.shape(1)) != q.shape[1] || int64_t(l.shape(2)) != q.shape[2] || l.stride(2) != 1 ||
+      l.stride(1) != int64_t(l.shape(2)) || l.stride(0) != int64_t(l.shape(1) * l.shape(2)))
+    throw Error("lse: expected a contiguous float32 array of shape [B, Hq, Nq] (q's first three axes)");
+  if ((l.device_type() == nb::device::cuda::value) != (q.device == Device::cuda))
+    throw Error("lse: must live on the same device as q");
+  return static_cast<float*>(l.data());
+}
+
 void attention_into(const nb::ndarray<>& q, const nb::ndarray<>& k, const nb::ndarray<>& v, const nb::ndarray<>& out,
                     std::optional<nb::ndarray<>> lse, bool causal, std::optional<float> scale, const Policy& policy,
                     const std::string& layout, uintptr_t stream, std::optional<int64_t> q_offset,
                     std::optional<int64_t> k_offset) {
   const TensorView tq = view_of(q, "q", layout), tk = view_of(k, "k", layout), tv = view_of(v, "v", layout),
                    to = view_of(out, "out", layout);
-  float* lse_ptr = nullptr;
-  if (lse) {
-    const nb::ndarray<>& l = *lse;
-    if (dtype_of(l, "lse") != DType::f32 || l.ndim() != 3 || int64_t(l.shape(0)) != tq.shape[0] ||
-        int64_t(l.shape(1)) != tq.shape[1] || int64_t(l.shape(2)) != tq.shape[2] || l.stride(2) != 1 ||
-        l.stride(1) != int64_t(l.shape(2)) || l.stride(0) != int64_t(l.shape(1) * l.shape(2)))
-      throw Error("lse: expected a contiguous float32 array of shape [B, Hq, Nq]");
-    if ((l.device_type() == nb::device::cuda::value) != (tq.device == Device::cuda))
-      throw Error("lse: must live on the same device as q");
-    lse_ptr = static_cast<float*>(l.data());
-  }
+  float* lse_ptr = lse_of(lse, tq);
   AttentionOptions o;
   o.causal = causal;
   o.softmax_scale = scale;
@@ -134,14 +137,7 @@ TensorView cpu_view(const nb::ndarray<>& a, const char* name) {
 void decode_into(const KVCache& cache, const std::vector<int>& seqs, const nb::ndarray<>& q, const nb::ndarray<>& out,
                  std::optional<nb::ndarray<>> lse, std::optional<float> scale, int splits) {
   const TensorView tq = view_of(q, "q", "bhnd"), to = view_of(out, "out", "bhnd");
-  float* lse_ptr = nullptr;
-  if (lse) {
-    if (dtype_of(*lse, "lse") != DType::f32 || lse->size() != size_t(tq.shape[0] * tq.shape[1] * tq.shape[2]))
-      throw Error("lse: expected a contiguous float32 array of shape [S, Hq, Nq]");
-    if ((lse->device_type() == nb::device::cuda::value) != (tq.device == Device::cuda))
-      throw Error("lse: must live on the same device as q");
-    lse_ptr = static_cast<float*>(lse->data());
-  }
+  float* lse_ptr = lse_of(lse, tq);
   DecodeOptions o;
   o.softmax_scale = scale;
   o.splits = splits;
