@@ -17,27 +17,6 @@ namespace dmattn {
 namespace cuda {
 namespace {
 
-// Flags a non-finite value in a [B,H,N,d] view. Contiguous views skip the index arithmetic (64-bit
-// divisions dominate otherwise).
-template <class T, bool kContiguous>
-__global__ void scan_kernel(const T* x, Shape shape, Shape stride, int* nonfinite) {
-  const int64_t total = shape[0] * shape[1] * shape[2] * shape[3];
-  bool bad = false;
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x) {
-    int64_t off = i;
-    if constexpr (!kContiguous) {
-      int64_t r = i;
-      const int64_t e = r % shape[3];
-      r /= shape[3];
-      const int64_t n = r % shape[2];
-      r /= shape[2];
-      off = (r / shape[1]) * stride[0] + (r % shape[1]) * stride[1] + n * stride[2] + e * stride[3];
-    }
-    bad |= !hd::is_finite(to_float(x[off]));
-  }
-  if (__any_sync(0xffffffffu, bad) && threadIdx.x % 32 == 0) atomicOr(nonfinite, 1);
-}
-
 // V [B,H,N,d] (any strides) -> bf16 V^T [B*H, d, ldv] with zeros for keys N..ldv-1, through a
 // 32x32 shared tile so reads (along d) and writes (along keys) are both coalesced; flags
 // non-finite values.
@@ -59,22 +38,7 @@ __global__ void transpose_v_kernel(const T* v, Shape shape, Shape stride, int64_
   if (__any_sync(0xffffffffu, bad) && threadIdx.x == 0) atomicOr(nonfinite, 1);
 }
 
-// Flags (*flag = 1) a non-finite value in the view. Asynchronous: the caller reads the flag after
-// its last launch, with one synchronisation.
-void scan(const TensorView& t, int* flag, cudaStream_t stream) {
-  const unsigned blocks = 1024;
-  const bool contiguous = t.stride == TensorView::contiguous(nullptr, t.dtype, t.shape).stride;
-  with_typed(t, [&](auto* typed) {
-    using T = std::remove_pointer_t<decltype(typed)>;
-    if (contiguous)
-      scan_kernel<T, true><<<blocks, 256, 0, stream>>>(typed, t.shape, t.stride, flag);
-    else
-      scan_kernel<T, false><<<blocks, 256, 0, stream>>>(typed, t.shape, t.stride, flag);
-  });
-  check(cudaGetLastError(), "scan kernel");
-}
-
-// V^T in bf16 for the PV tensor-core operand; flags non-finite values like scan().
+// V^T in bf16 for the PV tensor-core operand; flags non-finite values.
 void transpose_v(const TensorView& v, int64_t ldv, uint16_t* vt, int* flag, cudaStream_t stream) {
   const dim3 grid(unsigned(ldv / 32), unsigned(v.shape[3] / 32), unsigned(v.shape[0] * v.shape[1]));
   with_typed(v, [&](auto* typed) {
@@ -131,8 +95,6 @@ void dma_attention(const Problem& p) {
   const int64_t d = p.d, nb = d / 32;
   const int64_t ldv = (p.Nk + kTile - 1) / kTile * kTile;
   uint16_t* vt = buf.alloc<uint16_t>(size_t(p.B * p.Hkv * d * ldv) * 2);
-  scan(p.q, flags, stream);
-  scan(p.k, flags + 1, stream);
   transpose_v(p.v, ldv, vt, flags + 2, stream);
 
   const int nslots = p.policy.high == p.policy.low ? 1 : 2;
@@ -160,8 +122,9 @@ void dma_attention(const Problem& p) {
     pp.ks[s] = ks;
     pp.e5m2[s] = mma_elem(fmt[s]) == Elem::e5m2;
   }
-  quantize_rows(p.q, p.policy.scale_rule, qt[0], nslots == 2 ? qt[1] : QuantTarget{}, stream);
-  quantize_rows(p.k, p.policy.scale_rule, kt[0], nslots == 2 ? kt[1] : QuantTarget{}, stream);
+  // The quantize pass reads every element of Q and K once and flags NaN/Inf on the way.
+  quantize_rows(p.q, p.policy.scale_rule, qt[0], nslots == 2 ? qt[1] : QuantTarget{}, stream, flags);
+  quantize_rows(p.k, p.policy.scale_rule, kt[0], nslots == 2 ? kt[1] : QuantTarget{}, stream, flags + 1);
 
   pp.vt = vt;
   pp.ldv = ldv;

@@ -195,14 +195,14 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
   p.max_pages = max_pages;
   const int64_t rows = S * Hq * Nq;
   const Format fmt[2] = {pol.high, pol.low};
+  QuantTarget qt[2];
   for (int s = 0; s < 2; ++s) {
-    uint8_t* q8 = buf.alloc<uint8_t>(size_t(rows * d));
-    uint8_t* qs = buf.alloc<uint8_t>(size_t(rows * nb));
-    quantize_rows(q, pol.scale_rule, QuantTarget{fmt[s], q8, qs, true}, QuantTarget{}, nullptr);
-    p.q8[s] = q8;
-    p.qs[s] = qs;
+    qt[s] = QuantTarget{fmt[s], buf.alloc<uint8_t>(size_t(rows * d)), buf.alloc<uint8_t>(size_t(rows * nb)), true};
+    p.q8[s] = qt[s].codes;
+    p.qs[s] = qt[s].scales;
     p.e5m2[s] = mma_elem(fmt[s]) == Elem::e5m2;
   }
+  quantize_rows(q, pol.scale_rule, qt[0], qt[1], nullptr);  // one read of q for both formats
   p.part = buf.alloc<float>(size_t(rows * splits * (d + 2)) * sizeof(float));
   const int zero = 0;
   p.bad = buf.upload(&zero, 1);

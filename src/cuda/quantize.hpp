@@ -37,8 +37,10 @@ inline Elem mma_elem(Format f) { return f == Format::mxfp8_e5m2 ? Elem::e5m2 : E
 
 // x: a CUDA tensor view with unit stride on its last axis and d a multiple of 32. Rows are ordered
 // (b, h, n). `second` may have null pointers (one format only). MX formats only: NVFP4 needs a
-// tensor-wide amax first and throws dmattn::Error here. Asynchronous on `stream`.
+// tensor-wide amax first and throws dmattn::Error here. Asynchronous on `stream`. With `nonfinite`,
+// sets *nonfinite = 1 where a value is NaN or Inf (the block's scale is the NaN scale either way),
+// so callers need no separate scan of the input.
 void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first, const QuantTarget& second,
-                   cudaStream_t stream);
+                   cudaStream_t stream, int* nonfinite = nullptr);
 
 }  // namespace dmattn::cuda

@@ -88,6 +88,47 @@ TEST(GpuQuantize, RejectsWhatItCannotDo) {
   cudaFree(buf);
 }
 
+// NaN and Inf: the block gets the NaN scale and zero codes (as on the CPU) and the optional flag is
+// raised; a finite tensor leaves the flag at 0.
+TEST(GpuQuantize, FlagsNonFiniteValues) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const int64_t rows = 300, d = 64;
+  Rng rng(5);
+  for (float poison : {std::nanf(""), INFINITY, -INFINITY, 0.0f}) {
+    std::vector<float> x(size_t(rows * d));
+    for (float& v : x) v = float(rng.normal());
+    x[size_t(257 * d + 40)] = poison;
+    HostTensor host = HostTensor::from_floats(x, {1, 1, rows, d}, DType::bf16);
+    const Quantized want = quantize(host.to_floats().data(), rows, d, Format::mxfp4, ScaleRule::ocp);
+    void* dx;
+    uint8_t *codes, *scales;
+    int* flag;
+    CUDA_OK(cudaMalloc(&dx, host.nbytes()));
+    CUDA_OK(cudaMalloc(&codes, want.codes.size()));
+    CUDA_OK(cudaMalloc(&scales, want.scales.size()));
+    CUDA_OK(cudaMalloc(&flag, sizeof(int)));
+    CUDA_OK(cudaMemcpy(dx, host.bytes(), host.nbytes(), cudaMemcpyHostToDevice));
+    CUDA_OK(cudaMemset(codes, 0xA5, want.codes.size()));
+    CUDA_OK(cudaMemset(scales, 0xA5, want.scales.size()));
+    CUDA_OK(cudaMemset(flag, 0, sizeof(int)));
+    const TensorView view = TensorView::contiguous(dx, DType::bf16, {1, 1, rows, d}, Device::cuda);
+    cuda::quantize_rows(view, ScaleRule::ocp, {Format::mxfp4, codes, scales}, {}, nullptr, flag);
+    std::vector<uint8_t> gc(want.codes.size()), gs(want.scales.size());
+    int got_flag = -1;
+    CUDA_OK(cudaMemcpy(gc.data(), codes, gc.size(), cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(gs.data(), scales, gs.size(), cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(&got_flag, flag, sizeof(int), cudaMemcpyDeviceToHost));
+    EXPECT_EQ(gc, want.codes) << poison;
+    EXPECT_EQ(gs, want.scales) << poison;
+    EXPECT_EQ(gs[size_t(257 * 2 + 1)], poison == 0.0f ? want.scales[257 * 2 + 1] : kE8M0NaN) << poison;
+    EXPECT_EQ(got_flag, poison == 0.0f ? 0 : 1) << poison;
+    cudaFree(dx);
+    cudaFree(codes);
+    cudaFree(scales);
+    cudaFree(flag);
+  }
+}
+
 // Folding (QuantTarget::fold) changes codes and scales, never values: every element's FP8 byte x
 // its scale equals the CPU codec's code x scale. Rows whose blocks' scales differ by a factor <= 4
 // always fold for MXFP4 (a shifted E2M1 value stays an exact E4M3 value); MXFP8 rows fold only
@@ -106,7 +147,7 @@ TEST(GpuQuantize, FoldingKeepsValuesAndUnifiesRowScales) {
     CUDA_OK(cudaMalloc(&dx, host.nbytes()));
     CUDA_OK(cudaMemcpy(dx, host.bytes(), host.nbytes(), cudaMemcpyHostToDevice));
     const TensorView view = TensorView::contiguous(dx, DType::f32, {1, 1, rows, d}, Device::cuda);
-    for (Format f : {Format::mxfp4, Format::mxfp8_e4m3, Format::mxfp8_e5m2}) {
+    for (Format f : {Format::mxfp4, Format::mxfp8_e4m3, Format::mxfp8_e5m2, Format::mxfp6_e3m2, Format::mxfp6_e2m3}) {
       const Quantized want = quantize(x.data(), rows, d, f, ScaleRule::ocp);
       const std::vector<float> want_values = dequantize(want);
       uint8_t *codes, *scales;

@@ -1,0 +1,32 @@
+// FP8 conversions in hardware (sm_89+): RNE with saturation to the largest finite value, which is
+// the codec's encode_elem for E4M3/E5M2 (mx_codec.hpp), and the exact widening back to float.
+#pragma once
+#include <cstdint>
+
+namespace dmattn::cuda {
+
+template <bool kE5M2>
+__device__ __forceinline__ uint8_t fp8_encode(float x) {
+  uint16_t r;
+  if constexpr (kE5M2)
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(x));
+  else
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(x));
+  return uint8_t(r & 0xFF);
+}
+
+// Every E4M3 and E5M2 value is an fp16 value, so the widening through f16 is exact.
+template <bool kE5M2>
+__device__ __forceinline__ float fp8_decode(uint8_t b) {
+  uint32_t h2;
+  const uint16_t in = b;
+  if constexpr (kE5M2)
+    asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(h2) : "h"(in));
+  else
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(in));
+  float f;
+  asm("{.reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.f32.f16 %0, lo;}" : "=f"(f) : "r"(h2));
+  return f;
+}
+
+}  // namespace dmattn::cuda
