@@ -28,6 +28,7 @@ if [ "${QUICK:-0}" = 1 ]; then  # correctness of the GPU tests + the main benchm
   done
   $B/bench/bench_quantize_cuda 2>&1 | tee "$OUT/bench_quantize.txt" | tail -4
   PYTHONUNBUFFERED=1 python3 bench/compare_sdpa.py $B "$OUT" 16384 2>&1 | tee "$OUT/compare_sdpa.txt" | tail -16
+  PYTHONUNBUFFERED=1 python3 bench/compare_decode.py $B "$OUT" 2>&1 | tee "$OUT/compare_decode.txt" | tail -12
   if [ "${PROFILE:-0}" = 1 ]; then  # where the prefill kernel's time goes (one launch, N=8192)
     ncu --kernel-name regex:prefill_kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight --section WarpStateStats \
       --section SchedulerStats --section Occupancy $B/bench/bench_prefill_cuda 8192 128 1 >"$OUT/ncu_prefill.txt" 2>&1
@@ -71,5 +72,7 @@ if [ "${PROFILE:-0}" = 1 ]; then  # ncu speed-of-light for the two kernels (PROF
   grep -E "Throughput|Duration|Achieved Occupancy|Registers" "$OUT/ncu_prefill.txt" "$OUT/ncu_quantize.txt" | head -30
 fi
 
+echo
+PYTHONUNBUFFERED=1 python3 bench/compare_decode.py $B "$OUT" 2>&1 | tee "$OUT/compare_decode.txt" | tail -12
 echo
 PYTHONUNBUFFERED=1 python3 bench/compare_sdpa.py $B "$OUT" 4096 16384 2>&1 | tee "$OUT/compare_sdpa.txt" | tail -20

@@ -41,9 +41,10 @@ void dma_attention(const Problem& p);    // DMA, DESIGN §3
 }  // namespace cpu
 
 namespace cuda {
-// Decode over the cache's pages (copied to the device per call); q, out and lse on the device.
+// Decode over the cache's pages, mirrored on the device (KVCache::device_state); q, out and lse on
+// the device; splits 0 = automatic. Ordered on `stream`; returns when the results are written.
 void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const TensorView& q, const TensorView& out,
-                      float* lse, float scale, int splits);
+                      float* lse, float scale, int splits, void* stream);
 void dma_attention(const Problem& p);  // all tensors on the current CUDA device; ordered on p.stream
 }  // namespace cuda
 

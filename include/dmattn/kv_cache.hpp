@@ -20,6 +20,7 @@
 // own maximum (rel. L2 ~1e-3 against one split, see DESIGN findings).
 #pragma once
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -56,8 +57,14 @@ class KVCache {
     std::vector<uint8_t> v8;        // pv = mxfp8: [heads][128][d] E4M3 codes
     std::vector<uint8_t> vs;        // pv = mxfp8: [heads][128 / 32][d] E8M0 scales of 32-key blocks
     std::vector<float> kept;        // [heads][128][d] original K while re-encoding is ahead; else empty
+    uint64_t version = 0;           // bumped whenever codes, scales or V change (device copies sync by it)
   };
   const Page& page(int32_t id) const { return pages_[size_t(id)]; }
+  int32_t page_count() const { return int32_t(pages_.size()); }  // physical pages, free ones included
+
+  // The CUDA backend's copy of the pages (created by the first decode with CUDA tensors; later
+  // calls upload only pages whose version changed). Opaque here: the CPU build never touches it.
+  std::shared_ptr<void>& device_state() const { return device_state_; }
 
   // Re-encode a window page from its high-format values instead of the retained originals (the
   // alternative the header comment mentions; for measuring its effect only).
@@ -82,16 +89,22 @@ class KVCache {
   std::vector<Page> pages_;
   std::vector<int32_t> free_pages_;
   std::vector<Sequence> seqs_;
+  mutable std::shared_ptr<void> device_state_;
 };
 
 struct DecodeOptions {
   std::optional<float> softmax_scale;  // default 1/sqrt(d)
-  int splits = 1;                      // split-KV: pages per sequence divided into this many ranges
+  // Split-KV: each sequence's pages divided into min(splits, pages) ranges. 0 = automatic: one on
+  // the CPU (prefill's arithmetic exactly), on the GPU enough to give every SM work.
+  int splits = 0;
   int threads = 0;                     // CPU worker threads; 0 = all
+  void* stream = nullptr;              // CUDA stream (cudaStream_t) for CUDA tensors; null = default
 };
 
-// q: [S, Hq, Nq, d] CPU view (S = seqs.size(), Hq a multiple of the cache's kv heads, 1 <= Nq <= 16,
-// Nq <= each sequence's length); out likewise; lse [S, Hq, Nq] or null.
+// q: [S, Hq, Nq, d] view (S = seqs.size(), Hq a multiple of the cache's kv heads, 1 <= Nq <= 16,
+// Nq <= each sequence's length); out likewise; lse [S, Hq, Nq] or null. q, out and lse on the CPU,
+// or all on the current CUDA device (pv = bf16, d 64 or 128; the pages are mirrored on the device,
+// see device_state()).
 void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const TensorView& q, const TensorView& out,
                       float* lse, const DecodeOptions& opts = {});
 

@@ -133,16 +133,19 @@ def sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: b
     return attention(query, key, value, causal=is_causal, scale=scale, **policy)
 
 
-def decode(cache: KVCache, seqs, q, *, scale: float | None = None, splits: int = 1, return_lse: bool = False):
-    """Decode attention of new queries over a KVCache (CPU for now).
+def decode(cache: KVCache, seqs, q, *, scale: float | None = None, splits: int = 0, return_lse: bool = False):
+    """Decode attention of new queries over a KVCache.
 
     Args:
       cache: the KVCache holding each sequence's keys and values (including the new tokens').
       seqs: the sequence ids, one per row of q's first axis.
-      q: [len(seqs), Hq, Nq, d] numpy array or CPU torch tensor, 1 <= Nq <= 16; the queries of each
-        sequence's last Nq positions (causal, bottom-right).
+      q: [len(seqs), Hq, Nq, d] numpy array or torch tensor, 1 <= Nq <= 16; the queries of each
+        sequence's last Nq positions (causal, bottom-right). A CUDA tensor runs the GPU decode
+        (pv="bf16", d 64/128) over a device copy of the cache's pages that follows the cache
+        (only pages changed since the last call are uploaded); torch's current stream.
       scale: softmax scale; default 1/sqrt(d).
-      splits: split-KV ranges per sequence, merged by LSE (1 reproduces prefill bit for bit).
+      splits: split-KV ranges per sequence, merged by LSE. 0 = automatic (1 on the CPU, which
+        reproduces prefill bit for bit; enough to fill the GPU on CUDA).
       return_lse: also return the row log-sum-exp [len(seqs), Hq, Nq], float32.
     """
     seqs = [int(s) for s in seqs]
@@ -150,7 +153,12 @@ def decode(cache: KVCache, seqs, q, *, scale: float | None = None, splits: int =
         import torch
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty(tuple(q.shape[:3]), dtype=torch.float32, device=q.device) if return_lse else None
-        decode_into(cache, seqs, q.detach(), out, lse, scale, splits)
+        stream, on_device = 0, contextlib.nullcontext()
+        if q.is_cuda:
+            stream = torch.cuda.current_stream(q.device).cuda_stream
+            on_device = torch.cuda.device(q.device)
+        with on_device:
+            decode_into(cache, seqs, q.detach(), out, lse, scale, splits, stream)
     else:
         import numpy as np
         out = np.empty(q.shape, dtype=q.dtype)

@@ -35,7 +35,7 @@ class KVCache:
 
 hf_policy: Policy
 
-def decode(cache: KVCache, seqs: list[int], q: Any, *, scale: float | None = None, splits: int = 1,
+def decode(cache: KVCache, seqs: list[int], q: Any, *, scale: float | None = None, splits: int = 0,
            return_lse: bool = False) -> Any: ...
 
 def cuda_available() -> bool: ...

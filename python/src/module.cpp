@@ -135,12 +135,13 @@ TensorView cpu_view(const nb::ndarray<>& a, const char* name) {
 }
 
 void decode_into(const KVCache& cache, const std::vector<int>& seqs, const nb::ndarray<>& q, const nb::ndarray<>& out,
-                 std::optional<nb::ndarray<>> lse, std::optional<float> scale, int splits) {
+                 std::optional<nb::ndarray<>> lse, std::optional<float> scale, int splits, uintptr_t stream) {
   const TensorView tq = view_of(q, "q", "bhnd"), to = view_of(out, "out", "bhnd");
   float* lse_ptr = lse_of(lse, tq);
   DecodeOptions o;
   o.softmax_scale = scale;
   o.splits = splits;
+  o.stream = reinterpret_cast<void*>(stream);
   nb::gil_scoped_release unlocked;
   decode_attention(cache, seqs, tq, to, lse_ptr, o);
 }
@@ -214,7 +215,8 @@ NB_MODULE(_dmattn, m) {
       .def_prop_ro("head_dim", &KVCache::head_dim)
       .def_prop_ro("policy", &KVCache::policy);
   m.def("decode_into", &decode_into, nb::arg("cache"), nb::arg("seqs"), nb::arg("q"), nb::arg("out"),
-        nb::arg("lse").none(), nb::arg("scale").none(), nb::arg("splits"), "Decode attention over the cache.");
+        nb::arg("lse").none(), nb::arg("scale").none(), nb::arg("splits"), nb::arg("stream") = 0,
+        "Decode attention over the cache.");
   m.def("attention_into", &attention_into, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"),
         nb::arg("lse").none(), nb::arg("causal"), nb::arg("scale").none(), nb::arg("policy"), nb::arg("layout"),
         nb::arg("stream"), nb::arg("q_offset").none() = nb::none(), nb::arg("k_offset").none() = nb::none(),

@@ -14,6 +14,7 @@
 #include "dmattn/mx_codec.hpp"
 #include "dmattn/numeric.hpp"
 #include "dmattn/quantize.hpp"
+#include "problem.hpp"
 
 namespace dmattn {
 namespace {
@@ -64,16 +65,20 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
                 ", Nq, " + std::to_string(d) + "]");
   if (Nq < 1 || Nq > 16) throw Error("decode_attention: 1 to 16 new queries per sequence (got " + std::to_string(Nq) + ")");
   if (out.shape != q.shape) throw Error("decode_attention: out must have q's shape");
-  if (opts.splits < 1) throw Error("decode_attention: splits must be >= 1");
+  if (opts.splits < 0) throw Error("decode_attention: splits must be >= 0 (0 = automatic)");
   for (int s : seqs)
     if (cache.length(s) < Nq)
       throw Error("decode_attention: sequence " + std::to_string(s) + " holds " + std::to_string(cache.length(s)) +
                   " tokens, fewer than the " + std::to_string(Nq) + " queries (append their keys first)");
   const float scale = opts.softmax_scale.value_or(1.0f / std::sqrt(float(d)));
-  // The CUDA kernel (src/cuda/decode.cu) is compiled and tested by GpuDecode but not yet verified on a
-  // device; until it is, decode is not dispatched to it.
-  if (q.device != Device::cpu)
-    throw Error("decode_attention: CPU tensors only for now (the CUDA decode is not yet verified on a GPU)");
+  if (q.device == Device::cuda) {
+#if defined(DMATTN_HAVE_CUDA)
+    cuda::decode_attention(cache, seqs, q, out, lse, scale, opts.splits, opts.stream);
+    return;
+#else
+    throw Error("decode_attention: CUDA tensors, but this build has no CUDA backend (configure with -DDMATTN_CUDA=ON)");
+#endif
+  }
   const Policy& pol = cache.policy();
   const int64_t group = Hq / Hkv;
 
@@ -85,7 +90,7 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
     pages.reserve(table.size());
     for (int32_t p : table) pages.push_back(unpack(cache.page(p), hk, d));
     const int64_t np = int64_t(pages.size());
-    const int64_t splits = std::min<int64_t>(opts.splits, np);
+    const int64_t splits = std::min<int64_t>(std::max(opts.splits, 1), np);
     std::vector<float> qf(static_cast<size_t>(d)), qe[2], qs[2];
     const Format fmt[2] = {pol.high, pol.low};
     for (int s = 0; s < 2; ++s) {

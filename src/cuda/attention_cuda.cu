@@ -68,18 +68,12 @@ void require_supported(const Problem& p) {
   if (p.d != 64 && p.d != 128) throw Error("the CUDA backend supports head dims 64 and 128 (got " + std::to_string(p.d) + ")");
   for (const TensorView* t : {&p.q, &p.k, &p.v, &p.out})
     if (t->stride[3] != 1) throw Error("the CUDA backend needs unit stride on the head dimension");
-  // A view marked cuda must really point at device memory (a host pointer would fault in a kernel).
-  auto on_device = [](const void* ptr) {
-    cudaPointerAttributes a{};
-    return cudaPointerGetAttributes(&a, ptr) == cudaSuccess &&
-           (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged);
-  };
   const char* names[4] = {"Q", "K", "V", "out"};
   const TensorView* views[4] = {&p.q, &p.k, &p.v, &p.out};
   for (int i = 0; i < 4; ++i)
-    if (!on_device(views[i]->data)) throw Error(std::string(names[i]) + " is marked as a CUDA tensor but is not device memory");
-  if (p.lse && !on_device(p.lse)) throw Error("lse must be device memory for the CUDA backend");
-  cudaGetLastError();  // clear any error the attribute queries left
+    if (!is_device_pointer(views[i]->data))
+      throw Error(std::string(names[i]) + " is marked as a CUDA tensor but is not device memory");
+  if (p.lse && !is_device_pointer(p.lse)) throw Error("lse must be device memory for the CUDA backend");
   if (p.Nq > INT32_MAX || p.Nk > INT32_MAX || p.Hq > 65535 || p.B > 65535 || p.B * p.Hkv > 65535)
     throw Error("problem too large for the CUDA grid");
 }

@@ -14,6 +14,16 @@ inline void check(cudaError_t e, const char* what) {
   if (e != cudaSuccess) throw Error(std::string(what) + ": " + cudaGetErrorString(e));
 }
 
+// Whether ptr is device (or managed) memory: a host pointer in a view marked CUDA would fault in a
+// kernel, so entry points check before launching.
+inline bool is_device_pointer(const void* ptr) {
+  cudaPointerAttributes a{};
+  const bool ok = cudaPointerGetAttributes(&a, ptr) == cudaSuccess &&
+                  (a.type == cudaMemoryTypeDevice || a.type == cudaMemoryTypeManaged);
+  cudaGetLastError();  // clear any error the query left
+  return ok;
+}
+
 struct Buffers {
   cudaStream_t stream = nullptr;
   std::vector<void*> ptrs;

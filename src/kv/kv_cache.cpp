@@ -111,6 +111,7 @@ void KVCache::settle(Sequence& s) {
     for (int64_t h = 0; h < heads_; ++h) encode_rows(pg, h, 0, rows, src.data() + h * T * d_);
     pg.kept.clear();
     pg.kept.shrink_to_fit();
+    ++pg.version;
   }
 }
 
@@ -196,6 +197,7 @@ void KVCache::append(int id, const TensorView& k, const TensorView& v) {
       if (!pg.kept.empty()) std::copy(kr, kr + take * d_, pg.kept.begin() + (h * T + off) * d_);
     }
     if (policy_.pv == PV::mxfp8) encode_values(s, pg, off, take, vall.data() + t0 * d_, n);
+    ++pg.version;
     s.length += take;
     t0 += take;
     settle(s);

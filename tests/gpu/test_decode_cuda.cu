@@ -1,6 +1,8 @@
-// The CUDA decode kernel (cuda::decode_attention, not yet dispatched to by decode_attention) against
-// the CPU decode (the oracle) on the same cache: rel. L2 <= 1e-5 and LSE, for ragged batches, GQA,
-// several policies, one and several splits; outputs poisoned first.
+// decode_attention with CUDA tensors (the GQA-packed split-KV kernel over the cache's device mirror)
+// against the CPU decode (the oracle) on the same cache: rel. L2 <= 1e-5 and LSE, for ragged
+// batches, GQA and MQA (row chunks), Nq 1..16, several policies, fixed and automatic splits, a cache
+// that grows and re-encodes pages between calls (incremental mirror), freed and reused pages;
+// outputs poisoned before every call.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -14,62 +16,128 @@
 #include "dmattn/kv_cache.hpp"
 #include "dmattn/metrics.hpp"
 #include "dmattn/synthetic.hpp"
-#include "problem.hpp"
 
 using namespace dmattn;
+
+namespace {
+
+struct DeviceCopy {  // a device copy of a host tensor (or poison of its size), freed on scope exit
+  void* ptr = nullptr;
+  TensorView view;
+  DeviceCopy(const HostTensor& t, bool poison) {
+    if (cudaMalloc(&ptr, t.nbytes()) != cudaSuccess) throw Error("cudaMalloc");
+    if (poison)
+      cudaMemset(ptr, 0xFF, t.nbytes());  // NaN in every float dtype
+    else
+      cudaMemcpy(ptr, t.bytes(), t.nbytes(), cudaMemcpyHostToDevice);
+    view = TensorView::contiguous(ptr, t.dtype(), t.shape(), Device::cuda);
+  }
+  ~DeviceCopy() { cudaFree(ptr); }
+};
+
+// The GPU decode of q over the cache vs the CPU decode with the same options; returns rel. L2.
+double check_decode(const KVCache& cache, const std::vector<int>& ids, const HostTensor& q, int splits, double tol,
+                    const char* what) {
+  DecodeOptions o;
+  o.splits = splits;
+  HostTensor want(q.dtype(), q.shape());
+  const size_t rows = size_t(q.shape()[0] * q.shape()[1] * q.shape()[2]);
+  std::vector<float> want_lse(rows), got_lse(rows);
+  decode_attention(cache, ids, q.view(), want.view(), want_lse.data(), o);
+  DeviceCopy dq(q, false), dout(want, true);
+  float* dlse;
+  EXPECT_EQ(cudaMalloc(&dlse, rows * 4), cudaSuccess);
+  cudaMemset(dlse, 0xFF, rows * 4);
+  decode_attention(cache, ids, dq.view, dout.view, dlse, o);
+  HostTensor got(q.dtype(), q.shape());
+  cudaMemcpy(got.bytes(), dout.ptr, got.nbytes(), cudaMemcpyDeviceToHost);
+  cudaMemcpy(got_lse.data(), dlse, rows * 4, cudaMemcpyDeviceToHost);
+  cudaFree(dlse);
+  const Comparison c = compare(got.to_floats(), want.to_floats());
+  std::printf("decode %s %s splits=%d: rel_l2 %.3e\n", what, cache.policy().describe().c_str(), splits, c.rel_l2);
+  EXPECT_EQ(c.nan_count, 0) << what;
+  EXPECT_LE(c.rel_l2, tol) << what;
+  for (size_t i = 0; i < rows; ++i)
+    EXPECT_NEAR(got_lse[i], want_lse[i], (tol > 1e-5 ? 1e-3f : 1e-5f) * (1 + std::fabs(want_lse[i]))) << what << " row " << i;
+  return c.rel_l2;
+}
+
+void append_all(KVCache& cache, int id, const QKV& x, int64_t from, int64_t n) {
+  cache.append(id, slice_tokens(x.k.view(), from, n), slice_tokens(x.v.view(), from, n));
+}
+
+}  // namespace
 
 TEST(GpuDecode, MatchesCpuDecode) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
   for (int64_t d : {64, 128})
-    for (const Policy& pol : {Policy{}, Policy{e4, f4, 2, 1}, Policy{Format::mxfp8_e5m2, Format::mxfp6_e3m2, 1, 0}}) {
-      const int64_t Hkv = 2, Hq = 8, Nq = 5, lens[3] = {5, 700, 1301};
+    for (const Policy& pol : {Policy{}, Policy{e4, f4, 2, 1}, Policy{Format::mxfp8_e5m2, Format::mxfp6_e3m2, 1, 0},
+                              Policy{Format::mxfp6_e2m3, Format::mxfp6_e2m3, 1, 0}}) {
+      const int64_t Hkv = 2, Hq = 8, lens[3] = {16, 700, 1301};
       KVCache cache(Hkv, d, pol);
       std::vector<int> ids;
+      std::vector<QKV> xs;
       for (int i = 0; i < 3; ++i) {
-        const QKV x = llm_like_qkv({1, Hq, Hkv, lens[i], lens[i], d}, uint64_t(10 * d + i));
+        xs.push_back(llm_like_qkv({1, Hq, Hkv, lens[i] + 200, lens[i] + 200, d}, uint64_t(10 * d + i)));
         ids.push_back(cache.new_sequence());
-        cache.append(ids.back(), slice_tokens(x.k.view(), 0, lens[i] / 2), slice_tokens(x.v.view(), 0, lens[i] / 2));
-        cache.append(ids.back(), slice_tokens(x.k.view(), lens[i] / 2, lens[i] - lens[i] / 2),
-                     slice_tokens(x.v.view(), lens[i] / 2, lens[i] - lens[i] / 2));
+        append_all(cache, ids.back(), xs.back(), 0, lens[i] / 2);
+        append_all(cache, ids.back(), xs.back(), lens[i] / 2, lens[i] - lens[i] / 2);
       }
-      const QKV qs = random_qkv({3, Hq, Hkv, Nq, Nq, d}, uint64_t(d), DType::f32, 2.0f);
-      for (int splits : {1, 3}) {
-        DecodeOptions o;
-        o.splits = splits;
-        HostTensor want(DType::f32, qs.q.shape());
-        std::vector<float> want_lse(size_t(3 * Hq * Nq)), got_lse(want_lse.size());
-        decode_attention(cache, ids, qs.q.view(), want.view(), want_lse.data(), o);
-        void *dq, *dout;
-        float* dlse;
-        CUDA_OK(cudaMalloc(&dq, qs.q.nbytes()));
-        CUDA_OK(cudaMalloc(&dout, want.nbytes()));
-        CUDA_OK(cudaMalloc(&dlse, want_lse.size() * 4));
-        CUDA_OK(cudaMemcpy(dq, qs.q.bytes(), qs.q.nbytes(), cudaMemcpyHostToDevice));
-        CUDA_OK(cudaMemset(dout, 0xFF, want.nbytes()));  // NaN poison
-        CUDA_OK(cudaMemset(dlse, 0xFF, want_lse.size() * 4));
-        const float scale = 1.0f / std::sqrt(float(d));
-        cuda::decode_attention(cache, ids, TensorView::contiguous(dq, DType::f32, qs.q.shape(), Device::cuda),
-                               TensorView::contiguous(dout, DType::f32, qs.q.shape(), Device::cuda), dlse, scale, splits);
-        HostTensor got(DType::f32, qs.q.shape());
-        CUDA_OK(cudaMemcpy(got.bytes(), dout, got.nbytes(), cudaMemcpyDeviceToHost));
-        CUDA_OK(cudaMemcpy(got_lse.data(), dlse, got_lse.size() * 4, cudaMemcpyDeviceToHost));
-        const Comparison c = compare(got.to_floats(), want.to_floats());
-        std::printf("decode d=%lld %s splits=%d: rel_l2 %.3e\n", (long long)d, pol.describe().c_str(), splits, c.rel_l2);
-        EXPECT_EQ(c.nan_count, 0);
-        EXPECT_LE(c.rel_l2, 1e-5);
-        for (size_t i = 0; i < want_lse.size(); ++i)
-          ASSERT_NEAR(got_lse[i], want_lse[i], 1e-5f * (1 + std::fabs(want_lse[i]))) << "row " << i;
-        // A NaN query is an error, not a NaN output.
-        float nan = std::numeric_limits<float>::quiet_NaN();
-        CUDA_OK(cudaMemcpy(dq, &nan, 4, cudaMemcpyHostToDevice));
-        EXPECT_THROW(cuda::decode_attention(cache, ids, TensorView::contiguous(dq, DType::f32, qs.q.shape(), Device::cuda),
-                                            TensorView::contiguous(dout, DType::f32, qs.q.shape(), Device::cuda), dlse,
-                                            scale, splits),
-                     Error);
-        cudaFree(dq);
-        cudaFree(dout);
-        cudaFree(dlse);
+      for (int64_t Nq : {1, 5, 16}) {
+        const QKV qs = random_qkv({3, Hq, Hkv, Nq, Nq, d}, uint64_t(d + Nq), DType::f32, 2.0f);
+        for (int splits : {1, 3}) check_decode(cache, ids, qs.q, splits, 1e-5, ("d=" + std::to_string(d) + " Nq=" + std::to_string(Nq)).c_str());
       }
+      // The cache grows between calls (pages fill, leave the window and are re-encoded): the device
+      // mirror uploads what changed.
+      for (int i = 0; i < 3; ++i) append_all(cache, ids[size_t(i)], xs[size_t(i)], lens[i], 200);
+      const QKV q2 = random_qkv({3, Hq, Hkv, 4, 4, d}, uint64_t(7 * d), DType::bf16, 2.0f);
+      check_decode(cache, ids, q2.q, 2, 1e-5, "after appends, bf16");
+      // Automatic splits (many on the GPU, one on the CPU): P is rounded per split, so ~1e-4.
+      check_decode(cache, ids, q2.q, 0, 1e-3, "automatic splits");
     }
+}
+
+// MQA with 16 new queries: 128 rows per KV head, two row chunks per CTA group. A sequence freed and
+// its pages reused by another leaves holes in the page tables.
+TEST(GpuDecode, RowChunksAndReusedPages) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const int64_t d = 128, Hq = 8, Hkv = 1;
+  KVCache cache(Hkv, d, Policy{});
+  const QKV a = llm_like_qkv({1, Hq, Hkv, 900, 900, d}, 1), b = llm_like_qkv({1, Hq, Hkv, 600, 600, d}, 2);
+  const int ia = cache.new_sequence(), ib = cache.new_sequence();
+  append_all(cache, ia, a, 0, 500);
+  append_all(cache, ib, b, 0, 300);
+  const QKV q0 = random_qkv({2, Hq, Hkv, 16, 16, d}, 3, DType::f32, 2.0f);
+  check_decode(cache, {ia, ib}, q0.q, 1, 1e-5, "MQA Nq=16");
+  cache.free_sequence(ia);
+  const int ic = cache.new_sequence();
+  append_all(cache, ic, a, 0, 900);  // reuses ia's pages, then takes new ones
+  append_all(cache, ib, b, 300, 300);
+  const QKV q1 = random_qkv({2, Hq, Hkv, 16, 16, d}, 4, DType::f32, 2.0f);
+  check_decode(cache, {ib, ic}, q1.q, 3, 1e-5, "reused pages");
+}
+
+TEST(GpuDecode, Errors) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const int64_t d = 64, Hq = 4, Hkv = 2;
+  KVCache cache(Hkv, d, Policy{});
+  const QKV x = llm_like_qkv({1, Hq, Hkv, 300, 300, d}, 5);
+  const int id = cache.new_sequence();
+  append_all(cache, id, x, 0, 300);
+  const QKV qs = random_qkv({1, Hq, Hkv, 2, 2, d}, 6, DType::f32, 1.0f);
+  std::vector<float> vals = qs.q.to_floats();
+  vals[77] = std::numeric_limits<float>::quiet_NaN();
+  const HostTensor bad = HostTensor::from_floats(vals, qs.q.shape(), DType::f32);
+  DeviceCopy dq(bad, false), dout(qs.q, true);
+  EXPECT_THROW(decode_attention(cache, {id}, dq.view, dout.view, nullptr), Error);  // NaN query
+  std::vector<float> host_lse(8);
+  DeviceCopy good(qs.q, false);
+  EXPECT_THROW(decode_attention(cache, {id}, good.view, dout.view, host_lse.data()), Error);  // host lse
+  Policy p8{};
+  p8.pv = PV::mxfp8;
+  KVCache c8(Hkv, d, p8);
+  const int i8 = c8.new_sequence();
+  append_all(c8, i8, x, 0, 10);
+  EXPECT_THROW(decode_attention(c8, {i8}, good.view, dout.view, nullptr), Error);  // pv = mxfp8 on the GPU
 }

@@ -57,3 +57,26 @@ def test_cuda_errors():
     with pytest.raises(dmattn.DmattnError, match="non-finite"):
         dmattn.attention(bad, k, v)
 
+
+
+def test_decode_on_cuda_matches_cpu():
+    rng = np.random.default_rng(7)
+    cache = dmattn.KVCache(2, 128, dmattn.Policy(diag_tiles=2, sink_tiles=1))
+    seqs = [cache.new_sequence() for _ in range(2)]
+    for s, n in zip(seqs, (300, 1000)):
+        cache.append(s, llm_like(rng, (1, 2, n, 128)), llm_like(rng, (1, 2, n, 128)))
+    q = torch.from_numpy(llm_like(rng, (2, 8, 3, 128)))
+    ref, ref_lse = dmattn.decode(cache, seqs, q, splits=2, return_lse=True)
+    out, lse = dmattn.decode(cache, seqs, q.cuda(), splits=2, return_lse=True)
+    assert out.is_cuda and lse.is_cuda
+    rel = ((out.cpu() - ref).norm() / ref.norm()).item()
+    assert rel < 1e-5, rel
+    assert torch.allclose(lse.cpu(), ref_lse, rtol=1e-5, atol=1e-5)
+    # the cache grows; the next step sees the new tokens (the device copy follows)
+    for s in seqs:
+        cache.append(s, llm_like(rng, (1, 2, 1, 128)), llm_like(rng, (1, 2, 1, 128)))
+    q1 = torch.from_numpy(llm_like(rng, (2, 8, 1, 128))).to(torch.bfloat16)
+    ref1 = dmattn.decode(cache, seqs, q1)
+    out1 = dmattn.decode(cache, seqs, q1.cuda())
+    rel1 = ((out1.cpu().float() - ref1.float()).norm() / ref1.float().norm()).item()
+    assert rel1 < 1e-2, rel1  # automatic splits on the GPU (P rounded per split) and bf16 output rounding

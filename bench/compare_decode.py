@@ -1,0 +1,82 @@
+"""Decode step: dmattn over an MX KV cache vs PyTorch SDPA over a bf16 cache of the same length, same
+run (issue 6). B sequences x ctx tokens, Hq=32, Hkv=8, d=128, one new query per sequence.
+
+SDPA: q [B,32,1,128], k/v [B,8,ctx,128] bf16, enable_gqa=True, each backend that accepts it (flash,
+efficient, cuDNN), CUDA events over 20 steps; bytes = K + V + q + out. dmattn: bench_decode_cuda
+(the GPU decode's enqueue: q quantization + kernel + split merge; and the synchronous call with its
+NaN check). The copy ceiling comes from the same binary. Prints one table last.
+
+usage: python3 bench/compare_decode.py BUILD_DIR OUT_DIR [B ...]
+"""
+import subprocess
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+build, out_dir = sys.argv[1], sys.argv[2]
+Bs = [int(b) for b in sys.argv[3:]] or [1, 16, 64]
+ctxs = [8192, 32768, 131072]
+Hq, Hkv, d = 32, 8, 128
+
+
+def time_us(fn, iters=20):
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(iters):
+        fn()
+    b.record()
+    b.synchronize()
+    return 1e3 * a.elapsed_time(b) / iters
+
+
+sdpa = {}
+for B in Bs:
+    for ctx in ctxs:
+        q = torch.randn(B, Hq, 1, d, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(B, Hkv, ctx, d, device="cuda", dtype=torch.bfloat16)
+        v = torch.randn(B, Hkv, ctx, d, device="cuda", dtype=torch.bfloat16)
+        nbytes = 2 * k.numel() * 2 + 2 * q.numel() * 2
+        best = None
+        for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("efficient", SDPBackend.EFFICIENT_ATTENTION),
+                         ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+            try:
+                with sdpa_kernel(be):
+                    us = time_us(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+            except RuntimeError as e:
+                print(f"sdpa {name} B={B} ctx={ctx}: not available ({str(e).splitlines()[0][:80]})", flush=True)
+                continue
+            print(f"sdpa {name} B={B} ctx={ctx}: {us:.1f} us, {nbytes / (us * 1e3):.0f} GB/s", flush=True)
+            if best is None or us < best[1]:
+                best = (name, us, nbytes)
+        sdpa[(B, ctx)] = best
+        del q, k, v
+        torch.cuda.empty_cache()
+
+res = subprocess.run([f"{build}/bench/bench_decode_cuda"] + ([str(Bs[0])] if len(Bs) == 1 else []),
+                     capture_output=True, text=True)
+open(f"{out_dir}/bench_decode.txt", "w").write(res.stdout + res.stderr)
+copy = None
+rows = []
+for line in res.stdout.splitlines():
+    f = line.split()
+    if f[:1] == ["copy"]:
+        copy = float(f[1])
+    if f[:1] == ["dmattn"]:
+        B, ctx = int(f[1]), int(f[2])
+        if B in Bs:
+            rows.append((B, ctx, float(f[3]), float(f[4]), float(f[5]), float(f[6])))
+if res.returncode != 0 or copy is None:
+    print(res.stdout, res.stderr)
+    sys.exit(1)
+
+print(f"\ndecode step, Hq=32 Hkv=8 d=128, Nq=1; copy ceiling {copy:.0f} GB/s (same run)")
+print(f"{'B':>3} {'ctx':>7} | {'SDPA best':>16} {'GB/s':>6} | {'dmattn us':>9} {'sync us':>8} {'GB/s':>6} "
+      f"{'of copy':>7} {'MB read':>8} | {'speedup':>7}")
+for B, ctx, us, us_sync, gbs, nbytes in rows:
+    name, sus, sbytes = sdpa[(B, ctx)]
+    print(f"{B:>3} {ctx:>7} | {name:>7} {sus:>8.1f} {sbytes / (sus * 1e3):>6.0f} | {us:>9.1f} {us_sync:>8.1f} {gbs:>6.0f} "
+          f"{100 * gbs / copy:>6.1f}% {nbytes / 1e6:>8.1f} | {sus / us:>6.2f}x")

@@ -1,0 +1,37 @@
+// Decode over KV-cache pages on the GPU (semantics: include/dmattn/kv_cache.hpp). decode_paged() is
+// the one kernel entry; the KV cache mirror (kv_mirror.cu) and the decode benchmark both call it.
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "dmattn/policy.hpp"
+#include "dmattn/tensor.hpp"
+
+namespace dmattn::cuda {
+
+// A device view of cache pages. Page p, KV head h: K codes at codes + (p*Hkv + h)*128*d as 128 rows
+// of the format's code bytes (d/2 for E2M1, two per byte, low nibble first; d otherwise), the E8M0
+// scales at scales + (p*Hkv + h)*128*(d/32), bf16 V at v + (p*Hkv + h)*128*d: the host page's
+// layout (KVCache::Page), so a page is uploaded as it is stored.
+struct PagedKV {
+  const uint8_t* codes = nullptr;
+  const uint8_t* scales = nullptr;
+  const uint16_t* v = nullptr;
+  const uint8_t* slot = nullptr;    // [pages] K's format: 0 = the policy's high format, 1 = low
+  const int32_t* table = nullptr;   // [S][max_pages] physical page of each logical page
+  const int32_t* length = nullptr;  // [S] tokens per sequence
+  int S = 0, max_pages = 0, Hkv = 0, d = 0;
+};
+
+// q, out: [S, Hq, Nq, d] CUDA views (unit stride on d); lse [S*Hq*Nq] device floats or null. splits
+// 0 = automatic. Enqueues the work on `stream` (q's quantization, the decode, the split merge) and
+// sets *nonfinite (device memory) to 1 if q holds NaN/Inf; throws dmattn::Error on bad arguments.
+void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorView& q, const TensorView& out, float* lse,
+                        float scale, int splits, int* nonfinite, cudaStream_t stream);
+
+// The same, synchronous: returns when the results are written; NaN/Inf in q throws.
+void decode_paged(const PagedKV& kv, const Policy& policy, const TensorView& q, const TensorView& out, float* lse,
+                  float scale, int splits, cudaStream_t stream);
+
+}  // namespace dmattn::cuda

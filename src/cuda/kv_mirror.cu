@@ -1,0 +1,140 @@
+// The KV cache on the device: a mirror of a KVCache's pages in three device pools (K codes, scales,
+// V), kept with the cache (KVCache::device_state) and refreshed page by page by version, so a
+// decode step uploads only what changed since the last one (the page the new tokens went into and
+// any page re-encoded on leaving the window), then runs decode_paged over it.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "cuda/buffers.hpp"
+#include "cuda/decode.cuh"
+#include "dmattn/error.hpp"
+#include "dmattn/kv_cache.hpp"
+#include "problem.hpp"
+
+namespace dmattn::cuda {
+namespace {
+
+constexpr int64_t T = kTile;
+
+struct Mirror {
+  int device = -1;
+  int64_t capacity = 0;            // pages the pools hold
+  int64_t code_bytes = 0, scale_bytes = 0, v_bytes = 0;  // per page
+  uint8_t* codes = nullptr;
+  uint8_t* scales = nullptr;
+  uint16_t* v = nullptr;
+  uint8_t* slot = nullptr;
+  std::vector<uint64_t> synced;    // page version on the device (0: never uploaded)
+  std::vector<uint8_t> slot_host;
+
+  ~Mirror() {
+    cudaFree(codes);
+    cudaFree(scales);
+    cudaFree(v);
+    cudaFree(slot);
+  }
+
+  // Pools for at least n pages; existing pages move along (the old pools are freed after the copy).
+  void reserve(int64_t n, cudaStream_t stream) {
+    if (n <= capacity) return;
+    const int64_t cap = std::max<int64_t>(n, 2 * capacity);
+    auto grow = [&](auto*& ptr, int64_t per_page) {
+      using P = std::remove_reference_t<decltype(ptr)>;
+      void* fresh = nullptr;
+      check(cudaMalloc(&fresh, size_t(cap * per_page)), "KV cache device pool");
+      if (ptr) {
+        check(cudaMemcpyAsync(fresh, ptr, size_t(capacity * per_page), cudaMemcpyDeviceToDevice, stream), "KV cache pool copy");
+        check(cudaStreamSynchronize(stream), "KV cache pool copy");
+        cudaFree(ptr);
+      }
+      ptr = static_cast<P>(fresh);
+    };
+    grow(codes, code_bytes);
+    grow(scales, scale_bytes);
+    grow(v, v_bytes);
+    grow(slot, 1);
+    capacity = cap;
+  }
+
+  void sync(const KVCache& cache, cudaStream_t stream) {
+    const int64_t n = cache.page_count();
+    reserve(n, stream);
+    synced.resize(size_t(n), 0);
+    slot_host.resize(size_t(n), 0);
+    bool slots_changed = false;
+    for (int64_t id = 0; id < n; ++id) {
+      const KVCache::Page& pg = cache.page(int32_t(id));
+      if (pg.version == synced[size_t(id)]) continue;
+      auto put = [&](void* dst, const void* src, size_t bytes) {
+        if (bytes) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream), "KV cache upload");
+      };
+      put(codes + id * code_bytes, pg.codes.data(), pg.codes.size());
+      put(scales + id * scale_bytes, pg.scales.data(), pg.scales.size());
+      put(v + id * (v_bytes / 2), pg.v.data(), pg.v.size() * sizeof(uint16_t));
+      slot_host[size_t(id)] = pg.format == cache.policy().high ? 0 : 1;
+      synced[size_t(id)] = pg.version;
+      slots_changed = true;
+    }
+    if (slots_changed)
+      check(cudaMemcpyAsync(slot, slot_host.data(), size_t(n), cudaMemcpyHostToDevice, stream), "KV cache upload");
+    // Pageable host sources: the copies are staged before cudaMemcpyAsync returns, but the slot
+    // array is reused by the next sync, so finish here.
+    check(cudaStreamSynchronize(stream), "KV cache upload");
+  }
+};
+
+}  // namespace
+
+void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const TensorView& q, const TensorView& out,
+                      float* lse, float scale, int splits, void* stream_ptr) {
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  if (cache.policy().pv != PV::bf16)
+    throw Error("decode_attention: the CUDA decode supports pv=bf16 for now; pv=mxfp8 caches decode on the CPU");
+  const int64_t d = cache.head_dim(), Hkv = cache.kv_heads();
+  int dev = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  std::shared_ptr<void>& state = cache.device_state();
+  if (!state || static_cast<Mirror*>(state.get())->device != dev) {  // first use, or another device now
+    auto m = std::make_shared<Mirror>();
+    m->device = dev;
+    m->code_bytes = Hkv * T * d;  // 8-bit rows; E2M1 pages use the first half
+    m->scale_bytes = Hkv * T * (d / 32);
+    m->v_bytes = Hkv * T * d * 2;
+    state = m;
+  }
+  Mirror& m = *static_cast<Mirror*>(state.get());
+  m.sync(cache, stream);
+
+  const int S = int(seqs.size());
+  int max_pages = 1;
+  for (int sq : seqs) max_pages = std::max<int>(max_pages, int(cache.page_table(sq).size()));
+  std::vector<int32_t> table(size_t(S) * size_t(max_pages), 0);
+  std::vector<int32_t> length(static_cast<size_t>(S));
+  for (int i = 0; i < S; ++i) {
+    const auto& t = cache.page_table(seqs[size_t(i)]);
+    std::copy(t.begin(), t.end(), table.begin() + int64_t(i) * max_pages);
+    length[size_t(i)] = int32_t(cache.length(seqs[size_t(i)]));
+  }
+  Buffers buf(stream);
+  PagedKV kv;
+  kv.codes = m.codes;
+  kv.scales = m.scales;
+  kv.v = m.v;
+  kv.slot = m.slot;
+  kv.table = buf.upload(table.data(), table.size());
+  kv.length = buf.upload(length.data(), length.size());
+  kv.S = S;
+  kv.max_pages = max_pages;
+  kv.Hkv = int(Hkv);
+  kv.d = int(d);
+  if (!is_device_pointer(q.data) || !is_device_pointer(out.data) || (lse && !is_device_pointer(lse)))
+    throw Error("decode_attention: q, out and lse must be device memory when q is a CUDA tensor");
+  decode_paged(kv, cache.policy(), q, out, lse, scale, splits, stream);
+}
+
+}  // namespace dmattn::cuda
