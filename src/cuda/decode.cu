@@ -1,10 +1,12 @@
-// Split-KV decode over cache pages on the GPU. One CTA per (split, KV head [x row chunk], sequence)
-// runs all query rows of its KV head (the G = Hq/Hkv query heads x Nq new queries: GQA-packed), so
-// each page is read from memory once per KV head. Pages stream through shared memory by cp.async,
-// double-buffered; scores and P.V run on the CUDA cores in the CPU oracle's arithmetic order
-// (per-32-block dot products scaled by the two E8M0 scales, online softmax per page, P rounded to
-// bf16); a second kernel merges the splits by LSE. Decode is memory-bound at small Nq: a page's
-// bytes (K at 4.25 or 8.25 bits, V at 16) are the cost, the arithmetic is hidden under them.
+// Split-KV decode over cache pages on the GPU. One CTA per (split, KV head x row chunk, sequence)
+// runs up to 16 query rows of one KV head (of the G = Hq/Hkv query heads x Nq new queries: GQA
+// packing, so a page is read once per KV head, not once per query head). Pages stream through
+// shared memory by cp.async, double-buffered. Both products run on the tensor cores with mma.sync:
+// S per 32-key block in FP8 (K's codes widened to E4M3 bytes where they are E2M1 or FP6, which is
+// exact), scaled by the two E8M0 scales and summed over blocks in order as the CPU oracle does;
+// P (rounded to bf16, as the oracle) times V in bf16 with fp32 accumulation. A second kernel merges
+// the splits by LSE. At Nq = 1 the work per byte is tiny: the page bytes (K at 4.25 or 8.25 bits,
+// V at 16) set the time, so the kernel's job is to keep enough of them in flight.
 #include "cuda/decode.cuh"
 
 #include <algorithm>
@@ -13,7 +15,9 @@
 #include <type_traits>
 
 #include "cuda/buffers.hpp"
+#include "cuda/cp_async.cuh"
 #include "cuda/fp8.cuh"
+#include "cuda/mma.cuh"
 #include "cuda/quantize.hpp"
 #include "dmattn/error.hpp"
 #include "dmattn/format.hpp"
@@ -23,16 +27,17 @@
 namespace dmattn::cuda {
 namespace {
 
-constexpr int T = kTile;        // keys per page
-constexpr int kThreads = 128;   // one thread per key of a page in the score phase
-constexpr int kMaxRows = 64;    // query rows per CTA; more rows take more CTAs
+constexpr int T = kTile;       // keys per page
+constexpr int kWarps = 4;      // each owns 32 keys in S and D/4 columns in P.V
+constexpr int kThreads = 32 * kWarps;
+constexpr int kRows = 16;      // query rows per CTA: the M of mma.sync; more rows take more CTAs
 
 struct Params {
   PagedKV kv;
   const uint8_t* q8[2];  // [rows][d] FP8 bytes of q's element values in the high / low format
   const uint8_t* qs[2];  // [rows][d/32] E8M0
   Elem kelem[2];         // K's element type per slot
-  bool qe5m2[2];         // q's FP8 byte type per slot
+  bool e5m2[2];          // the slot's FP8 byte type (q's and K's)
   float* part;           // [rows][splits][d + 2]: unnormalised acc, m, l
   int Hq, Nq, G, splits, chunks;
   float scale;
@@ -40,95 +45,93 @@ struct Params {
 
 template <int D>
 struct Smem {  // byte offsets into dynamic shared memory
-  static constexpr int kRow = D + 16;  // K row stride: 16-byte reads of 32 rows spread over all banks
-  static constexpr int kK = T * kRow, kS = T * (D / 32), kV = T * D * 2;
+  static constexpr int NB = D / 32;
+  // Rows of K (128 bytes, of which E2M1 and d = 64 use the first half or less) and V (2d bytes)
+  // store their 16-byte chunks XOR-swizzled by the row's low 3 bits (swz), so the fragment loads of
+  // 8 keys and ldmatrix's 8 rows fall in distinct banks without padding: two CTAs fit an SM.
+  static constexpr int kKRow = 128;
+  static constexpr int kVRow = 2 * D;
+  static constexpr int kK = T * kKRow, kS = T * NB, kV = T * kVRow;
   static constexpr int kStage = kK + kS + kV;
-  static constexpr int bytes(int rows) {
-    return 2 * kStage + (2 * rows * D + 2 * rows * (D / 32) + rows * T + 3 * rows) * int(sizeof(float));
-  }
+  static constexpr int kPRow = T + 8;       // floats; A-fragment loads of a half warp hit distinct banks
+  static constexpr int kP = 2 * kStage;     // P [kRows][kPRow] floats
+  static constexpr int kLut = kP + kRows * kPRow * 4;  // [2][64] FP6 code -> E4M3 byte
+  static constexpr int kRowState = kLut + 128;         // m, l, alpha [kRows] floats
+  static constexpr int kBytes = kRowState + 3 * kRows * 4;
+  static_assert(kK % 16 == 0 && kS % 16 == 0 && kStage % 16 == 0);
 };
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const uint32_t s = uint32_t(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem));
+// Four E2M1 codes (16 bits, low nibble first) as four E4M3 bytes holding the same values: the
+// magnitude through a byte permute of the eight E4M3 magnitudes, the sign moved to each byte's top.
+__device__ __forceinline__ uint32_t e2m1x4_to_e4m3x4(uint32_t x) {
+  const uint32_t mag = __byte_perm(0x3C383000u, 0x4C484440u, x & 0x7777u);  // 0, .5, 1, 1.5 | 2, 3, 4, 6
+  const uint32_t y = (x & 0xFFu) | ((x & 0xFF00u) << 8);                      // codes 0,1 in byte 0; 2,3 in byte 2
+  return mag | ((y & 0x00080008u) << 4) | ((y & 0x00800080u) << 8);
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N)); }
 
-// One 32-element block of a K row (in shared memory) as floats: the element values, unscaled.
+// Byte offset of byte `b` of row `row` in a swizzled shared-memory tile (16-byte chunks XOR row%8).
+__device__ __forceinline__ int swz(int row, int b) { return ((b / 16) ^ (row % 8)) * 16 + b % 16; }
+
+// The B fragment register of 4 consecutive K elements of a row (k = 4t.. of a block) as FP8 bytes.
 template <Elem E>
-__device__ __forceinline__ void k_block(const uint8_t* row, int c, float (&kv)[32]) {
+__device__ __forceinline__ uint32_t k_word(const uint8_t* row, int key, int k, const uint8_t* lut) {
   if constexpr (E == Elem::e2m1) {
-    const uint4 w = *reinterpret_cast<const uint4*>(row + c * 16);
-    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      // E2M1 magnitude m: 0, 0.5, else 2^((m>>1)-1) * (1 + (m&1)/2), built as float bits.
-      const uint32_t code = (words[i / 8] >> (4 * (i % 8))) & 0xF, m = code & 7;
-      const uint32_t mag = m == 0 ? 0u : m == 1 ? 0x3F000000u : (((m >> 1) + 126) << 23) | ((m & 1) << 22);
-      kv[i] = __uint_as_float(((code & 8) << 28) | mag);
-    }
-  } else {
-    const uint4 w0 = *reinterpret_cast<const uint4*>(row + c * 32), w1 = *reinterpret_cast<const uint4*>(row + c * 32 + 16);
-    const uint32_t words[8] = {w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w};
-#pragma unroll
-    for (int i = 0; i < 32; ++i) {
-      const uint8_t code = uint8_t(words[i / 4] >> (8 * (i % 4)));
-      if constexpr (E == Elem::e4m3 || E == Elem::e5m2)
-        kv[i] = fp8_decode<E == Elem::e5m2>(code);
-      else
-        kv[i] = decode_elem(E, code);
-    }
+    return e2m1x4_to_e4m3x4(*reinterpret_cast<const uint16_t*>(row + swz(key, k / 2)));
+  } else if constexpr (E == Elem::e4m3 || E == Elem::e5m2) {
+    return *reinterpret_cast<const uint32_t*>(row + swz(key, k));
+  } else {  // FP6: one code per byte
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(row + swz(key, k));
+    return uint32_t(lut[w & 0x3F]) | uint32_t(lut[(w >> 8) & 0x3F]) << 8 | uint32_t(lut[(w >> 16) & 0x3F]) << 16 |
+           uint32_t(lut[(w >> 24) & 0x3F]) << 24;
   }
 }
 
-// Scores of this thread's key (t) against rows [0, rows): sum over blocks of (sq * sk) * dot.
-template <int D, int kR, Elem E>
-__device__ __forceinline__ void page_scores(const uint8_t* krow, const uint8_t* kscale, const float* qv, const float* qsc,
-                                            int rows, float (&s)[kR]) {
-  constexpr int NB = D / 32;
-#pragma unroll
-  for (int r = 0; r < kR; ++r) s[r] = 0.0f;
-#pragma unroll 1
-  for (int c = 0; c < NB; ++c) {
-    float kv[32];
-    k_block<E>(krow, c, kv);
-    const float sk = decode_e8m0(kscale[c]);
-#pragma unroll
-    for (int r = 0; r < kR; ++r) {
-      if (r >= rows) break;
-      const float4* q4 = reinterpret_cast<const float4*>(qv + r * D + c * 32);
-      float dot = 0.0f;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float4 x = q4[i];
-        dot += x.x * kv[4 * i];
-        dot += x.y * kv[4 * i + 1];
-        dot += x.z * kv[4 * i + 2];
-        dot += x.w * kv[4 * i + 3];
-      }
-      s[r] += (qsc[r * NB + c] * sk) * dot;
-    }
-  }
-}
-
-template <int D, int kR>
-__global__ void __launch_bounds__(kThreads) decode_kernel(const Params p) {
-  constexpr int NB = D / 32, KG = kThreads / D;  // KG key groups share the columns in P.V
+// S for this warp's 32 keys (4 tiles of 8) against the CTA's 16 rows: for each 32-block, an FP8
+// mma into a fresh accumulator, then s += (sq * sk) * dot, blocks in order (the oracle's order).
+// s[n][i]: row g + 8*(i/2), key 8n + 2t + i%2 of the warp's keys.
+template <int D, Elem E>
+__device__ __forceinline__ void page_scores(const uint8_t* stage, int key0, const uint32_t (&qa)[D / 32][4],
+                                            const float (&sq)[D / 32][2], const uint8_t* lut, float (&s)[4][4]) {
   using S_ = Smem<D>;
-  extern __shared__ __align__(16) uint8_t smem[];
+  constexpr bool kE5M2 = E == Elem::e5m2;
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int n = 0; n < 4; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) s[n][i] = 0.0f;
+#pragma unroll
+  for (int c = 0; c < D / 32; ++c)
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      const int key = key0 + 8 * n + g;
+      const uint8_t* row = stage + key * S_::kKRow;
+      float d[4];
+      mma_fp8_block<kE5M2>(d, qa[c], k_word<E>(row, key, c * 32 + 4 * t, lut),
+                           k_word<E>(row, key, c * 32 + 16 + 4 * t, lut));
+      const uint8_t* ks = stage + S_::kK + (key0 + 8 * n + 2 * t) * S_::NB + c;
+      const float sk0 = decode_e8m0(ks[0]), sk1 = decode_e8m0(ks[S_::NB]);
+      s[n][0] += (sq[c][0] * sk0) * d[0];
+      s[n][1] += (sq[c][0] * sk1) * d[1];
+      s[n][2] += (sq[c][1] * sk0) * d[2];
+      s[n][3] += (sq[c][1] * sk1) * d[3];
+    }
+}
+
+template <int D>
+__global__ void __launch_bounds__(kThreads) decode_kernel(const Params p) {
+  constexpr int NB = D / 32;
+  using S_ = Smem<D>;
+  extern __shared__ __align__(128) uint8_t smem[];
   const int split = blockIdx.x, hk = blockIdx.y / p.chunks, chunk = blockIdx.y % p.chunks, s = blockIdx.z;
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
-  const int R = p.G * p.Nq, r0 = chunk * kMaxRows, rows = min(kMaxRows, R - r0);
-  // Rows of this CTA: (g, r) = ((r0 + i) / Nq, (r0 + i) % Nq); their q rows are consecutive.
+  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
+  const int r0 = chunk * kRows, rows = min(kRows, p.G * p.Nq - r0);
+  // Rows of this CTA: (query head hk*G + (r0+i)/Nq, query (r0+i)%Nq); their q rows are consecutive.
   const int64_t qrow0 = (int64_t(s) * p.Hq + int64_t(hk) * p.G) * p.Nq + r0;
-  float* qv = reinterpret_cast<float*>(smem + 2 * S_::kStage);  // [2][rows][D]
-  float* qsc = qv + 2 * rows * D;                                // [2][rows][NB]
-  float* P = qsc + 2 * rows * NB;                                // [rows][T]
-  float* m = P + rows * T;                                       // [rows]
-  float* l = m + rows;
-  float* alpha = l + rows;
+  float* P = reinterpret_cast<float*>(smem + S_::kP);
+  uint8_t* lut = smem + S_::kLut;
+  float* m = reinterpret_cast<float*>(smem + S_::kRowState);
+  float* l = m + kRows;
+  float* alpha = l + kRows;
 
   const int L = p.kv.length[s], np = (L + T - 1) / T, eff = min(p.splits, np);
   auto out_part = [&](int i) { return p.part + ((qrow0 + i) * p.splits + split) * (D + 2); };
@@ -137,98 +140,136 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const Params p) {
     return;
   }
   const int j0 = int(int64_t(split) * np / eff), j1 = int(int64_t(split + 1) * np / eff);
+  const int32_t* table = p.kv.table + int64_t(s) * p.kv.max_pages;
 
   auto issue = [&](int j, int stage) {  // page j of the sequence into a stage buffer
     if (j < j1) {
-      const int pid = p.kv.table[int64_t(s) * p.kv.max_pages + j];
-      const int rowb = p.kelem[p.kv.slot[pid]] == Elem::e2m1 ? D / 2 : D;
-      const int64_t base = (int64_t(pid) * p.kv.Hkv + hk) * T;
+      const int pid = table[j];
+      const int64_t head = int64_t(pid) * p.kv.Hkv + hk;
       uint8_t* st = smem + stage * S_::kStage;
-      const uint8_t* gk = p.kv.codes + base * D;  // the slot's start; the rows are packed at rowb bytes
-      const int kchunks = T * rowb / 16, per_row = rowb / 16;
-      for (int i = tid; i < kchunks; i += kThreads)
-        cp_async16(st + (i / per_row) * S_::kRow + (i % per_row) * 16, gk + i * 16);
-      const uint8_t* gs = p.kv.scales + base * NB;
+      if (p.kelem[p.kv.slot[pid]] == Elem::e2m1) {  // 64 packed bytes a row (for d = 128)
+        const uint8_t* gk = p.kv.codes + int64_t(pid) * p.kv.Hkv * T * D + int64_t(hk) * T * (D / 2);
+        for (int i = tid; i < T * D / 32; i += kThreads) {
+          const int key = i / (D / 32);
+          cp_async16(st + key * S_::kKRow + swz(key, (i % (D / 32)) * 16), gk + i * 16);
+        }
+      } else {
+        const uint8_t* gk = p.kv.codes + int64_t(pid) * p.kv.Hkv * T * D + int64_t(hk) * T * D;
+        for (int i = tid; i < T * D / 16; i += kThreads) {
+          const int key = i / (D / 16);
+          cp_async16(st + key * S_::kKRow + swz(key, (i % (D / 16)) * 16), gk + i * 16);
+        }
+      }
+      const uint8_t* gs = p.kv.scales + head * T * NB;
       for (int i = tid; i < S_::kS / 16; i += kThreads) cp_async16(st + S_::kK + i * 16, gs + i * 16);
-      const uint8_t* gv = reinterpret_cast<const uint8_t*>(p.kv.v + base * D);
-      for (int i = tid; i < S_::kV / 16; i += kThreads) cp_async16(st + S_::kK + S_::kS + i * 16, gv + i * 16);
+      const uint8_t* gv = reinterpret_cast<const uint8_t*>(p.kv.v + head * T * D);
+      for (int i = tid; i < T * D / 8; i += kThreads) {
+        const int key = i / (D / 8);
+        cp_async16(st + S_::kK + S_::kS + key * S_::kVRow + swz(key, (i % (D / 8)) * 16), gv + i * 16);
+      }
     }
     cp_async_commit();  // an empty group past the end keeps the wait counts uniform
   };
   issue(j0, 0);
   issue(j0 + 1, 1);
 
+  // q as A fragments (rows g, g+8; zero past this CTA's rows) and its block scales, per slot.
+  uint32_t qa[2][NB][4];
+  float sq[2][NB][2];
+#pragma unroll
   for (int sl = 0; sl < 2; ++sl)
-    for (int i = tid; i < rows * D; i += kThreads) {
-      const int64_t row = qrow0 + i / D;
-      const uint8_t b = p.q8[sl][row * D + i % D];
-      qv[sl * rows * D + i] = p.qe5m2[sl] ? fp8_decode<true>(b) : fp8_decode<false>(b);
-    }
-  for (int sl = 0; sl < 2; ++sl)
-    for (int i = tid; i < rows * NB; i += kThreads) qsc[sl * rows * NB + i] = decode_e8m0(p.qs[sl][qrow0 * NB + i]);
-  for (int i = tid; i < rows; i += kThreads) {
+#pragma unroll
+    for (int c = 0; c < NB; ++c)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = g + 8 * h;
+        const uint8_t* q = p.q8[sl] + (qrow0 + r) * D + c * 32 + 4 * t;
+        qa[sl][c][h] = r < rows ? *reinterpret_cast<const uint32_t*>(q) : 0u;
+        qa[sl][c][h + 2] = r < rows ? *reinterpret_cast<const uint32_t*>(q + 16) : 0u;
+        sq[sl][c][h] = r < rows ? decode_e8m0(p.qs[sl][(qrow0 + r) * NB + c]) : 0.0f;
+      }
+  for (int i = tid; i < 128; i += kThreads) {  // FP6 codes widened to E4M3 bytes (exact)
+    const Elem e = p.kelem[i / 64];
+    lut[i] = (e == Elem::e3m2 || e == Elem::e2m3) ? fp8_encode<false>(decode_elem(e, uint8_t(i % 64))) : 0;
+  }
+  for (int i = tid; i < kRows; i += kThreads) {
     m[i] = -INFINITY;
     l[i] = 0.0f;
   }
-  float acc[kR];
+  float acc[D / 32][4];  // this warp's D/4 columns: (D/32) tiles of 8; C fragment of rows g, g+8
 #pragma unroll
-  for (int r = 0; r < kR; ++r) acc[r] = 0.0f;
-  const int c = tid % D, kg = tid / D;
+  for (int n = 0; n < D / 32; ++n)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) acc[n][i] = 0.0f;
 
   for (int j = j0; j < j1; ++j) {
     const int stage = (j - j0) % 2;
     cp_async_wait<1>();
     __syncthreads();
     const uint8_t* st = smem + stage * S_::kStage;
-    const int pid = p.kv.table[int64_t(s) * p.kv.max_pages + j];
-    const int sl = p.kv.slot[pid];
-    const int keys = min(T, L - j * T);  // keys present in this page (the last row sees them all)
-    {  // scores: thread tid = key
-      float sc[kR];
-      const float* q = qv + sl * rows * D;
-      const float* qs = qsc + sl * rows * NB;
-      const uint8_t* krow = st + tid * S_::kRow;
-      const uint8_t* ks = st + S_::kK + tid * NB;
+    const int sl = p.kv.slot[table[j]];
+    const int keys = min(T, L - j * T);  // keys present in this page
+    {  // scores of the warp's 32 keys, written to P (scaled) for the softmax
+      float sc[4][4];
+      uint32_t qc[NB][4];  // the slot's q, by selects (a runtime index would put qa in local memory)
+      float sqc[NB][2];
+#pragma unroll
+      for (int c = 0; c < NB; ++c) {
+#pragma unroll
+        for (int i = 0; i < 4; ++i) qc[c][i] = sl ? qa[1][c][i] : qa[0][c][i];
+        sqc[c][0] = sl ? sq[1][c][0] : sq[0][c][0];
+        sqc[c][1] = sl ? sq[1][c][1] : sq[0][c][1];
+      }
+      const uint8_t* lt = lut + 64 * sl;
       switch (p.kelem[sl]) {
-        case Elem::e4m3: page_scores<D, kR, Elem::e4m3>(krow, ks, q, qs, rows, sc); break;
-        case Elem::e5m2: page_scores<D, kR, Elem::e5m2>(krow, ks, q, qs, rows, sc); break;
-        case Elem::e3m2: page_scores<D, kR, Elem::e3m2>(krow, ks, q, qs, rows, sc); break;
-        case Elem::e2m3: page_scores<D, kR, Elem::e2m3>(krow, ks, q, qs, rows, sc); break;
-        case Elem::e2m1: page_scores<D, kR, Elem::e2m1>(krow, ks, q, qs, rows, sc); break;
+        case Elem::e4m3: page_scores<D, Elem::e4m3>(st, 32 * warp, qc, sqc, lt, sc); break;
+        case Elem::e5m2: page_scores<D, Elem::e5m2>(st, 32 * warp, qc, sqc, lt, sc); break;
+        case Elem::e3m2: page_scores<D, Elem::e3m2>(st, 32 * warp, qc, sqc, lt, sc); break;
+        case Elem::e2m3: page_scores<D, Elem::e2m3>(st, 32 * warp, qc, sqc, lt, sc); break;
+        case Elem::e2m1: page_scores<D, Elem::e2m1>(st, 32 * warp, qc, sqc, lt, sc); break;
       }
 #pragma unroll
-      for (int r = 0; r < kR; ++r)
-        if (r < rows) P[r * T + tid] = sc[r] * p.scale;
+      for (int n = 0; n < 4; ++n)
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+          P[(g + 8 * (i / 2)) * S_::kPRow + 32 * warp + 8 * n + 2 * t + i % 2] = sc[n][i] * p.scale;
     }
     __syncthreads();
-    for (int r = warp; r < rows; r += kThreads / 32) {  // online softmax, one warp per row
+    for (int r = warp; r < kRows; r += kWarps) {  // online softmax, one warp per row
+      float* pr_row = P + r * S_::kPRow;
+      if (r >= rows) {  // padding rows: P = 0 keeps their (unused) accumulators finite
+#pragma unroll
+        for (int i = 0; i < 4; ++i) pr_row[lane + 32 * i] = 0.0f;
+        if (lane == 0) alpha[r] = 1.0f;
+        continue;
+      }
       const int q_index = (r0 + r) % p.Nq;
       const int nvalid = min(T, L - p.Nq + q_index + 1 - j * T);  // causal, bottom-right
       float pr[4], mt = -INFINITY;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        pr[i] = P[r * T + lane + 32 * i];
+        pr[i] = pr_row[lane + 32 * i];
         if (lane + 32 * i < nvalid) mt = fmaxf(mt, pr[i]);
       }
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
+      const float mold = m[r];
       if (nvalid <= 0) {  // this row sees no key of the page
 #pragma unroll
-        for (int i = 0; i < 4; ++i) P[r * T + lane + 32 * i] = 0.0f;
+        for (int i = 0; i < 4; ++i) pr_row[lane + 32 * i] = 0.0f;
         if (lane == 0) alpha[r] = 1.0f;
         continue;
       }
-      const float mnew = fmaxf(m[r], mt), a = expf(m[r] - mnew);
+      const float mnew = fmaxf(mold, mt), a = expf(mold - mnew);
       float psum = 0.0f;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const float e = lane + 32 * i < nvalid ? expf(pr[i] - mnew) : 0.0f;
         psum += e;
-        P[r * T + lane + 32 * i] = round_bf16(e);
+        pr_row[lane + 32 * i] = round_bf16(e);
       }
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) psum += __shfl_xor_sync(0xffffffffu, psum, o);
-      __syncwarp();
       if (lane == 0) {
         l[r] = l[r] * a + psum;
         m[r] = mnew;
@@ -236,24 +277,31 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const Params p) {
       }
     }
     __syncthreads();
-    {  // P.V: thread (column c, key group kg)
-      const uint16_t* V = reinterpret_cast<const uint16_t*>(st + S_::kK + S_::kS);
+    {  // P.V on the tensor cores: this warp's D/4 columns, 16 keys a step
+      const float a0 = alpha[g], a1 = alpha[g + 8];
 #pragma unroll
-      for (int r = 0; r < kR; ++r)
-        if (r < rows) acc[r] *= alpha[r];
-      const int kb = kg * (T / KG), ke = min(kb + T / KG, keys);
-      for (int k = kb; k < ke; k += 4) {
-        float v[4];
+      for (int n = 0; n < D / 32; ++n) {
+        acc[n][0] *= a0;
+        acc[n][1] *= a0;
+        acc[n][2] *= a1;
+        acc[n][3] *= a1;
+      }
+      const uint8_t* V = st + S_::kK + S_::kS;
+      const int col0 = warp * (D / 4);
+      for (int k0 = 0; k0 < keys; k0 += 16) {
+        uint32_t a[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) v[i] = __uint_as_float(uint32_t(V[(k + i) * D + c]) << 16);
+        for (int h = 0; h < 4; ++h) {  // rows g / g+8, keys k0 + 2t (+8)
+          const float2 x = *reinterpret_cast<const float2*>(P + (g + 8 * (h % 2)) * S_::kPRow + k0 + 8 * (h / 2) + 2 * t);
+          a[h] = bf16x2_rn(x.x, x.y);  // exact: P is already bf16-valued
+        }
 #pragma unroll
-        for (int r = 0; r < kR; ++r) {
-          if (r >= rows) break;
-          const float4 pw = *reinterpret_cast<const float4*>(P + r * T + k);
-          acc[r] += pw.x * v[0];
-          acc[r] += pw.y * v[1];
-          acc[r] += pw.z * v[2];
-          acc[r] += pw.w * v[3];
+        for (int n = 0; n < D / 32; n += 2) {  // two column tiles per ldmatrix
+          uint32_t b[4];
+          const int mi = lane / 8, key = k0 + lane % 8 + 8 * (mi % 2);  // matrix: keys +8 odd, columns +8 upper
+          ldmatrix_x4_trans(b, V + key * S_::kVRow + swz(key, (col0 + 8 * n + 8 * (mi / 2)) * 2));
+          mma_bf16_16816(acc[n], a, b[0], b[1]);
+          mma_bf16_16816(acc[n + 1], a, b[2], b[3]);
         }
       }
     }
@@ -261,26 +309,13 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const Params p) {
     issue(j + 2, stage);
   }
   cp_async_wait<0>();
-  if constexpr (KG > 1) {  // the key groups' partial sums, added in group order
-    __syncthreads();
-    for (int g = 1; g < KG; ++g) {
-      if (kg == g)
 #pragma unroll
-        for (int r = 0; r < kR; ++r)
-          if (r < rows) P[r * T + c] = acc[r];  // P's rows hold T >= D floats
-      __syncthreads();
-      if (kg == 0)
+  for (int n = 0; n < D / 32; ++n)
 #pragma unroll
-        for (int r = 0; r < kR; ++r)
-          if (r < rows) acc[r] += P[r * T + c];
-      __syncthreads();
+    for (int i = 0; i < 4; ++i) {
+      const int r = g + 8 * (i / 2);
+      if (r < rows) out_part(r)[warp * (D / 4) + 8 * n + 2 * t + i % 2] = acc[n][i];
     }
-  }
-  if (kg == 0) {
-#pragma unroll
-    for (int r = 0; r < kR; ++r)
-      if (r < rows) out_part(r)[c] = acc[r];
-  }
   for (int r = tid; r < rows; r += kThreads) {
     out_part(r)[D] = m[r];
     out_part(r)[D + 1] = l[r];
@@ -311,22 +346,11 @@ __global__ void merge_splits(const float* part, int64_t rows, int splits, int d,
   if (lse && c == 0) lse[row] = M + logf(lsum);
 }
 
-template <int D, int kR>
-void launch(const Params& p, dim3 grid, int rows, cudaStream_t stream) {
-  const int bytes = Smem<D>::bytes(rows);
-  check(cudaFuncSetAttribute(decode_kernel<D, kR>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
-        "decode kernel attribute");
-  decode_kernel<D, kR><<<grid, kThreads, bytes, stream>>>(p);
-}
-
 template <int D>
-void launch_rows(const Params& p, dim3 grid, int rows, cudaStream_t stream) {
-  if (rows <= 4)
-    launch<D, 4>(p, grid, rows, stream);
-  else if (rows <= 16)
-    launch<D, 16>(p, grid, rows, stream);
-  else
-    launch<D, kMaxRows>(p, grid, rows, stream);
+void launch(const Params& p, dim3 grid, cudaStream_t stream) {
+  check(cudaFuncSetAttribute(decode_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<D>::kBytes),
+        "decode kernel attribute");
+  decode_kernel<D><<<grid, kThreads, Smem<D>::kBytes, stream>>>(p);
 }
 
 }  // namespace
@@ -346,7 +370,7 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   p.Hq = int(Hq);
   p.Nq = int(Nq);
   p.G = int(Hq / Hkv);
-  p.chunks = (p.G * p.Nq + kMaxRows - 1) / kMaxRows;
+  p.chunks = (p.G * p.Nq + kRows - 1) / kRows;
   p.scale = scale;
   int dev = 0, sms = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
@@ -362,17 +386,16 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
     qt[sl] = QuantTarget{fmt[sl], buf.alloc<uint8_t>(size_t(rows * d)), buf.alloc<uint8_t>(size_t(rows * d / 32)), true};
     p.q8[sl] = qt[sl].codes;
     p.qs[sl] = qt[sl].scales;
-    p.qe5m2[sl] = mma_elem(fmt[sl]) == Elem::e5m2;
+    p.e5m2[sl] = mma_elem(fmt[sl]) == Elem::e5m2;
     p.kelem[sl] = format_info(fmt[sl]).elem;
   }
   quantize_rows(q, policy.scale_rule, qt[0], qt[1], stream, nonfinite);  // one read of q for both formats
   p.part = buf.alloc<float>(size_t(rows * p.splits * (d + 2)) * sizeof(float));
   const dim3 grid(unsigned(p.splits), unsigned(Hkv * p.chunks), unsigned(S));
-  const int cta_rows = std::min(p.G * p.Nq, kMaxRows);
   if (d == 64)
-    launch_rows<64>(p, grid, cta_rows, stream);
+    launch<64>(p, grid, stream);
   else
-    launch_rows<128>(p, grid, cta_rows, stream);
+    launch<128>(p, grid, stream);
   check(cudaGetLastError(), "decode kernel");
   const unsigned mblocks = unsigned((rows * d + 255) / 256);
   with_typed(out, [&](auto* typed) {

@@ -10,10 +10,11 @@
 
 namespace dmattn::cuda {
 
-// A device view of cache pages. Page p, KV head h: K codes at codes + (p*Hkv + h)*128*d as 128 rows
-// of the format's code bytes (d/2 for E2M1, two per byte, low nibble first; d otherwise), the E8M0
-// scales at scales + (p*Hkv + h)*128*(d/32), bf16 V at v + (p*Hkv + h)*128*d: the host page's
-// layout (KVCache::Page), so a page is uploaded as it is stored.
+// A device view of cache pages. Page p owns Hkv*128*d bytes of K codes from codes + p*Hkv*128*d,
+// holding [Hkv][128] rows of the format's code bytes (d/2 for E2M1, two per byte, low nibble
+// first; d otherwise: an E2M1 page fills half its slot); the E8M0 scales of page p, head h at
+// scales + (p*Hkv + h)*128*(d/32), bf16 V at v + (p*Hkv + h)*128*d. That is the host page's layout
+// (KVCache::Page), so a page is uploaded as it is stored.
 struct PagedKV {
   const uint8_t* codes = nullptr;
   const uint8_t* scales = nullptr;

@@ -29,6 +29,25 @@ __device__ __forceinline__ void mma_fp8_block(float d[4], const uint32_t a[4], u
   }
 }
 
+// d += A.B for a 16x8 tile over 16 keys in bf16 (A: P rows, B: V columns), fp32 accumulate.
+__device__ __forceinline__ void mma_bf16_16816(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Four 8x8 b16 matrices from shared memory, transposed: lanes 8i..8i+7 give the row addresses of
+// matrix i; r[i] receives, in lane (g, t), matrix i's elements (rows 2t and 2t+1, column g): the
+// B fragment of m16n8k16 when the matrix rows are keys and its columns are V's columns.
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* row_addr) {
+  const uint32_t a = uint32_t(__cvta_generic_to_shared(row_addr));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(a));
+}
+
 // Two floats rounded to bf16 (nearest-even, as to_bf16) in one instruction; lo in the low half.
 __device__ __forceinline__ uint32_t bf16x2_rn(float lo, float hi) {
   uint32_t r;

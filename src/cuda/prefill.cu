@@ -12,6 +12,7 @@
 // Online softmax in fp32; P rounded to bf16 (registers) times bf16 V (shared memory).
 #include <cmath>
 
+#include "cuda/cp_async.cuh"
 #include "cuda/mma.cuh"
 #include "cuda/prefill.cuh"
 #include "cuda/wgmma.cuh"
@@ -41,15 +42,6 @@ struct Smem {
   static constexpr int kBytes = kFlags + 16;
   static_assert(kQ % 1024 == 0 && kQs % 1024 == 0 && kStage % 1024 == 0);
 };
-
-// 16-byte global->shared copy that bypasses registers; zero-fills when `valid` is false.
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool valid) {
-  const uint32_t d = uint32_t(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(d), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 // The accumulator register i of a m64nN tile holds column 8*(i/4) + 2t + (i%2) of row half (i/2)%2.
 __device__ __forceinline__ int acc_col(int i, int t) { return 8 * (i / 4) + 2 * t + (i % 2); }

@@ -50,7 +50,9 @@ int KVCache::new_sequence() {
 void KVCache::free_sequence(int id) {
   Sequence& s = seq(id);
   for (int32_t p : s.table) {
+    const uint64_t version = pages_[size_t(p)].version;
     pages_[size_t(p)] = Page{};  // release the storage; the slot is reused
+    pages_[size_t(p)].version = version + 1;  // versions never repeat: a device copy must not take it as synced
     free_pages_.push_back(p);
   }
   s = Sequence{};

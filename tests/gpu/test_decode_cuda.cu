@@ -58,7 +58,7 @@ double check_decode(const KVCache& cache, const std::vector<int>& ids, const Hos
   EXPECT_EQ(c.nan_count, 0) << what;
   EXPECT_LE(c.rel_l2, tol) << what;
   for (size_t i = 0; i < rows; ++i)
-    EXPECT_NEAR(got_lse[i], want_lse[i], (tol > 1e-5 ? 1e-3f : 1e-5f) * (1 + std::fabs(want_lse[i]))) << what << " row " << i;
+    EXPECT_NEAR(got_lse[i], want_lse[i], (splits == 0 ? 1e-3f : 1e-5f) * (1 + std::fabs(want_lse[i]))) << what << " row " << i;
   return c.rel_l2;
 }
 
@@ -91,10 +91,14 @@ TEST(GpuDecode, MatchesCpuDecode) {
       // The cache grows between calls (pages fill, leave the window and are re-encoded): the device
       // mirror uploads what changed.
       for (int i = 0; i < 3; ++i) append_all(cache, ids[size_t(i)], xs[size_t(i)], lens[i], 200);
-      const QKV q2 = random_qkv({3, Hq, Hkv, 4, 4, d}, uint64_t(7 * d), DType::bf16, 2.0f);
-      check_decode(cache, ids, q2.q, 2, 1e-5, "after appends, bf16");
+      const QKV q2 = random_qkv({3, Hq, Hkv, 4, 4, d}, uint64_t(7 * d), DType::f32, 2.0f);
+      check_decode(cache, ids, q2.q, 2, 1e-5, "after appends");
       // Automatic splits (many on the GPU, one on the CPU): P is rounded per split, so ~1e-4.
       check_decode(cache, ids, q2.q, 0, 1e-3, "automatic splits");
+      // bf16 in and out: both sides round the same fp32 results to bf16, so where those differ in
+      // the last bits an output can land one bf16 step apart (~1e-5 rel. L2 over a tensor).
+      const QKV q3 = random_qkv({3, Hq, Hkv, 4, 4, d}, uint64_t(9 * d), DType::bf16, 2.0f);
+      check_decode(cache, ids, q3.q, 2, 1e-4, "bf16");
     }
 }
 
