@@ -270,6 +270,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const Params p) {
       }
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) psum += __shfl_xor_sync(0xffffffffu, psum, o);
+      __syncwarp();  // every lane has read m[r] before lane 0 replaces it
       if (lane == 0) {
         l[r] = l[r] * a + psum;
         m[r] = mnew;

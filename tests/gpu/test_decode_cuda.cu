@@ -95,10 +95,11 @@ TEST(GpuDecode, MatchesCpuDecode) {
       check_decode(cache, ids, q2.q, 2, 1e-5, "after appends");
       // Automatic splits (many on the GPU, one on the CPU): P is rounded per split, so ~1e-4.
       check_decode(cache, ids, q2.q, 0, 1e-3, "automatic splits");
-      // bf16 in and out: both sides round the same fp32 results to bf16, so where those differ in
-      // the last bits an output can land one bf16 step apart (~1e-5 rel. L2 over a tensor).
+      // bf16 in and out: both sides round fp32 results that agree to ~1e-6 to bf16 (8 bits), so a
+      // fraction ~1e-6 / 2^-8 of the outputs land one bf16 step (2^-8) apart: rel. L2 ~
+      // sqrt(4e-4) * 4e-3 ~ 1e-4. The fp32 cases above hold the 1e-5 bound.
       const QKV q3 = random_qkv({3, Hq, Hkv, 4, 4, d}, uint64_t(9 * d), DType::bf16, 2.0f);
-      check_decode(cache, ids, q3.q, 2, 1e-4, "bf16");
+      check_decode(cache, ids, q3.q, 2, 3e-4, "bf16");
     }
 }
 
