@@ -28,8 +28,9 @@ namespace dmattn::cuda {
 namespace {
 
 constexpr int T = kTile;       // keys per page
-constexpr int kWarps = 4;      // each owns 32 keys in S and D/4 columns in P.V
+constexpr int kWarps = 8;      // each owns 16 keys in S and d/8 columns in P.V
 constexpr int kThreads = 32 * kWarps;
+constexpr int kKeysPerWarp = T / kWarps;
 constexpr int kRows = 16;      // query rows per CTA: the M of mma.sync; more rows take more CTAs
 
 struct Params {
@@ -57,26 +58,47 @@ struct Smem {  // byte offsets into dynamic shared memory
   static constexpr int kP = 2 * kStage;     // P [kRows][kPRow] floats
   static constexpr int kLut = kP + kRows * kPRow * 4;  // [2][64] FP6 code -> E4M3 byte
   static constexpr int kRowState = kLut + 128;         // m, l, alpha [kRows] floats
-  static constexpr int kBytes = kRowState + 3 * kRows * 4;
+  static constexpr int kQa = kRowState + 3 * kRows * 4;  // q's A fragments [2][NB][4][32 lanes] uint32
+  static constexpr int kSq = kQa + 2 * NB * 4 * 32 * 4;  // q's block scales [2][NB][kRows] floats
+  static constexpr int kBytes = kSq + 2 * NB * kRows * 4;
   static_assert(kK % 16 == 0 && kS % 16 == 0 && kStage % 16 == 0);
 };
 
-// Four E2M1 codes (16 bits, low nibble first) as four E4M3 bytes holding the same values: the
-// magnitude through a byte permute of the eight E4M3 magnitudes, the sign moved to each byte's top.
-__device__ __forceinline__ uint32_t e2m1x4_to_e4m3x4(uint32_t x) {
-  const uint32_t mag = __byte_perm(0x3C383000u, 0x4C484440u, x & 0x7777u);  // 0, .5, 1, 1.5 | 2, 3, 4, 6
-  const uint32_t y = (x & 0xFFu) | ((x & 0xFF00u) << 8);                      // codes 0,1 in byte 0; 2,3 in byte 2
-  return mag | ((y & 0x00080008u) << 4) | ((y & 0x00800080u) << 8);
+// E2M1 pages run on the integer tensor cores: twice an E2M1 value is an integer in [-12, 12], so
+// a 32-element dot of q and K (both E2M1: q takes the page's format) is an exact int32 / 4. The
+// oracle's fp32 sum of those products is exact as well, so these scores match it bit for bit.
+// Four codes (16 bits, low nibble first) -> four int8 (2 x value): magnitude and negated magnitude
+// by byte permutes of the two 8-entry tables, chosen per byte by the sign (a permute in its
+// sign-replicating mode: nibble i's sign bit lands on the top bit of the byte it selects).
+__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {  // PTX prmt, sign mode included
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+__device__ __forceinline__ uint32_t e2m1x4_to_s8x4(uint32_t x) {
+  const uint32_t sel = x & 0x7777u;
+  const uint32_t pos = prmt(0x03020100u, 0x0C080604u, sel);  // 0 1 2 3 | 4 6 8 12
+  const uint32_t neg = prmt(0xFDFEFF00u, 0xF4F8FAFCu, sel);  // 0 -1 -2 -3 | -4 -6 -8 -12
+  const uint32_t mask = prmt(x << 4, x, 0xD9C8u);             // 0xFF where the code is negative
+  return (pos & ~mask) | (neg & mask);
+}
+
+__device__ __forceinline__ void mma_s8_block(int d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};\n"
+      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
 }
 
 // Byte offset of byte `b` of row `row` in a swizzled shared-memory tile (16-byte chunks XOR row%8).
 __device__ __forceinline__ int swz(int row, int b) { return ((b / 16) ^ (row % 8)) * 16 + b % 16; }
 
-// The B fragment register of 4 consecutive K elements of a row (k = 4t.. of a block) as FP8 bytes.
+// The B fragment register of 4 consecutive K elements of a row (k = 4t.. of a block): int8 twice
+// the value for E2M1, the FP8 byte otherwise (FP6 codes widened to E4M3 by a table, exactly).
 template <Elem E>
 __device__ __forceinline__ uint32_t k_word(const uint8_t* row, int key, int k, const uint8_t* lut) {
   if constexpr (E == Elem::e2m1) {
-    return e2m1x4_to_e4m3x4(*reinterpret_cast<const uint16_t*>(row + swz(key, k / 2)));
+    return e2m1x4_to_s8x4(*reinterpret_cast<const uint16_t*>(row + swz(key, k / 2)));
   } else if constexpr (E == Elem::e4m3 || E == Elem::e5m2) {
     return *reinterpret_cast<const uint32_t*>(row + swz(key, k));
   } else {  // FP6: one code per byte
@@ -86,30 +108,36 @@ __device__ __forceinline__ uint32_t k_word(const uint8_t* row, int key, int k, c
   }
 }
 
-// S for this warp's 32 keys (4 tiles of 8) against the CTA's 16 rows: for each 32-block, an FP8
-// mma into a fresh accumulator, then s += (sq * sk) * dot, blocks in order (the oracle's order).
+// S for this warp's 16 keys (2 tiles of 8) against the CTA's 16 rows: for each 32-block, an mma
+// into a fresh accumulator, then s += (sq * sk) * dot, blocks in order (the oracle's order).
 // s[n][i]: row g + 8*(i/2), key 8n + 2t + i%2 of the warp's keys.
 template <int D, Elem E>
 __device__ __forceinline__ void page_scores(const uint8_t* stage, int key0, const uint32_t (&qa)[D / 32][4],
-                                            const float (&sq)[D / 32][2], const uint8_t* lut, float (&s)[4][4]) {
+                                            const float (&sq)[D / 32][2], const uint8_t* lut, float (&s)[2][4]) {
   using S_ = Smem<D>;
-  constexpr bool kE5M2 = E == Elem::e5m2;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
-  for (int n = 0; n < 4; ++n)
+  for (int n = 0; n < 2; ++n)
 #pragma unroll
     for (int i = 0; i < 4; ++i) s[n][i] = 0.0f;
 #pragma unroll
   for (int c = 0; c < D / 32; ++c)
 #pragma unroll
-    for (int n = 0; n < 4; ++n) {
+    for (int n = 0; n < 2; ++n) {
       const int key = key0 + 8 * n + g;
       const uint8_t* row = stage + key * S_::kKRow;
+      const uint32_t b0 = k_word<E>(row, key, c * 32 + 4 * t, lut), b1 = k_word<E>(row, key, c * 32 + 16 + 4 * t, lut);
       float d[4];
-      mma_fp8_block<kE5M2>(d, qa[c], k_word<E>(row, key, c * 32 + 4 * t, lut),
-                           k_word<E>(row, key, c * 32 + 16 + 4 * t, lut));
+      if constexpr (E == Elem::e2m1) {
+        int di[4];
+        mma_s8_block(di, qa[c], b0, b1);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) d[i] = float(di[i]) * 0.25f;  // exact
+      } else {
+        mma_fp8_block<E == Elem::e5m2>(d, qa[c], b0, b1);
+      }
       const uint8_t* ks = stage + S_::kK + (key0 + 8 * n + 2 * t) * S_::NB + c;
-      const float sk0 = decode_e8m0(ks[0]), sk1 = decode_e8m0(ks[S_::NB]);
+      const float sk0 = e8m0_value(ks[0]), sk1 = e8m0_value(ks[S_::NB]);
       s[n][0] += (sq[c][0] * sk0) * d[0];
       s[n][1] += (sq[c][0] * sk1) * d[1];
       s[n][2] += (sq[c][1] * sk0) * d[2];
@@ -118,8 +146,8 @@ __device__ __forceinline__ void page_scores(const uint8_t* stage, int key0, cons
 }
 
 template <int D>
-__global__ void __launch_bounds__(kThreads) decode_kernel(const Params p) {
-  constexpr int NB = D / 32;
+__global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
+  constexpr int NB = D / 32, NT = D / kWarps / 8;  // NT column tiles of 8 per warp in P.V
   using S_ = Smem<D>;
   extern __shared__ __align__(128) uint8_t smem[];
   const int split = blockIdx.x, hk = blockIdx.y / p.chunks, chunk = blockIdx.y % p.chunks, s = blockIdx.z;
@@ -147,7 +175,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const Params p) {
       const int pid = table[j];
       const int64_t head = int64_t(pid) * p.kv.Hkv + hk;
       uint8_t* st = smem + stage * S_::kStage;
-      if (p.kelem[p.kv.slot[pid]] == Elem::e2m1) {  // 64 packed bytes a row (for d = 128)
+      if (p.kelem[p.kv.slot[pid]] == Elem::e2m1) {  // d/2 packed bytes a row
         const uint8_t* gk = p.kv.codes + int64_t(pid) * p.kv.Hkv * T * D + int64_t(hk) * T * (D / 2);
         for (int i = tid; i < T * D / 32; i += kThreads) {
           const int key = i / (D / 32);
@@ -173,21 +201,27 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const Params p) {
   issue(j0, 0);
   issue(j0 + 1, 1);
 
-  // q as A fragments (rows g, g+8; zero past this CTA's rows) and its block scales, per slot.
-  uint32_t qa[2][NB][4];
-  float sq[2][NB][2];
-#pragma unroll
-  for (int sl = 0; sl < 2; ++sl)
-#pragma unroll
-    for (int c = 0; c < NB; ++c)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int r = g + 8 * h;
-        const uint8_t* q = p.q8[sl] + (qrow0 + r) * D + c * 32 + 4 * t;
-        qa[sl][c][h] = r < rows ? *reinterpret_cast<const uint32_t*>(q) : 0u;
-        qa[sl][c][h + 2] = r < rows ? *reinterpret_cast<const uint32_t*>(q + 16) : 0u;
-        sq[sl][c][h] = r < rows ? decode_e8m0(p.qs[sl][(qrow0 + r) * NB + c]) : 0.0f;
-      }
+  // q as A fragments (rows g, g+8; zero past this CTA's rows) and its block scales, per slot, in
+  // shared memory (registers are the scarce resource at two CTAs an SM); an E2M1 slot's fragments
+  // hold int8 twice the value (see e2m1x4_to_s8x4).
+  uint32_t* qa = reinterpret_cast<uint32_t*>(smem + S_::kQa);
+  float* sq = reinterpret_cast<float*>(smem + S_::kSq);
+  for (int i = tid; i < 2 * NB * 4 * 32; i += kThreads) {
+    const int sl = i / (NB * 128), c = i / 128 % NB, h = i / 32 % 4, ln = i % 32;
+    const int r = ln / 4 + 8 * (h % 2);
+    uint32_t w =
+        r < rows ? *reinterpret_cast<const uint32_t*>(p.q8[sl] + (qrow0 + r) * D + c * 32 + 16 * (h / 2) + 4 * (ln % 4)) : 0u;
+    if (p.kelem[sl] == Elem::e2m1) {
+      uint32_t v = 0;
+      for (int b = 0; b < 4; ++b) v |= uint32_t(uint8_t(int8_t(2.0f * fp8_decode<false>(uint8_t(w >> (8 * b)))))) << (8 * b);
+      w = v;
+    }
+    qa[i] = w;
+  }
+  for (int i = tid; i < 2 * NB * kRows; i += kThreads) {
+    const int sl = i / (NB * kRows), c = i / kRows % NB, r = i % kRows;
+    sq[i] = r < rows ? e8m0_value(p.qs[sl][(qrow0 + r) * NB + c]) : 0.0f;
+  }
   for (int i = tid; i < 128; i += kThreads) {  // FP6 codes widened to E4M3 bytes (exact)
     const Elem e = p.kelem[i / 64];
     lut[i] = (e == Elem::e3m2 || e == Elem::e2m3) ? fp8_encode<false>(decode_elem(e, uint8_t(i % 64))) : 0;
@@ -196,9 +230,9 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const Params p) {
     m[i] = -INFINITY;
     l[i] = 0.0f;
   }
-  float acc[D / 32][4];  // this warp's D/4 columns: (D/32) tiles of 8; C fragment of rows g, g+8
+  float acc[NT][4];  // this warp's d/8 columns: NT tiles of 8; C fragment of rows g, g+8
 #pragma unroll
-  for (int n = 0; n < D / 32; ++n)
+  for (int n = 0; n < NT; ++n)
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[n][i] = 0.0f;
 
@@ -209,30 +243,32 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const Params p) {
     const uint8_t* st = smem + stage * S_::kStage;
     const int sl = p.kv.slot[table[j]];
     const int keys = min(T, L - j * T);  // keys present in this page
-    {  // scores of the warp's 32 keys, written to P (scaled) for the softmax
-      float sc[4][4];
-      uint32_t qc[NB][4];  // the slot's q, by selects (a runtime index would put qa in local memory)
+    {  // scores of the warp's 16 keys, written to P (scaled) for the softmax
+      float sc[2][4];
+      uint32_t qc[NB][4];
       float sqc[NB][2];
 #pragma unroll
       for (int c = 0; c < NB; ++c) {
 #pragma unroll
-        for (int i = 0; i < 4; ++i) qc[c][i] = sl ? qa[1][c][i] : qa[0][c][i];
-        sqc[c][0] = sl ? sq[1][c][0] : sq[0][c][0];
-        sqc[c][1] = sl ? sq[1][c][1] : sq[0][c][1];
+        for (int h = 0; h < 4; ++h) qc[c][h] = qa[((sl * NB + c) * 4 + h) * 32 + lane];
+        sqc[c][0] = sq[(sl * NB + c) * kRows + g];
+        sqc[c][1] = sq[(sl * NB + c) * kRows + g + 8];
       }
       const uint8_t* lt = lut + 64 * sl;
+      const int key0 = kKeysPerWarp * warp;
       switch (p.kelem[sl]) {
-        case Elem::e4m3: page_scores<D, Elem::e4m3>(st, 32 * warp, qc, sqc, lt, sc); break;
-        case Elem::e5m2: page_scores<D, Elem::e5m2>(st, 32 * warp, qc, sqc, lt, sc); break;
-        case Elem::e3m2: page_scores<D, Elem::e3m2>(st, 32 * warp, qc, sqc, lt, sc); break;
-        case Elem::e2m3: page_scores<D, Elem::e2m3>(st, 32 * warp, qc, sqc, lt, sc); break;
-        case Elem::e2m1: page_scores<D, Elem::e2m1>(st, 32 * warp, qc, sqc, lt, sc); break;
+        case Elem::e4m3: page_scores<D, Elem::e4m3>(st, key0, qc, sqc, lt, sc); break;
+        case Elem::e5m2: page_scores<D, Elem::e5m2>(st, key0, qc, sqc, lt, sc); break;
+        case Elem::e3m2: page_scores<D, Elem::e3m2>(st, key0, qc, sqc, lt, sc); break;
+        case Elem::e2m3: page_scores<D, Elem::e2m3>(st, key0, qc, sqc, lt, sc); break;
+        case Elem::e2m1: page_scores<D, Elem::e2m1>(st, key0, qc, sqc, lt, sc); break;
       }
 #pragma unroll
-      for (int n = 0; n < 4; ++n)
+      for (int n = 0; n < 2; ++n)
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
-          P[(g + 8 * (i / 2)) * S_::kPRow + 32 * warp + 8 * n + 2 * t + i % 2] = sc[n][i] * p.scale;
+        for (int i = 0; i < 4; i += 2)
+          *reinterpret_cast<float2*>(P + (g + 4 * i) * S_::kPRow + key0 + 8 * n + 2 * t) =
+              make_float2(sc[n][i] * p.scale, sc[n][i + 1] * p.scale);
     }
     __syncthreads();
     for (int r = warp; r < kRows; r += kWarps) {  // online softmax, one warp per row
@@ -266,7 +302,7 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const Params p) {
       for (int i = 0; i < 4; ++i) {
         const float e = lane + 32 * i < nvalid ? expf(pr[i] - mnew) : 0.0f;
         psum += e;
-        pr_row[lane + 32 * i] = round_bf16(e);
+        pr_row[lane + 32 * i] = __uint_as_float(bf16x2_rn(e, 0.0f) << 16);  // P in bf16, as the oracle
       }
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) psum += __shfl_xor_sync(0xffffffffu, psum, o);
@@ -278,17 +314,17 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const Params p) {
       }
     }
     __syncthreads();
-    {  // P.V on the tensor cores: this warp's D/4 columns, 16 keys a step
+    {  // P.V on the tensor cores: this warp's d/8 columns, 16 keys a step
       const float a0 = alpha[g], a1 = alpha[g + 8];
 #pragma unroll
-      for (int n = 0; n < D / 32; ++n) {
+      for (int n = 0; n < NT; ++n) {
         acc[n][0] *= a0;
         acc[n][1] *= a0;
         acc[n][2] *= a1;
         acc[n][3] *= a1;
       }
       const uint8_t* V = st + S_::kK + S_::kS;
-      const int col0 = warp * (D / 4);
+      const int col0 = warp * (D / kWarps);
       for (int k0 = 0; k0 < keys; k0 += 16) {
         uint32_t a[4];
 #pragma unroll
@@ -296,13 +332,16 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const Params p) {
           const float2 x = *reinterpret_cast<const float2*>(P + (g + 8 * (h % 2)) * S_::kPRow + k0 + 8 * (h / 2) + 2 * t);
           a[h] = bf16x2_rn(x.x, x.y);  // exact: P is already bf16-valued
         }
-#pragma unroll
-        for (int n = 0; n < D / 32; n += 2) {  // two column tiles per ldmatrix
-          uint32_t b[4];
-          const int mi = lane / 8, key = k0 + lane % 8 + 8 * (mi % 2);  // matrix: keys +8 odd, columns +8 upper
-          ldmatrix_x4_trans(b, V + key * S_::kVRow + swz(key, (col0 + 8 * n + 8 * (mi / 2)) * 2));
-          mma_bf16_16816(acc[n], a, b[0], b[1]);
-          mma_bf16_16816(acc[n + 1], a, b[2], b[3]);
+        uint32_t b[4];
+        if constexpr (NT == 2) {  // matrices: keys +8 for odd, columns +8 for the upper two
+          const int mi = lane / 8, key = k0 + lane % 8 + 8 * (mi % 2);
+          ldmatrix_x4_trans(b, V + key * S_::kVRow + swz(key, (col0 + 8 * (mi / 2)) * 2));
+          mma_bf16_16816(acc[0], a, b[0], b[1]);
+          mma_bf16_16816(acc[NT - 1], a, b[2], b[3]);
+        } else {  // one column tile: matrices 2, 3 repeat 0, 1 (their results unused)
+          const int mi = lane / 8, key = k0 + lane % 8 + 8 * (mi % 2);
+          ldmatrix_x4_trans(b, V + key * S_::kVRow + swz(key, col0 * 2));
+          mma_bf16_16816(acc[0], a, b[0], b[1]);
         }
       }
     }
@@ -311,11 +350,11 @@ __global__ void __launch_bounds__(kThreads) decode_kernel(const Params p) {
   }
   cp_async_wait<0>();
 #pragma unroll
-  for (int n = 0; n < D / 32; ++n)
+  for (int n = 0; n < NT; ++n)
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const int r = g + 8 * (i / 2);
-      if (r < rows) out_part(r)[warp * (D / 4) + 8 * n + 2 * t + i % 2] = acc[n][i];
+      if (r < rows) out_part(r)[warp * (D / kWarps) + 8 * n + 2 * t + i % 2] = acc[n][i];
     }
   for (int r = tid; r < rows; r += kThreads) {
     out_part(r)[D] = m[r];
