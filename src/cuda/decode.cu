@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -44,7 +45,7 @@ struct Params {
   float scale;
 };
 
-template <int D>
+template <int D, int kStages>
 struct Smem {  // byte offsets into dynamic shared memory
   static constexpr int NB = D / 32;
   // Rows of K (128 bytes, of which E2M1 and d = 64 use the first half or less) and V (2d bytes)
@@ -55,7 +56,7 @@ struct Smem {  // byte offsets into dynamic shared memory
   static constexpr int kK = T * kKRow, kS = T * NB, kV = T * kVRow;
   static constexpr int kStage = kK + kS + kV;
   static constexpr int kPRow = T + 8;       // floats; A-fragment loads of a half warp hit distinct banks
-  static constexpr int kP = 2 * kStage;     // P [kRows][kPRow] floats
+  static constexpr int kP = kStages * kStage;  // P [kRows][kPRow] floats
   static constexpr int kLut = kP + kRows * kPRow * 4;  // [2][64] FP6 code -> E4M3 byte
   static constexpr int kRowState = kLut + 128;         // m, l, alpha [kRows] floats
   static constexpr int kQa = kRowState + 3 * kRows * 4;  // q's A fragments [2][NB][4][32 lanes] uint32
@@ -111,10 +112,10 @@ __device__ __forceinline__ uint32_t k_word(const uint8_t* row, int key, int k, c
 // S for this warp's 16 keys (2 tiles of 8) against the CTA's 16 rows: for each 32-block, an mma
 // into a fresh accumulator, then s += (sq * sk) * dot, blocks in order (the oracle's order).
 // s[n][i]: row g + 8*(i/2), key 8n + 2t + i%2 of the warp's keys.
-template <int D, Elem E>
+template <int D, int kStages, Elem E>
 __device__ __forceinline__ void page_scores(const uint8_t* stage, int key0, const uint32_t (&qa)[D / 32][4],
                                             const float (&sq)[D / 32][2], const uint8_t* lut, float (&s)[2][4]) {
-  using S_ = Smem<D>;
+  using S_ = Smem<D, kStages>;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int n = 0; n < 2; ++n)
@@ -145,10 +146,12 @@ __device__ __forceinline__ void page_scores(const uint8_t* stage, int key0, cons
     }
 }
 
-template <int D>
-__global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
+// kStages pages in flight per CTA (kStages - 1 loading while one computes); two stages let two
+// CTAs share an SM, four take one SM alone.
+template <int D, int kStages>
+__global__ void __launch_bounds__(kThreads, kStages == 2 ? 2 : 1) decode_kernel(const Params p) {
   constexpr int NB = D / 32, NT = D / kWarps / 8;  // NT column tiles of 8 per warp in P.V
-  using S_ = Smem<D>;
+  using S_ = Smem<D, kStages>;
   extern __shared__ __align__(128) uint8_t smem[];
   const int split = blockIdx.x, hk = blockIdx.y / p.chunks, chunk = blockIdx.y % p.chunks, s = blockIdx.z;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
@@ -198,8 +201,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
     }
     cp_async_commit();  // an empty group past the end keeps the wait counts uniform
   };
-  issue(j0, 0);
-  issue(j0 + 1, 1);
+  for (int i = 0; i < kStages - 1; ++i) issue(j0 + i, i);
 
   // q as A fragments (rows g, g+8; zero past this CTA's rows) and its block scales, per slot, in
   // shared memory (registers are the scarce resource at two CTAs an SM); an E2M1 slot's fragments
@@ -237,9 +239,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
     for (int i = 0; i < 4; ++i) acc[n][i] = 0.0f;
 
   for (int j = j0; j < j1; ++j) {
-    const int stage = (j - j0) % 2;
-    cp_async_wait<1>();
-    __syncthreads();
+    const int stage = (j - j0) % kStages;
+    cp_async_wait<kStages - 2>();  // page j has landed (this thread's copies)
+    __syncthreads();                // ... everyone's; and every warp is done with page j - 1
+    issue(j + kStages - 1, (j - j0 + kStages - 1) % kStages);  // into page j - 1's stage
     const uint8_t* st = smem + stage * S_::kStage;
     const int sl = p.kv.slot[table[j]];
     const int keys = min(T, L - j * T);  // keys present in this page
@@ -257,11 +260,11 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
       const uint8_t* lt = lut + 64 * sl;
       const int key0 = kKeysPerWarp * warp;
       switch (p.kelem[sl]) {
-        case Elem::e4m3: page_scores<D, Elem::e4m3>(st, key0, qc, sqc, lt, sc); break;
-        case Elem::e5m2: page_scores<D, Elem::e5m2>(st, key0, qc, sqc, lt, sc); break;
-        case Elem::e3m2: page_scores<D, Elem::e3m2>(st, key0, qc, sqc, lt, sc); break;
-        case Elem::e2m3: page_scores<D, Elem::e2m3>(st, key0, qc, sqc, lt, sc); break;
-        case Elem::e2m1: page_scores<D, Elem::e2m1>(st, key0, qc, sqc, lt, sc); break;
+        case Elem::e4m3: page_scores<D, kStages, Elem::e4m3>(st, key0, qc, sqc, lt, sc); break;
+        case Elem::e5m2: page_scores<D, kStages, Elem::e5m2>(st, key0, qc, sqc, lt, sc); break;
+        case Elem::e3m2: page_scores<D, kStages, Elem::e3m2>(st, key0, qc, sqc, lt, sc); break;
+        case Elem::e2m3: page_scores<D, kStages, Elem::e2m3>(st, key0, qc, sqc, lt, sc); break;
+        case Elem::e2m1: page_scores<D, kStages, Elem::e2m1>(st, key0, qc, sqc, lt, sc); break;
       }
 #pragma unroll
       for (int n = 0; n < 2; ++n)
@@ -345,8 +348,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
         }
       }
     }
-    __syncthreads();  // the stage is free again
-    issue(j + 2, stage);
   }
   cp_async_wait<0>();
 #pragma unroll
@@ -386,11 +387,21 @@ __global__ void merge_splits(const float* part, int64_t rows, int splits, int d,
   if (lse && c == 0) lse[row] = M + logf(lsum);
 }
 
+template <int D, int kStages>
+void launch(const Params& p, dim3 grid, cudaStream_t stream) {
+  constexpr int bytes = Smem<D, kStages>::kBytes;
+  check(cudaFuncSetAttribute(decode_kernel<D, kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+        "decode kernel attribute");
+  decode_kernel<D, kStages><<<grid, kThreads, bytes, stream>>>(p);
+}
+
 template <int D>
 void launch(const Params& p, dim3 grid, cudaStream_t stream) {
-  check(cudaFuncSetAttribute(decode_kernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, Smem<D>::kBytes),
-        "decode kernel attribute");
-  decode_kernel<D><<<grid, kThreads, Smem<D>::kBytes, stream>>>(p);
+  static const char* env = std::getenv("DMATTN_DECODE_STAGES");  // experiment switch (bench/RESULTS.md)
+  if (env && std::atoi(env) == 4)
+    launch<D, 4>(p, grid, stream);
+  else
+    launch<D, 2>(p, grid, stream);
 }
 
 }  // namespace
