@@ -4,7 +4,8 @@
 // valid codes (the kernel's time does not depend on the values; building 64 x 128k tokens through
 // the host cache would take minutes). Times decode_paged_async (q's quantization, the kernel, the
 // split merge) with CUDA events, and the synchronous call (with its NaN check) on the wall clock.
-// Bytes read = every page's K codes + scales + V, plus q and out. Ceiling: a device copy, same run.
+// Bytes read = every page's K codes + scales + V, plus q and out. Ceilings, same run: a device copy
+// (read + write bytes) and a read-only pass over 2 GiB.
 // Prints one line per configuration: "dmattn B ctx us_async us_sync GB/s bytes splits".
 #include <cuda_runtime.h>
 
@@ -47,6 +48,17 @@ __global__ void fill(uint8_t* p, size_t n, int kind) {
   }
 }
 
+// Read-only ceiling: every byte of a buffer loaded once (16-byte loads), folded into one word per
+// thread so the loads cannot be dropped. Decode only reads; a copy's figure counts reads and writes.
+__global__ void read_all(const uint4* p, size_t n, uint32_t* sink) {
+  uint32_t x = 0;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
+    const uint4 v = __ldcs(p + i);
+    x ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  if (x == 0x9E3779B9u) *sink = x;  // practically never taken
+}
+
 int main(int argc, char** argv) {
   const int Hq = 32, Hkv = 8, d = 128, T = 128;
   std::vector<int> Bs = {1, 16, 64}, ctxs = {8192, 32768, 131072};
@@ -85,6 +97,15 @@ int main(int argc, char** argv) {
     float ms = 0;
     cudaEventElapsedTime(&ms, e0, e1);
     std::printf("copy %.1f GB/s\n", 2.0 * n * 10 / (ms * 1e6));
+    int sms = 0;
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+    read_all<<<sms * 8, 512>>>(static_cast<const uint4*>(a), n / 16, static_cast<uint32_t*>(b));
+    cudaEventRecord(e0);
+    for (int i = 0; i < 10; ++i) read_all<<<sms * 8, 512>>>(static_cast<const uint4*>(a), n / 16, static_cast<uint32_t*>(b));
+    cudaEventRecord(e1);
+    CK(cudaEventSynchronize(e1));
+    cudaEventElapsedTime(&ms, e0, e1);
+    std::printf("read %.1f GB/s\n", double(n) * 10 / (ms * 1e6));
     cudaFree(a);
     cudaFree(b);
   }
