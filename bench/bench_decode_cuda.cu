@@ -132,17 +132,7 @@ int main(int argc, char** argv) {
       CK(cudaMemcpy(dtable, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
       CK(cudaMemcpy(dlen, length.data(), length.size() * 4, cudaMemcpyHostToDevice));
       CK(cudaMemcpy(slot, slots.data(), slots.size(), cudaMemcpyHostToDevice));
-      PagedKV kv;
-      kv.codes = codes;
-      kv.scales = scales;
-      kv.v = v;
-      kv.slot = slot;
-      kv.table = dtable;
-      kv.length = dlen;
-      kv.S = B;
-      kv.max_pages = np;
-      kv.Hkv = Hkv;
-      kv.d = d;
+      const PagedKV kv{codes, scales, v, slot, dtable, dlen, B, np, Hkv, d};
       void *q, *out;
       int* bad;
       CK(cudaMalloc(&q, size_t(B) * Hq * d * 2));

@@ -121,17 +121,8 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
     length[size_t(i)] = int32_t(cache.length(seqs[size_t(i)]));
   }
   Buffers buf(stream);
-  PagedKV kv;
-  kv.codes = m.codes;
-  kv.scales = m.scales;
-  kv.v = m.v;
-  kv.slot = m.slot;
-  kv.table = buf.upload(table.data(), table.size());
-  kv.length = buf.upload(length.data(), length.size());
-  kv.S = S;
-  kv.max_pages = max_pages;
-  kv.Hkv = int(Hkv);
-  kv.d = int(d);
+  const PagedKV kv{m.codes,   m.scales,  m.v,      m.slot, buf.upload(table.data(), table.size()),
+                   buf.upload(length.data(), length.size()), S, max_pages, int(Hkv), int(d)};
   if (!is_device_pointer(q.data) || !is_device_pointer(out.data) || (lse && !is_device_pointer(lse)))
     throw Error("decode_attention: q, out and lse must be device memory when q is a CUDA tensor");
   decode_paged(kv, cache.policy(), q, out, lse, scale, splits, stream);
