@@ -11,7 +11,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -395,13 +394,12 @@ void launch(const Params& p, dim3 grid, cudaStream_t stream) {
   decode_kernel<D, kStages><<<grid, kThreads, bytes, stream>>>(p);
 }
 
+// Two stages at two CTAs an SM: measured faster than four stages at one CTA an SM (1.3-1.45x,
+// bench/RESULTS.md run 19), i.e. the kernel wants warps to hide its instruction latency more than
+// it wants bytes in flight.
 template <int D>
 void launch(const Params& p, dim3 grid, cudaStream_t stream) {
-  static const char* env = std::getenv("DMATTN_DECODE_STAGES");  // experiment switch (bench/RESULTS.md)
-  if (env && std::atoi(env) == 4)
-    launch<D, 4>(p, grid, stream);
-  else
-    launch<D, 2>(p, grid, stream);
+  launch<D, 2>(p, grid, stream);
 }
 
 }  // namespace
