@@ -6,12 +6,13 @@
 // split merge) with CUDA events, and the synchronous call (with its NaN check) on the wall clock.
 // Bytes read = every page's K codes + scales + V, plus q and out. Ceilings, same run: a device copy
 // (read + write bytes) and a read-only pass over 2 GiB.
-// Prints one line per configuration: "dmattn B ctx us_async us_sync GB/s bytes splits".
+// Prints one line per configuration: "dmattn-<pv> B ctx us_async us_sync GB/s bytes".
 #include <cuda_runtime.h>
 
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "cuda/decode.cuh"
@@ -61,23 +62,33 @@ __global__ void read_all(const uint4* p, size_t n, uint32_t* sink) {
 
 int main(int argc, char** argv) {
   const int Hq = 32, Hkv = 8, d = 128, T = 128;
+  // usage: bench_decode_cuda [bf16|mxfp8 (V's format, pv)] [B] [ctx]
+  const bool pv8 = argc > 1 && std::string(argv[1]) == "mxfp8";
   std::vector<int> Bs = {1, 16, 64}, ctxs = {8192, 32768, 131072};
-  if (argc > 1) Bs = {std::atoi(argv[1])};
-  if (argc > 2) ctxs = {std::atoi(argv[2])};
+  if (argc > 2) Bs = {std::atoi(argv[2])};
+  if (argc > 3) ctxs = {std::atoi(argv[3])};
   int maxB = 0, maxctx = 0;
   for (int b : Bs) maxB = std::max(maxB, b);
   for (int c : ctxs) maxctx = std::max(maxctx, c);
   const int64_t pages = int64_t(maxB) * (maxctx / T);
   const size_t code_bytes = size_t(Hkv) * T * d, scale_bytes = size_t(Hkv) * T * (d / 32), v_elems = size_t(Hkv) * T * d;
-  uint8_t *codes, *scales, *slot;
-  uint16_t* v;
+  uint8_t *codes, *scales, *slot, *v8 = nullptr, *vs = nullptr;
+  uint16_t* v = nullptr;
+  const size_t vs_bytes = size_t(Hkv) * (T / 32) * d;
   CK(cudaMalloc(&codes, pages * code_bytes));
   CK(cudaMalloc(&scales, pages * scale_bytes));
-  CK(cudaMalloc(&v, pages * v_elems * 2));
   CK(cudaMalloc(&slot, pages));
   fill<<<4096, 256>>>(codes, pages * code_bytes, 0);
   fill<<<4096, 256>>>(scales, pages * scale_bytes, 1);
-  fill<<<4096, 256>>>(reinterpret_cast<uint8_t*>(v), pages * v_elems, 2);
+  if (pv8) {  // V^T E4M3 codes (the K code rule keeps them off NaN) and E8M0 block scales
+    CK(cudaMalloc(&v8, pages * v_elems));
+    CK(cudaMalloc(&vs, pages * vs_bytes));
+    fill<<<4096, 256>>>(v8, pages * v_elems, 0);
+    fill<<<4096, 256>>>(vs, pages * vs_bytes, 1);
+  } else {
+    CK(cudaMalloc(&v, pages * v_elems * 2));
+    fill<<<4096, 256>>>(reinterpret_cast<uint8_t*>(v), pages * v_elems, 2);
+  }
   CK(cudaDeviceSynchronize());
 
   // Ceiling: device-to-device copy of 2 GiB, read + write bytes.
@@ -110,7 +121,8 @@ int main(int argc, char** argv) {
     cudaFree(b);
   }
 
-  Policy pol;  // default: mxfp8-e4m3 diag 1, mxfp4 elsewhere, pv bf16
+  Policy pol;  // default: mxfp8-e4m3 diag 1, mxfp4 elsewhere
+  pol.pv = pv8 ? PV::mxfp8 : PV::bf16;
   for (int B : Bs)
     for (int ctx : ctxs) {
       const int np = ctx / T;
@@ -123,7 +135,7 @@ int main(int argc, char** argv) {
           table[size_t(pid)] = pid;
           const bool high = j == np - 1;  // the newest page: the diagonal tile
           slots[size_t(pid)] = high ? 0 : 1;
-          bytes += double(Hkv) * T * ((high ? d : d / 2) + d / 32 + 2 * d);
+          bytes += double(Hkv) * T * ((high ? d : d / 2) + d / 32 + (pv8 ? d + d / 32 : 2 * d));
         }
       bytes += 2.0 * B * Hq * d * 2;  // q in, out
       int32_t *dtable, *dlen;
@@ -132,7 +144,7 @@ int main(int argc, char** argv) {
       CK(cudaMemcpy(dtable, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
       CK(cudaMemcpy(dlen, length.data(), length.size() * 4, cudaMemcpyHostToDevice));
       CK(cudaMemcpy(slot, slots.data(), slots.size(), cudaMemcpyHostToDevice));
-      const PagedKV kv{codes, scales, v, slot, dtable, dlen, B, np, Hkv, d};
+      const PagedKV kv{codes, scales, v, slot, dtable, dlen, B, np, Hkv, d, v8, vs};
       void *q, *out;
       int* bad;
       CK(cudaMalloc(&q, size_t(B) * Hq * d * 2));
@@ -163,7 +175,7 @@ int main(int argc, char** argv) {
       int bad_host = 0;
       CK(cudaMemcpy(&bad_host, bad, 4, cudaMemcpyDeviceToHost));
       if (bad_host) std::printf("warning: q flagged non-finite\n");
-      std::printf("dmattn %d %d %.2f %.2f %.1f %.0f\n", B, ctx, us, us_sync, bytes / (us * 1e3), bytes);
+      std::printf("dmattn-%s %d %d %.2f %.2f %.1f %.0f\n", pv8 ? "mxfp8" : "bf16", B, ctx, us, us_sync, bytes / (us * 1e3), bytes);
       std::fflush(stdout);
       cudaFree(dtable);
       cudaFree(dlen);

@@ -4,7 +4,7 @@ run (issue 6). B sequences x ctx tokens, Hq=32, Hkv=8, d=128, one new query per 
 SDPA: q [B,32,1,128], k/v [B,8,ctx,128] bf16, enable_gqa=True, each backend that accepts it (flash,
 efficient, cuDNN), CUDA events over 20 steps; bytes = K + V + q + out. dmattn: bench_decode_cuda
 (the GPU decode's enqueue: q quantization + kernel + split merge; and the synchronous call with its
-NaN check). The copy ceiling comes from the same binary. Prints one table last.
+NaN check), V in bf16 (pv = bf16) and in MXFP8 (pv = mxfp8). The copy ceiling comes from the same binary. Prints one table last.
 
 usage: python3 bench/compare_decode.py BUILD_DIR OUT_DIR [B ...]
 """
@@ -58,31 +58,30 @@ for B in Bs:
         del q, k, v
         torch.cuda.empty_cache()
 
-res = subprocess.run([f"{build}/bench/bench_decode_cuda"] + ([str(Bs[0])] if len(Bs) == 1 else []),
-                     capture_output=True, text=True)
-open(f"{out_dir}/bench_decode.txt", "w").write(res.stdout + res.stderr)
-copy = read = None
-rows = []
-for line in res.stdout.splitlines():
-    f = line.split()
-    if f[:1] == ["copy"]:
-        copy = float(f[1])
-    if f[:1] == ["read"]:
-        read = float(f[1])
-    if f[:1] == ["dmattn"]:
-        B, ctx = int(f[1]), int(f[2])
-        if B in Bs:
-            rows.append((B, ctx, float(f[3]), float(f[4]), float(f[5]), float(f[6])))
-if res.returncode != 0 or copy is None:
-    print(res.stdout, res.stderr)
-    sys.exit(1)
+out_txt, rows, copy, read = "", [], None, None
+for pv in ("bf16", "mxfp8"):
+    res = subprocess.run([f"{build}/bench/bench_decode_cuda", pv] + ([str(Bs[0])] if len(Bs) == 1 else []),
+                         capture_output=True, text=True)
+    out_txt += res.stdout + res.stderr
+    if res.returncode != 0:
+        print(res.stdout, res.stderr)
+        sys.exit(1)
+    for line in res.stdout.splitlines():
+        f = line.split()
+        if f[:1] == ["copy"]:
+            copy = float(f[1])
+        if f[:1] == ["read"]:
+            read = float(f[1])
+        if f and f[0].startswith("dmattn-") and int(f[1]) in Bs:
+            rows.append((f[0][7:], int(f[1]), int(f[2]), float(f[3]), float(f[4]), float(f[5]), float(f[6])))
+open(f"{out_dir}/bench_decode.txt", "w").write(out_txt)
 
 print(f"\ndecode step, Hq=32 Hkv=8 d=128, Nq=1; ceilings (same run): copy {copy:.0f} GB/s (read + write), "
       f"read-only {read:.0f} GB/s")
-print(f"{'B':>3} {'ctx':>7} | {'SDPA best':>16} {'GB/s':>6} {'of read':>7} | {'dmattn us':>9} {'sync us':>8} {'GB/s':>6} "
+print(f"{'pv':>5} {'B':>3} {'ctx':>7} | {'SDPA best':>16} {'GB/s':>6} {'of read':>7} | {'dmattn us':>9} {'sync us':>8} {'GB/s':>6} "
       f"{'of copy':>7} {'of read':>7} {'MB read':>8} | {'speedup':>7}")
-for B, ctx, us, us_sync, gbs, nbytes in rows:
+for pv, B, ctx, us, us_sync, gbs, nbytes in rows:
     name, sus, sbytes = sdpa[(B, ctx)]
     sg = sbytes / (sus * 1e3)
-    print(f"{B:>3} {ctx:>7} | {name:>7} {sus:>8.1f} {sg:>6.0f} {100 * sg / read:>6.1f}% | {us:>9.1f} {us_sync:>8.1f} "
+    print(f"{pv:>5} {B:>3} {ctx:>7} | {name:>7} {sus:>8.1f} {sg:>6.0f} {100 * sg / read:>6.1f}% | {us:>9.1f} {us_sync:>8.1f} "
           f"{gbs:>6.0f} {100 * gbs / copy:>6.1f}% {100 * gbs / read:>6.1f}% {nbytes / 1e6:>8.1f} | {sus / us:>6.2f}x")

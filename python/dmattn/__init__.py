@@ -141,7 +141,7 @@ def decode(cache: KVCache, seqs, q, *, scale: float | None = None, splits: int =
       seqs: the sequence ids, one per row of q's first axis.
       q: [len(seqs), Hq, Nq, d] numpy array or torch tensor, 1 <= Nq <= 16; the queries of each
         sequence's last Nq positions (causal, bottom-right). A CUDA tensor runs the GPU decode
-        (pv="bf16", d 64/128) over a device copy of the cache's pages that follows the cache
+        (d 64/128, pv "bf16" or "mxfp8") over a device copy of the cache's pages that follows the cache
         (only pages changed since the last call are uploaded); torch's current stream.
       scale: softmax scale; default 1/sqrt(d).
       splits: split-KV ranges per sequence, merged by LSE. 0 = automatic (1 on the CPU, which

@@ -4,7 +4,9 @@
 // shared memory by cp.async, double-buffered. Both products run on the tensor cores with mma.sync:
 // S per 32-key block in FP8 (K's codes widened to E4M3 bytes where they are E2M1 or FP6, which is
 // exact), scaled by the two E8M0 scales and summed over blocks in order as the CPU oracle does;
-// P (rounded to bf16, as the oracle) times V in bf16 with fp32 accumulation. A second kernel merges
+// P (rounded to bf16, as the oracle) times V in bf16 with fp32 accumulation, or with pv = mxfp8 P
+// quantized to MXFP8 per 32 keys times V's MXFP8 codes on the FP8 tensor cores, each block scaled
+// by P's and V's scales and summed in block order (the oracle's order). A second kernel merges
 // the splits by LSE. At Nq = 1 the work per byte is tiny: the page bytes (K at 4.25 or 8.25 bits,
 // V at 16) set the time, so the kernel's job is to keep enough of them in flight.
 #include "cuda/decode.cuh"
@@ -42,17 +44,21 @@ struct Params {
   float* part;           // [rows][splits][d + 2]: unnormalised acc, m, l
   int Hq, Nq, G, splits, chunks;
   float scale;
+  ScaleRule rule;        // pv = mxfp8: P's 32-key blocks take their scales by this rule
 };
 
-template <int D, int kStages>
+constexpr int kStages = 2;  // pages per CTA in flight + computing (see launch)
+
+template <int D, bool kPV8>
 struct Smem {  // byte offsets into dynamic shared memory
   static constexpr int NB = D / 32;
   // Rows of K (128 bytes, of which E2M1 and d = 64 use the first half or less) and V (2d bytes)
   // store their 16-byte chunks XOR-swizzled by the row's low 3 bits (swz), so the fragment loads of
   // 8 keys and ldmatrix's 8 rows fall in distinct banks without padding: two CTAs fit an SM.
+  // pv = mxfp8: V^T as d rows of 128 E4M3 bytes (swizzled like K), then its E8M0 scales [4][d].
   static constexpr int kKRow = 128;
-  static constexpr int kVRow = 2 * D;
-  static constexpr int kK = T * kKRow, kS = T * NB, kV = T * kVRow;
+  static constexpr int kVRow = kPV8 ? T : 2 * D;
+  static constexpr int kK = T * kKRow, kS = T * NB, kV = kPV8 ? D * T + 4 * D : T * kVRow;
   static constexpr int kStage = kK + kS + kV;
   static constexpr int kPRow = T + 8;       // floats; A-fragment loads of a half warp hit distinct banks
   static constexpr int kP = kStages * kStage;  // P [kRows][kPRow] floats
@@ -60,7 +66,9 @@ struct Smem {  // byte offsets into dynamic shared memory
   static constexpr int kRowState = kLut + 128;         // m, l, alpha [kRows] floats
   static constexpr int kQa = kRowState + 3 * kRows * 4;  // q's A fragments [2][NB][4][32 lanes] uint32
   static constexpr int kSq = kQa + 2 * NB * 4 * 32 * 4;  // q's block scales [2][NB][kRows] floats
-  static constexpr int kBytes = kSq + 2 * NB * kRows * 4;
+  static constexpr int kP8 = kSq + 2 * NB * kRows * 4;  // pv = mxfp8: P's E4M3 codes [kRows][128], swizzled
+  static constexpr int kPs = kP8 + (kPV8 ? kRows * T : 0);  // ... and its block scales [kRows][4] floats
+  static constexpr int kBytes = kPs + (kPV8 ? kRows * 4 * 4 : 0);
   static_assert(kK % 16 == 0 && kS % 16 == 0 && kStage % 16 == 0);
 };
 
@@ -111,10 +119,10 @@ __device__ __forceinline__ uint32_t k_word(const uint8_t* row, int key, int k, c
 // S for this warp's 16 keys (2 tiles of 8) against the CTA's 16 rows: for each 32-block, an mma
 // into a fresh accumulator, then s += (sq * sk) * dot, blocks in order (the oracle's order).
 // s[n][i]: row g + 8*(i/2), key 8n + 2t + i%2 of the warp's keys.
-template <int D, int kStages, Elem E>
+template <int D, bool kPV8, Elem E>
 __device__ __forceinline__ void page_scores(const uint8_t* stage, int key0, const uint32_t (&qa)[D / 32][4],
                                             const float (&sq)[D / 32][2], const uint8_t* lut, float (&s)[2][4]) {
-  using S_ = Smem<D, kStages>;
+  using S_ = Smem<D, kPV8>;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
 #pragma unroll
   for (int n = 0; n < 2; ++n)
@@ -145,12 +153,11 @@ __device__ __forceinline__ void page_scores(const uint8_t* stage, int key0, cons
     }
 }
 
-// kStages pages in flight per CTA (kStages - 1 loading while one computes); two stages let two
-// CTAs share an SM, four take one SM alone.
-template <int D, int kStages>
-__global__ void __launch_bounds__(kThreads, kStages == 2 ? 2 : 1) decode_kernel(const Params p) {
+// kStages pages per CTA: one computes while the next loads; two CTAs share an SM.
+template <int D, bool kPV8>
+__global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   constexpr int NB = D / 32, NT = D / kWarps / 8;  // NT column tiles of 8 per warp in P.V
-  using S_ = Smem<D, kStages>;
+  using S_ = Smem<D, kPV8>;
   extern __shared__ __align__(128) uint8_t smem[];
   const int split = blockIdx.x, hk = blockIdx.y / p.chunks, chunk = blockIdx.y % p.chunks, s = blockIdx.z;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
@@ -192,10 +199,20 @@ __global__ void __launch_bounds__(kThreads, kStages == 2 ? 2 : 1) decode_kernel(
       }
       const uint8_t* gs = p.kv.scales + head * T * NB;
       for (int i = tid; i < S_::kS / 16; i += kThreads) cp_async16(st + S_::kK + i * 16, gs + i * 16);
-      const uint8_t* gv = reinterpret_cast<const uint8_t*>(p.kv.v + head * T * D);
-      for (int i = tid; i < T * D / 8; i += kThreads) {
-        const int key = i / (D / 8);
-        cp_async16(st + S_::kK + S_::kS + key * S_::kVRow + swz(key, (i % (D / 8)) * 16), gv + i * 16);
+      if constexpr (kPV8) {  // V^T rows (one per column) of 128 key bytes, then the scales
+        const uint8_t* gv = p.kv.v8 + head * T * D;
+        for (int i = tid; i < T * D / 16; i += kThreads) {
+          const int col = i / (T / 16);
+          cp_async16(st + S_::kK + S_::kS + col * S_::kVRow + swz(col, (i % (T / 16)) * 16), gv + i * 16);
+        }
+        const uint8_t* gvs = p.kv.vs + head * 4 * D;
+        for (int i = tid; i < 4 * D / 16; i += kThreads) cp_async16(st + S_::kK + S_::kS + D * T + i * 16, gvs + i * 16);
+      } else {
+        const uint8_t* gv = reinterpret_cast<const uint8_t*>(p.kv.v + head * T * D);
+        for (int i = tid; i < T * D / 8; i += kThreads) {
+          const int key = i / (D / 8);
+          cp_async16(st + S_::kK + S_::kS + key * S_::kVRow + swz(key, (i % (D / 8)) * 16), gv + i * 16);
+        }
       }
     }
     cp_async_commit();  // an empty group past the end keeps the wait counts uniform
@@ -259,11 +276,11 @@ __global__ void __launch_bounds__(kThreads, kStages == 2 ? 2 : 1) decode_kernel(
       const uint8_t* lt = lut + 64 * sl;
       const int key0 = kKeysPerWarp * warp;
       switch (p.kelem[sl]) {
-        case Elem::e4m3: page_scores<D, kStages, Elem::e4m3>(st, key0, qc, sqc, lt, sc); break;
-        case Elem::e5m2: page_scores<D, kStages, Elem::e5m2>(st, key0, qc, sqc, lt, sc); break;
-        case Elem::e3m2: page_scores<D, kStages, Elem::e3m2>(st, key0, qc, sqc, lt, sc); break;
-        case Elem::e2m3: page_scores<D, kStages, Elem::e2m3>(st, key0, qc, sqc, lt, sc); break;
-        case Elem::e2m1: page_scores<D, kStages, Elem::e2m1>(st, key0, qc, sqc, lt, sc); break;
+        case Elem::e4m3: page_scores<D, kPV8, Elem::e4m3>(st, key0, qc, sqc, lt, sc); break;
+        case Elem::e5m2: page_scores<D, kPV8, Elem::e5m2>(st, key0, qc, sqc, lt, sc); break;
+        case Elem::e3m2: page_scores<D, kPV8, Elem::e3m2>(st, key0, qc, sqc, lt, sc); break;
+        case Elem::e2m3: page_scores<D, kPV8, Elem::e2m3>(st, key0, qc, sqc, lt, sc); break;
+        case Elem::e2m1: page_scores<D, kPV8, Elem::e2m1>(st, key0, qc, sqc, lt, sc); break;
       }
 #pragma unroll
       for (int n = 0; n < 2; ++n)
@@ -275,10 +292,19 @@ __global__ void __launch_bounds__(kThreads, kStages == 2 ? 2 : 1) decode_kernel(
     __syncthreads();
     for (int r = warp; r < kRows; r += kWarps) {  // online softmax, one warp per row
       float* pr_row = P + r * S_::kPRow;
-      if (r >= rows) {  // padding rows: P = 0 keeps their (unused) accumulators finite
+      uint8_t* p8_row = smem + S_::kP8 + r * T;  // pv = mxfp8 only
+      float* ps_row = reinterpret_cast<float*>(smem + S_::kPs) + r * 4;
+      auto zero_row = [&] {  // P = 0 (a padding row, or a row that sees no key of the page)
 #pragma unroll
-        for (int i = 0; i < 4; ++i) pr_row[lane + 32 * i] = 0.0f;
+        for (int i = 0; i < 4; ++i) {
+          pr_row[lane + 32 * i] = 0.0f;
+          if constexpr (kPV8) p8_row[swz(r, lane + 32 * i)] = 0;
+        }
+        if (kPV8 && lane < 4) ps_row[lane] = 0.0f;
         if (lane == 0) alpha[r] = 1.0f;
+      };
+      if (r >= rows) {  // padding rows: P = 0 keeps their (unused) accumulators finite
+        zero_row();
         continue;
       }
       const int q_index = (r0 + r) % p.Nq;
@@ -293,9 +319,7 @@ __global__ void __launch_bounds__(kThreads, kStages == 2 ? 2 : 1) decode_kernel(
       for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
       const float mold = m[r];
       if (nvalid <= 0) {  // this row sees no key of the page
-#pragma unroll
-        for (int i = 0; i < 4; ++i) pr_row[lane + 32 * i] = 0.0f;
-        if (lane == 0) alpha[r] = 1.0f;
+        zero_row();
         continue;
       }
       const float mnew = fmaxf(mold, mt), a = expf(mold - mnew);
@@ -304,7 +328,16 @@ __global__ void __launch_bounds__(kThreads, kStages == 2 ? 2 : 1) decode_kernel(
       for (int i = 0; i < 4; ++i) {
         const float e = lane + 32 * i < nvalid ? expf(pr[i] - mnew) : 0.0f;
         psum += e;
-        pr_row[lane + 32 * i] = __uint_as_float(bf16x2_rn(e, 0.0f) << 16);  // P in bf16, as the oracle
+        if constexpr (kPV8) {  // P in MXFP8 E4M3, one scale per 32 keys (block i: keys 32i + lane)
+          float amax = e;
+#pragma unroll
+          for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+          const uint8_t sc = choose_e8m0(amax, Elem::e4m3, p.rule);
+          p8_row[swz(r, lane + 32 * i)] = fp8_encode<false>(e * hd::ldexp2(1.0f, 127 - int(sc)));
+          if (lane == 0) ps_row[i] = e8m0_value(sc);
+        } else {
+          pr_row[lane + 32 * i] = __uint_as_float(bf16x2_rn(e, 0.0f) << 16);  // P in bf16, as the oracle
+        }
       }
 #pragma unroll
       for (int o = 16; o > 0; o >>= 1) psum += __shfl_xor_sync(0xffffffffu, psum, o);
@@ -327,6 +360,33 @@ __global__ void __launch_bounds__(kThreads, kStages == 2 ? 2 : 1) decode_kernel(
       }
       const uint8_t* V = st + S_::kK + S_::kS;
       const int col0 = warp * (D / kWarps);
+      if constexpr (kPV8) {  // per 32-key block: an FP8 mma, scaled by P's and V's block scales
+        const uint8_t* p8 = smem + S_::kP8;
+        const float* ps = reinterpret_cast<const float*>(smem + S_::kPs);
+        for (int c = 0; c * 32 < keys; ++c) {
+          uint32_t a[4];
+#pragma unroll
+          for (int h = 0; h < 4; ++h) {  // rows g / g+8, keys 32c + 4t (+16)
+            const int r = g + 8 * (h % 2);
+            a[h] = *reinterpret_cast<const uint32_t*>(p8 + r * T + swz(r, 32 * c + 16 * (h / 2) + 4 * t));
+          }
+          const float p0 = ps[g * 4 + c], p1 = ps[(g + 8) * 4 + c];
+#pragma unroll
+          for (int n = 0; n < NT; ++n) {
+            const int col = col0 + 8 * n + g;
+            const uint8_t* vrow = V + col * S_::kVRow;
+            float d[4];
+            mma_fp8_block<false>(d, a, *reinterpret_cast<const uint32_t*>(vrow + swz(col, 32 * c + 4 * t)),
+                                 *reinterpret_cast<const uint32_t*>(vrow + swz(col, 32 * c + 16 + 4 * t)));
+            const uint8_t* vs = V + D * T + c * D + col0 + 8 * n + 2 * t;
+            const float v0 = e8m0_value(vs[0]), v1 = e8m0_value(vs[1]);
+            acc[n][0] += (p0 * v0) * d[0];
+            acc[n][1] += (p0 * v1) * d[1];
+            acc[n][2] += (p1 * v0) * d[2];
+            acc[n][3] += (p1 * v1) * d[3];
+          }
+        }
+      } else
       for (int k0 = 0; k0 < keys; k0 += 16) {
         uint32_t a[4];
 #pragma unroll
@@ -386,20 +446,23 @@ __global__ void merge_splits(const float* part, int64_t rows, int splits, int d,
   if (lse && c == 0) lse[row] = M + logf(lsum);
 }
 
-template <int D, int kStages>
-void launch(const Params& p, dim3 grid, cudaStream_t stream) {
-  constexpr int bytes = Smem<D, kStages>::kBytes;
-  check(cudaFuncSetAttribute(decode_kernel<D, kStages>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
-        "decode kernel attribute");
-  decode_kernel<D, kStages><<<grid, kThreads, bytes, stream>>>(p);
-}
-
-// Two stages at two CTAs an SM: measured faster than four stages at one CTA an SM (1.3-1.45x,
+// Two stages at two CTAs an SM: measured faster than four stages at one CTA an SM (1.15-1.45x,
 // bench/RESULTS.md run 19), i.e. the kernel wants warps to hide its instruction latency more than
 // it wants bytes in flight.
-template <int D>
+template <int D, bool kPV8>
 void launch(const Params& p, dim3 grid, cudaStream_t stream) {
-  launch<D, 2>(p, grid, stream);
+  constexpr int bytes = Smem<D, kPV8>::kBytes;
+  check(cudaFuncSetAttribute(decode_kernel<D, kPV8>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+        "decode kernel attribute");
+  decode_kernel<D, kPV8><<<grid, kThreads, bytes, stream>>>(p);
+}
+
+template <int D>
+void launch(const Params& p, dim3 grid, bool pv8, cudaStream_t stream) {
+  if (pv8)
+    launch<D, true>(p, grid, stream);
+  else
+    launch<D, false>(p, grid, stream);
 }
 
 }  // namespace
@@ -412,7 +475,8 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   if (q.stride[3] != 1 || out.stride[3] != 1) throw Error("the CUDA decode needs unit stride on the head dimension");
   if (q.shape[0] != S || q.shape[3] != d || Hq % Hkv != 0 || out.shape != q.shape)
     throw Error("decode: q and out must be [S, a multiple of Hkv, Nq, d]");
-  if (policy.pv != PV::bf16) throw Error("the CUDA decode supports pv=bf16 for now; pv=mxfp8 decodes on the CPU");
+  const bool pv8 = policy.pv == PV::mxfp8;
+  if (pv8 ? !(kv.v8 && kv.vs) : !kv.v) throw Error("decode: the pages' V is missing for the policy's pv mode");
   const Format fmt[2] = {policy.high, policy.low};
   Params p{};
   p.kv = kv;
@@ -421,6 +485,7 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   p.G = int(Hq / Hkv);
   p.chunks = (p.G * p.Nq + kRows - 1) / kRows;
   p.scale = scale;
+  p.rule = policy.scale_rule;
   int dev = 0, sms = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
@@ -442,9 +507,9 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   p.part = buf.alloc<float>(size_t(rows * p.splits * (d + 2)) * sizeof(float));
   const dim3 grid(unsigned(p.splits), unsigned(Hkv * p.chunks), unsigned(S));
   if (d == 64)
-    launch<64>(p, grid, stream);
+    launch<64>(p, grid, pv8, stream);
   else
-    launch<128>(p, grid, stream);
+    launch<128>(p, grid, pv8, stream);
   check(cudaGetLastError(), "decode kernel");
   const unsigned mblocks = unsigned((rows * d + 255) / 256);
   with_typed(out, [&](auto* typed) {

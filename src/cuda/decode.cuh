@@ -23,6 +23,11 @@ struct PagedKV {
   const int32_t* table = nullptr;   // [S][max_pages] physical page of each logical page
   const int32_t* length = nullptr;  // [S] tokens per sequence
   int S = 0, max_pages = 0, Hkv = 0, d = 0;
+  // pv = mxfp8 (instead of v): page p, head h's V as V^T, [d][128] E4M3 codes at
+  // v8 + (p*Hkv + h)*128*d (columns contiguous over keys: the FP8 mma's B operand), and the E8M0
+  // scales of its 32-key blocks, [4][d], at vs + (p*Hkv + h)*4*d (the host page's layout).
+  const uint8_t* v8 = nullptr;
+  const uint8_t* vs = nullptr;
 };
 
 // q, out: [S, Hq, Nq, d] CUDA views (unit stride on d); lse [S*Hq*Nq] device floats or null. splits

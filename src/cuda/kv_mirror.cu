@@ -23,12 +23,16 @@ constexpr int64_t T = kTile;
 
 struct Mirror {
   int device = -1;
+  int64_t d = 0;
   int64_t capacity = 0;            // pages the pools hold
-  int64_t code_bytes = 0, scale_bytes = 0, v_bytes = 0;  // per page
+  int64_t code_bytes = 0, scale_bytes = 0, v_bytes = 0, v8_bytes = 0, vs_bytes = 0;  // per page
   uint8_t* codes = nullptr;
   uint8_t* scales = nullptr;
-  uint16_t* v = nullptr;
+  uint16_t* v = nullptr;   // pv = bf16
+  uint8_t* v8 = nullptr;   // pv = mxfp8: V^T codes per page and head, [d][128]
+  uint8_t* vs = nullptr;   // pv = mxfp8: V's block scales, [heads][4][d] as the host page
   uint8_t* slot = nullptr;
+  std::vector<uint8_t> vt;  // transpose buffer
   std::vector<uint64_t> synced;    // page version on the device (0: never uploaded)
   std::vector<uint8_t> slot_host;
 
@@ -36,6 +40,8 @@ struct Mirror {
     cudaFree(codes);
     cudaFree(scales);
     cudaFree(v);
+    cudaFree(v8);
+    cudaFree(vs);
     cudaFree(slot);
   }
 
@@ -45,6 +51,7 @@ struct Mirror {
     const int64_t cap = std::max<int64_t>(n, 2 * capacity);
     auto grow = [&](auto*& ptr, int64_t per_page) {
       using P = std::remove_reference_t<decltype(ptr)>;
+      if (per_page == 0) return;  // not used by this cache's pv mode
       void* fresh = nullptr;
       check(cudaMalloc(&fresh, size_t(cap * per_page)), "KV cache device pool");
       if (ptr) {
@@ -57,6 +64,8 @@ struct Mirror {
     grow(codes, code_bytes);
     grow(scales, scale_bytes);
     grow(v, v_bytes);
+    grow(v8, v8_bytes);
+    grow(vs, vs_bytes);
     grow(slot, 1);
     capacity = cap;
   }
@@ -75,7 +84,17 @@ struct Mirror {
       };
       put(codes + id * code_bytes, pg.codes.data(), pg.codes.size());
       put(scales + id * scale_bytes, pg.scales.data(), pg.scales.size());
-      put(v + id * (v_bytes / 2), pg.v.data(), pg.v.size() * sizeof(uint16_t));
+      if (v) put(v + id * (v_bytes / 2), pg.v.data(), pg.v.size() * sizeof(uint16_t));
+      if (!pg.v8.empty()) {  // V^T per head: the FP8 mma wants each column's keys contiguous
+        const int64_t heads = int64_t(pg.v8.size()) / (T * d), ncol = d;
+        vt.resize(pg.v8.size());
+        for (int64_t h = 0; h < heads; ++h)
+          for (int64_t k = 0; k < T; ++k)
+            for (int64_t c = 0; c < ncol; ++c) vt[size_t((h * ncol + c) * T + k)] = pg.v8[size_t((h * T + k) * ncol + c)];
+        put(v8 + id * v8_bytes, vt.data(), vt.size());
+        check(cudaStreamSynchronize(stream), "KV cache upload");  // vt is reused by the next page
+        put(vs + id * vs_bytes, pg.vs.data(), pg.vs.size());
+      }
       slot_host[size_t(id)] = pg.format == cache.policy().high ? 0 : 1;
       synced[size_t(id)] = pg.version;
       slots_changed = true;
@@ -93,8 +112,6 @@ struct Mirror {
 void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const TensorView& q, const TensorView& out,
                       float* lse, float scale, int splits, void* stream_ptr) {
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
-  if (cache.policy().pv != PV::bf16)
-    throw Error("decode_attention: the CUDA decode supports pv=bf16 for now; pv=mxfp8 caches decode on the CPU");
   const int64_t d = cache.head_dim(), Hkv = cache.kv_heads();
   int dev = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
@@ -104,7 +121,11 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
     m->device = dev;
     m->code_bytes = Hkv * T * d;  // 8-bit rows; E2M1 pages use the first half
     m->scale_bytes = Hkv * T * (d / 32);
-    m->v_bytes = Hkv * T * d * 2;
+    const bool pv8 = cache.policy().pv == PV::mxfp8;
+    m->v_bytes = pv8 ? 0 : Hkv * T * d * 2;
+    m->v8_bytes = pv8 ? Hkv * T * d : 0;
+    m->vs_bytes = pv8 ? Hkv * (T / 32) * d : 0;
+    m->d = d;
     state = m;
   }
   Mirror& m = *static_cast<Mirror*>(state.get());
@@ -121,8 +142,8 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
     length[size_t(i)] = int32_t(cache.length(seqs[size_t(i)]));
   }
   Buffers buf(stream);
-  const PagedKV kv{m.codes,   m.scales,  m.v,      m.slot, buf.upload(table.data(), table.size()),
-                   buf.upload(length.data(), length.size()), S, max_pages, int(Hkv), int(d)};
+  const PagedKV kv{m.codes, m.scales, m.v, m.slot, buf.upload(table.data(), table.size()),
+                   buf.upload(length.data(), length.size()), S, max_pages, int(Hkv), int(d), m.v8, m.vs};
   if (!is_device_pointer(q.data) || !is_device_pointer(out.data) || (lse && !is_device_pointer(lse)))
     throw Error("decode_attention: q, out and lse must be device memory when q is a CUDA tensor");
   decode_paged(kv, cache.policy(), q, out, lse, scale, splits, stream);
