@@ -59,7 +59,7 @@ double check_decode(const KVCache& cache, const std::vector<int>& ids, const Hos
   EXPECT_EQ(c.nan_count, 0) << what;
   EXPECT_LE(c.rel_l2, tol) << what;
   for (size_t i = 0; i < rows; ++i)
-    EXPECT_NEAR(got_lse[i], want_lse[i], (splits == 0 ? 1e-3f : 1e-5f) * (1 + std::fabs(want_lse[i]))) << what << " row " << i;
+    EXPECT_NEAR(got_lse[i], want_lse[i], (splits == 0 ? 1e-3f : 1e-5f) * (1 + std::fabs(want_lse[i]))) << what << " row " << i;  // l sums unrounded P
   return c.rel_l2;
 }
 
@@ -91,10 +91,7 @@ TEST(GpuDecode, MatchesCpuDecode) {
         append_all(cache, ids.back(), xs.back(), 0, lens[i] / 2);
         append_all(cache, ids.back(), xs.back(), lens[i] / 2, lens[i] - lens[i] / 2);
       }
-      // pv = mxfp8 rounds P to E4M3 (3 mantissa bits): where the FP8 tensor-core sums of a high page's
-      // scores differ from the oracle's sequential fp32 sums in the last bits, a P element can land
-      // one E4M3 step away, so those policies hold 1e-4 (the E2M1 pages' scores are bit-identical).
-      const double tol = pol.pv == PV::mxfp8 ? 1e-4 : 1e-5;
+      const double tol = 1e-5;  // pv = mxfp8 included (measured <= 2.5e-7, bench/RESULTS.md run 21)
       for (int64_t Nq : {1, 5, 16}) {
         const QKV qs = random_qkv({3, Hq, Hkv, Nq, Nq, d}, uint64_t(d + Nq), DType::f32, 2.0f);
         for (int splits : {1, 3})
@@ -105,8 +102,9 @@ TEST(GpuDecode, MatchesCpuDecode) {
       for (int i = 0; i < 3; ++i) append_all(cache, ids[size_t(i)], xs[size_t(i)], lens[i], 200);
       const QKV q2 = random_qkv({3, Hq, Hkv, 4, 4, d}, uint64_t(7 * d), DType::f32, 2.0f);
       check_decode(cache, ids, q2.q, 2, tol, "after appends");
-      // Automatic splits (many on the GPU, one on the CPU): P is rounded per split, so ~1e-4.
-      check_decode(cache, ids, q2.q, 0, 1e-3, "automatic splits");
+      // Automatic splits (many on the GPU, one on the CPU): P is rounded against each split's own
+      // maximum, to bf16 (~3e-4 measured) or, with pv = mxfp8, to E4M3 (4e-3 ... 8e-3 measured).
+      check_decode(cache, ids, q2.q, 0, pol.pv == PV::mxfp8 ? 2e-2 : 1e-3, "automatic splits");
       // bf16 in and out: both sides round fp32 results that agree to ~1e-6 to bf16 (8 bits), so a
       // fraction ~1e-6 / 2^-8 of the outputs land one bf16 step (2^-8) apart: rel. L2 ~
       // sqrt(4e-4) * 4e-3 ~ 1e-4. The fp32 cases above hold the 1e-5 bound.
