@@ -108,9 +108,11 @@ DMATTN_HD uint8_t encode_elem(Elem e, float x) { return encode_elem(elem_spec(e)
 // ---- E8M0 shared scales -----------------------------------------------------------------------
 inline constexpr uint8_t kE8M0NaN = 0xFF;
 
+// 2^(code - 127) built from its bits (the GPU kernels call it per key): code 0 is the subnormal
+// 2^-127, every other code an exponent field.
 DMATTN_HD float decode_e8m0(uint8_t code) {
   if (code == kE8M0NaN) return hd::float_of(0x7FC00000u);
-  return hd::ldexp2(1.0f, int(code) - 127);
+  return hd::float_of(code == 0 ? 0x00400000u : uint32_t(code) << 23);
 }
 
 // The E8M0 scale code for a block whose largest magnitude is `amax` (NaN or Inf amax -> NaN

@@ -2,8 +2,9 @@
 // runs up to 16 query rows of one KV head (of the G = Hq/Hkv query heads x Nq new queries: GQA
 // packing, so a page is read once per KV head, not once per query head). Pages stream through
 // shared memory by cp.async, double-buffered. Both products run on the tensor cores with mma.sync:
-// S per 32-key block in FP8 (K's codes widened to E4M3 bytes where they are E2M1 or FP6, which is
-// exact), scaled by the two E8M0 scales and summed over blocks in order as the CPU oracle does;
+// S per 32-key block, E2M1 pages on the integer tensor cores (exact), FP8 pages in FP8 and FP6
+// pages widened to E4M3 bytes (exact), scaled by the two E8M0 scales and summed over blocks in
+// order as the CPU oracle does;
 // P (rounded to bf16, as the oracle) times V in bf16 with fp32 accumulation, or with pv = mxfp8 P
 // quantized to MXFP8 per 32 keys times V's MXFP8 codes on the FP8 tensor cores, each block scaled
 // by P's and V's scales and summed in block order (the oracle's order). A second kernel merges
@@ -39,8 +40,7 @@ struct Params {
   PagedKV kv;
   const uint8_t* q8[2];  // [rows][d] FP8 bytes of q's element values in the high / low format
   const uint8_t* qs[2];  // [rows][d/32] E8M0
-  Elem kelem[2];         // K's element type per slot
-  bool e5m2[2];          // the slot's FP8 byte type (q's and K's)
+  Elem kelem[2];         // K's element type per slot (q's too: it takes the page's format)
   float* part;           // [rows][splits][d + 2]: unnormalised acc, m, l
   int Hq, Nq, G, splits, chunks;
   float scale;
@@ -91,13 +91,6 @@ __device__ __forceinline__ uint32_t e2m1x4_to_s8x4(uint32_t x) {
   return (pos & ~mask) | (neg & mask);
 }
 
-__device__ __forceinline__ void mma_s8_block(int d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%10,%10,%10};\n"
-      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
-}
-
 // Byte offset of byte `b` of row `row` in a swizzled shared-memory tile (16-byte chunks XOR row%8).
 __device__ __forceinline__ int swz(int row, int b) { return ((b / 16) ^ (row % 8)) * 16 + b % 16; }
 
@@ -145,7 +138,7 @@ __device__ __forceinline__ void page_scores(const uint8_t* stage, int key0, cons
         mma_fp8_block<E == Elem::e5m2>(d, qa[c], b0, b1);
       }
       const uint8_t* ks = stage + S_::kK + (key0 + 8 * n + 2 * t) * S_::NB + c;
-      const float sk0 = e8m0_value(ks[0]), sk1 = e8m0_value(ks[S_::NB]);
+      const float sk0 = decode_e8m0(ks[0]), sk1 = decode_e8m0(ks[S_::NB]);
       s[n][0] += (sq[c][0] * sk0) * d[0];
       s[n][1] += (sq[c][0] * sk1) * d[1];
       s[n][2] += (sq[c][1] * sk0) * d[2];
@@ -238,7 +231,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   }
   for (int i = tid; i < 2 * NB * kRows; i += kThreads) {
     const int sl = i / (NB * kRows), c = i / kRows % NB, r = i % kRows;
-    sq[i] = r < rows ? e8m0_value(p.qs[sl][(qrow0 + r) * NB + c]) : 0.0f;
+    sq[i] = r < rows ? decode_e8m0(p.qs[sl][(qrow0 + r) * NB + c]) : 0.0f;
   }
   for (int i = tid; i < 128; i += kThreads) {  // FP6 codes widened to E4M3 bytes (exact)
     const Elem e = p.kelem[i / 64];
@@ -334,7 +327,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
           for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
           const uint8_t sc = choose_e8m0(amax, Elem::e4m3, p.rule);
           p8_row[swz(r, lane + 32 * i)] = fp8_encode<false>(e * hd::ldexp2(1.0f, 127 - int(sc)));
-          if (lane == 0) ps_row[i] = e8m0_value(sc);
+          if (lane == 0) ps_row[i] = decode_e8m0(sc);
         } else {
           pr_row[lane + 32 * i] = __uint_as_float(bf16x2_rn(e, 0.0f) << 16);  // P in bf16, as the oracle
         }
@@ -379,7 +372,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
             mma_fp8_block<false>(d, a, *reinterpret_cast<const uint32_t*>(vrow + swz(col, 32 * c + 4 * t)),
                                  *reinterpret_cast<const uint32_t*>(vrow + swz(col, 32 * c + 16 + 4 * t)));
             const uint8_t* vs = V + D * T + c * D + col0 + 8 * n + 2 * t;
-            const float v0 = e8m0_value(vs[0]), v1 = e8m0_value(vs[1]);
+            const float v0 = decode_e8m0(vs[0]), v1 = decode_e8m0(vs[1]);
             acc[n][0] += (p0 * v0) * d[0];
             acc[n][1] += (p0 * v1) * d[1];
             acc[n][2] += (p1 * v0) * d[2];
@@ -500,7 +493,6 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
     qt[sl] = QuantTarget{fmt[sl], buf.alloc<uint8_t>(size_t(rows * d)), buf.alloc<uint8_t>(size_t(rows * d / 32)), true};
     p.q8[sl] = qt[sl].codes;
     p.qs[sl] = qt[sl].scales;
-    p.e5m2[sl] = mma_elem(fmt[sl]) == Elem::e5m2;
     p.kelem[sl] = format_info(fmt[sl]).elem;
   }
   quantize_rows(q, policy.scale_rule, qt[0], qt[1], stream, nonfinite);  // one read of q for both formats

@@ -29,11 +29,4 @@ __device__ __forceinline__ float fp8_decode(uint8_t b) {
   return f;
 }
 
-// An E8M0 scale's value from its bits (the codec's decode_e8m0 without the generic ldexp):
-// 2^(code-127); code 0 is the subnormal 2^-127, code 255 NaN.
-__device__ __forceinline__ float e8m0_value(uint8_t code) {
-  const uint32_t bits = code == 0 ? 0x00400000u : code == 0xFF ? 0x7FC00000u : uint32_t(code) << 23;
-  return __uint_as_float(bits);
-}
-
 }  // namespace dmattn::cuda

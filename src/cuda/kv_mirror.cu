@@ -1,5 +1,5 @@
-// The KV cache on the device: a mirror of a KVCache's pages in three device pools (K codes, scales,
-// V), kept with the cache (KVCache::device_state) and refreshed page by page by version, so a
+// The KV cache on the device: a mirror of a KVCache's pages in device pools (K codes, K scales, and
+// V: bf16, or MXFP8 codes transposed plus their scales), kept with the cache (KVCache::device_state) and refreshed page by page by version, so a
 // decode step uploads only what changed since the last one (the page the new tokens went into and
 // any page re-encoded on leaving the window), then runs decode_paged over it.
 #include <cuda_runtime.h>
@@ -32,7 +32,7 @@ struct Mirror {
   uint8_t* v8 = nullptr;   // pv = mxfp8: V^T codes per page and head, [d][128]
   uint8_t* vs = nullptr;   // pv = mxfp8: V's block scales, [heads][4][d] as the host page
   uint8_t* slot = nullptr;
-  std::vector<uint8_t> vt;  // transpose buffer
+  std::vector<uint8_t> vt;  // pv = mxfp8: the changed pages' V^T, staged for upload
   std::vector<uint64_t> synced;    // page version on the device (0: never uploaded)
   std::vector<uint8_t> slot_host;
 
@@ -75,34 +75,34 @@ struct Mirror {
     reserve(n, stream);
     synced.resize(size_t(n), 0);
     slot_host.resize(size_t(n), 0);
-    bool slots_changed = false;
-    for (int64_t id = 0; id < n; ++id) {
+    auto put = [&](void* dst, const void* src, size_t bytes) {
+      if (bytes) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream), "KV cache upload");
+    };
+    std::vector<int64_t> changed;
+    for (int64_t id = 0; id < n; ++id)
+      if (cache.page(int32_t(id)).version != synced[size_t(id)]) changed.push_back(id);
+    if (changed.empty()) return;
+    vt.resize(size_t(v8_bytes) * changed.size());  // empty unless pv = mxfp8
+    for (size_t i = 0; i < changed.size(); ++i) {
+      const int64_t id = changed[i];
       const KVCache::Page& pg = cache.page(int32_t(id));
-      if (pg.version == synced[size_t(id)]) continue;
-      auto put = [&](void* dst, const void* src, size_t bytes) {
-        if (bytes) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream), "KV cache upload");
-      };
       put(codes + id * code_bytes, pg.codes.data(), pg.codes.size());
       put(scales + id * scale_bytes, pg.scales.data(), pg.scales.size());
       if (v) put(v + id * (v_bytes / 2), pg.v.data(), pg.v.size() * sizeof(uint16_t));
-      if (!pg.v8.empty()) {  // V^T per head: the FP8 mma wants each column's keys contiguous
-        const int64_t heads = int64_t(pg.v8.size()) / (T * d), ncol = d;
-        vt.resize(pg.v8.size());
+      if (v8) {  // V^T per head: the FP8 mma wants each column's keys contiguous
+        uint8_t* dst = vt.data() + i * size_t(v8_bytes);
+        const int64_t heads = v8_bytes / (T * d);
         for (int64_t h = 0; h < heads; ++h)
           for (int64_t k = 0; k < T; ++k)
-            for (int64_t c = 0; c < ncol; ++c) vt[size_t((h * ncol + c) * T + k)] = pg.v8[size_t((h * T + k) * ncol + c)];
-        put(v8 + id * v8_bytes, vt.data(), vt.size());
-        check(cudaStreamSynchronize(stream), "KV cache upload");  // vt is reused by the next page
+            for (int64_t c = 0; c < d; ++c) dst[(h * d + c) * T + k] = pg.v8[size_t((h * T + k) * d + c)];
+        put(v8 + id * v8_bytes, dst, size_t(v8_bytes));
         put(vs + id * vs_bytes, pg.vs.data(), pg.vs.size());
       }
       slot_host[size_t(id)] = pg.format == cache.policy().high ? 0 : 1;
       synced[size_t(id)] = pg.version;
-      slots_changed = true;
     }
-    if (slots_changed)
-      check(cudaMemcpyAsync(slot, slot_host.data(), size_t(n), cudaMemcpyHostToDevice, stream), "KV cache upload");
-    // Pageable host sources: the copies are staged before cudaMemcpyAsync returns, but the slot
-    // array is reused by the next sync, so finish here.
+    put(slot, slot_host.data(), size_t(n));
+    // The host sources (vt, slot_host) are reused by the next sync: finish the copies here.
     check(cudaStreamSynchronize(stream), "KV cache upload");
   }
 };
@@ -112,6 +112,8 @@ struct Mirror {
 void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const TensorView& q, const TensorView& out,
                       float* lse, float scale, int splits, void* stream_ptr) {
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  if (!is_device_pointer(q.data) || !is_device_pointer(out.data) || (lse && !is_device_pointer(lse)))
+    throw Error("decode_attention: q, out and lse must be device memory when q is a CUDA tensor");
   const int64_t d = cache.head_dim(), Hkv = cache.kv_heads();
   int dev = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
@@ -144,8 +146,6 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
   Buffers buf(stream);
   const PagedKV kv{m.codes, m.scales, m.v, m.slot, buf.upload(table.data(), table.size()),
                    buf.upload(length.data(), length.size()), S, max_pages, int(Hkv), int(d), m.v8, m.vs};
-  if (!is_device_pointer(q.data) || !is_device_pointer(out.data) || (lse && !is_device_pointer(lse)))
-    throw Error("decode_attention: q, out and lse must be device memory when q is a CUDA tensor");
   decode_paged(kv, cache.policy(), q, out, lse, scale, splits, stream);
 }
 
