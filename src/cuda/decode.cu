@@ -439,7 +439,7 @@ __global__ void merge_splits(const float* part, int64_t rows, int splits, int d,
   if (lse && c == 0) lse[row] = M + logf(lsum);
 }
 
-// Two stages at two CTAs an SM: measured faster than four stages at one CTA an SM (1.15-1.45x,
+// Two stages at two CTAs an SM: measured faster than four stages at one CTA an SM (1.17-1.43x,
 // bench/RESULTS.md run 19), i.e. the kernel wants warps to hide its instruction latency more than
 // it wants bytes in flight.
 template <int D, bool kPV8>
