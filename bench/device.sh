@@ -6,6 +6,12 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
 mkdir -p "$OUT"
+# Full logs go to a scratch folder packed into $OUT/logs.tgz on exit (the device tool returns at most
+# 8 files). QUICK=1 PART=decode|prefill limits the quick mode to one kernel's tests and benchmarks.
+RESULT_DIR=$OUT
+OUT=$(mktemp -d)
+trap 'tar -czf "$RESULT_DIR/logs.tgz" -C "$OUT" .' EXIT
+PART=${PART:-all}
 B=build-sm90
 declare -A row
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
@@ -18,18 +24,31 @@ cuobjdump -sass $B/CMakeFiles/dmattn.dir/src/cuda/prefill.cu.o 2>/dev/null | gre
   | tee "$OUT/sass_gmma.txt"
 
 if [ "${QUICK:-0}" = 1 ]; then  # correctness of the GPU tests + the main benchmark row, no sanitizer
-  $B/tests/dmattn_gpu_tests 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "^\[  (FAILED|PASSED|  OK) |rel_l2|fold|SKIP|wgmma|E2M1|E4M3" | head -60
+  filter=$([ "$PART" = decode ] && echo '*Decode*:*Quantize*' || echo '*')
+  $B/tests/dmattn_gpu_tests --gtest_filter="$filter" >"$OUT/gpu_tests.log" 2>&1
+  grep -E "rel_l2|SKIP" "$OUT/gpu_tests.log" | sort -t: -k2 | tail -8  # the largest deviations
+  grep -E "^\[  (FAILED|PASSED) " "$OUT/gpu_tests.log"
   ctest --test-dir $B -R python --output-on-failure >"$OUT/ctest_python.log" 2>&1
   grep -E "tests passed|Test +#|passed|failed" "$OUT/ctest_python.log" | tail -6
-  for tool in memcheck racecheck; do  # a small case with both S paths (folded and per block)
-    compute-sanitizer --tool $tool --error-exitcode 9 $B/tests/dmattn_gpu_tests \
-      --gtest_filter=GpuPrefill.MatchesCpuOracleWhereScalesDoNotFold >"$OUT/sanitizer_$tool.log" 2>&1
-    echo "sanitizer $tool rc=$? $(grep -m1 SUMMARY "$OUT/sanitizer_$tool.log")"
+  # Small cases: prefill with both S paths (folded and per block); decode with rows, holes, both pv modes.
+  small=$([ "$PART" = decode ] && echo 'GpuDecode.RowChunksAndReusedPages' || echo 'GpuPrefill.MatchesCpuOracleWhereScalesDoNotFold')
+  for tool in memcheck racecheck; do
+    compute-sanitizer --tool $tool --error-exitcode 9 $B/tests/dmattn_gpu_tests --gtest_filter="$small" \
+      >"$OUT/sanitizer_$tool.log" 2>&1
+    echo "sanitizer $tool ($small) rc=$? $(grep -m1 SUMMARY "$OUT/sanitizer_$tool.log")"
   done
-  $B/bench/bench_quantize_cuda 2>&1 | tee "$OUT/bench_quantize.txt" | tail -4
-  PYTHONUNBUFFERED=1 python3 bench/compare_sdpa.py $B "$OUT" 16384 2>&1 | tee "$OUT/compare_sdpa.txt" | tail -16
-  PYTHONUNBUFFERED=1 python3 bench/compare_decode.py $B "$OUT" 2>&1 | tee "$OUT/compare_decode.txt" | tail -12
-  if [ "${PROFILE:-0}" = 1 ]; then  # where the prefill kernel's time goes (one launch, N=8192)
+  if [ "$PART" != decode ]; then
+    $B/bench/bench_quantize_cuda 2>&1 | tee "$OUT/bench_quantize.txt" | tail -4
+    PYTHONUNBUFFERED=1 python3 bench/compare_sdpa.py $B "$OUT" 16384 2>&1 | tee "$OUT/compare_sdpa.txt" | tail -16
+  fi
+  [ "$PART" != prefill ] && PYTHONUNBUFFERED=1 python3 bench/compare_decode.py $B "$OUT" 2>&1 | tee "$OUT/compare_decode.txt" | tail -21
+  cp "$OUT"/compare_*.txt "$RESULT_DIR"/ 2>/dev/null
+  if [ "${PROFILE:-0}" = 1 ] && [ "$PART" != prefill ]; then  # where the decode kernel's time goes (B=16, 32k)
+    ncu --kernel-name regex:decode_kernel --launch-skip 3 --launch-count 1 --section SpeedOfLight --section WarpStateStats \
+      --section SchedulerStats --section Occupancy $B/bench/bench_decode_cuda bf16 16 32768 >"$OUT/ncu_decode.txt" 2>&1
+    grep -E "Throughput|Duration|Occupancy|Registers|Issued|Eligible|No Eligible|cycles being stalled" "$OUT/ncu_decode.txt" | head -30
+  fi
+  if [ "${PROFILE:-0}" = 1 ] && [ "$PART" != decode ]; then  # where the prefill kernel's time goes (one launch, N=8192)
     ncu --kernel-name regex:prefill_kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight --section WarpStateStats \
       --section SchedulerStats --section Occupancy $B/bench/bench_prefill_cuda 8192 128 1 >"$OUT/ncu_prefill.txt" 2>&1
     grep -E "Throughput|Duration|Occupancy|Registers|Stall|Issued|Eligible|No Eligible|cycles being stalled" "$OUT/ncu_prefill.txt" | head -40

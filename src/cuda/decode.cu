@@ -1,15 +1,16 @@
 // Split-KV decode over cache pages on the GPU. One CTA per (split, KV head x row chunk, sequence)
 // runs up to 16 query rows of one KV head (of the G = Hq/Hkv query heads x Nq new queries: GQA
-// packing, so a page is read once per KV head, not once per query head). Pages stream through
-// shared memory by cp.async, double-buffered. Both products run on the tensor cores with mma.sync:
-// S per 32-key block, E2M1 pages on the integer tensor cores (exact), FP8 pages in FP8 and FP6
-// pages widened to E4M3 bytes (exact), scaled by the two E8M0 scales and summed over blocks in
-// order as the CPU oracle does;
+// packing, so a page is read once per KV head, not once per query head). Each of the CTA's four
+// warps owns one 32-key block of every page and streams it through its own cp.async stages. Both
+// products run on the tensor cores with mma.sync: S per 32-wide block of d, E2M1 pages on the
+// integer tensor cores (exact), FP8 pages in FP8 and FP6 pages widened to E4M3 bytes (exact),
+// scaled by the two E8M0 scales and summed over blocks in order as the CPU oracle does; the
+// softmax stays in registers (the page's row maxima are the only thing the warps exchange);
 // P (rounded to bf16, as the oracle) times V in bf16 with fp32 accumulation, or with pv = mxfp8 P
-// quantized to MXFP8 per 32 keys times V's MXFP8 codes on the FP8 tensor cores, each block scaled
-// by P's and V's scales and summed in block order (the oracle's order). A second kernel merges
-// the splits by LSE. At Nq = 1 the work per byte is tiny: the page bytes (K at 4.25 or 8.25 bits,
-// V at 16) set the time, so the kernel's job is to keep enough of them in flight.
+// quantized to MXFP8 per 32 keys (a warp's block) times V's MXFP8 codes on the FP8 tensor cores,
+// scaled by P's and V's block scales. A second kernel merges the splits by LSE. At Nq = 1 the
+// work per byte is tiny: the page bytes (K at 4.25 or 8.25 bits, V at 16 or 8.25) set the time,
+// so the kernel's job is to keep enough of them in flight with few instructions per byte.
 #include "cuda/decode.cuh"
 
 #include <algorithm>
@@ -30,11 +31,10 @@
 namespace dmattn::cuda {
 namespace {
 
-constexpr int T = kTile;       // keys per page
-constexpr int kWarps = 8;      // each owns 16 keys in S and d/8 columns in P.V
+constexpr int T = kTile;          // keys per page
+constexpr int kWarps = T / 32;    // warp w owns keys 32w..32w+31 of every page: one MX block of P
 constexpr int kThreads = 32 * kWarps;
-constexpr int kKeysPerWarp = T / kWarps;
-constexpr int kRows = 16;      // query rows per CTA: the M of mma.sync; more rows take more CTAs
+constexpr int kRows = 16;         // query rows per CTA: the M of mma.sync; more rows take more CTAs
 
 struct Params {
   PagedKV kv;
@@ -47,30 +47,35 @@ struct Params {
   ScaleRule rule;        // pv = mxfp8: P's 32-key blocks take their scales by this rule
 };
 
-constexpr int kStages = 2;  // pages per CTA in flight + computing (see launch)
-
+// Shared memory. Each warp streams its own 32 keys of every page through its own kStages buffers
+// (so it waits for its own copies only); the warps meet once a page, to agree on the rows' maximum.
 template <int D, bool kPV8>
 struct Smem {  // byte offsets into dynamic shared memory
   static constexpr int NB = D / 32;
-  // Rows of K (128 bytes, of which E2M1 and d = 64 use the first half or less) and V (2d bytes)
-  // store their 16-byte chunks XOR-swizzled by the row's low 3 bits (swz), so the fragment loads of
-  // 8 keys and ldmatrix's 8 rows fall in distinct banks without padding: two CTAs fit an SM.
-  // pv = mxfp8: V^T as d rows of 128 E4M3 bytes (swizzled like K), then its E8M0 scales [4][d].
+  // Per warp and stage: K rows of 128 bytes (E2M1 and d = 64 use the first half or less), the
+  // keys' E8M0 scales [32][NB], then V: bf16 rows [32 keys][d], or (pv = mxfp8) V^T [d][32 keys]
+  // E4M3 and the block's E8M0 scales [d]. 16-byte chunks are XOR-swizzled (swz, swz_vt) so the
+  // fragment loads of a warp fall in distinct banks without padding.
   static constexpr int kKRow = 128;
-  static constexpr int kVRow = kPV8 ? T : 2 * D;
-  static constexpr int kK = T * kKRow, kS = T * NB, kV = kPV8 ? D * T + 4 * D : T * kVRow;
-  static constexpr int kStage = kK + kS + kV;
-  static constexpr int kPRow = T + 8;       // floats; A-fragment loads of a half warp hit distinct banks
-  static constexpr int kP = kStages * kStage;  // P [kRows][kPRow] floats
-  static constexpr int kLut = kP + kRows * kPRow * 4;  // [2][64] FP6 code -> E4M3 byte
-  static constexpr int kRowState = kLut + 128;         // m, l, alpha [kRows] floats
-  static constexpr int kQa = kRowState + 3 * kRows * 4;  // q's A fragments [2][NB][4][32 lanes] uint32
-  static constexpr int kSq = kQa + 2 * NB * 4 * 32 * 4;  // q's block scales [2][NB][kRows] floats
-  static constexpr int kP8 = kSq + 2 * NB * kRows * 4;  // pv = mxfp8: P's E4M3 codes [kRows][128], swizzled
-  static constexpr int kPs = kP8 + (kPV8 ? kRows * T : 0);  // ... and its block scales [kRows][4] floats
-  static constexpr int kBytes = kPs + (kPV8 ? kRows * 4 * 4 : 0);
-  static_assert(kK % 16 == 0 && kS % 16 == 0 && kStage % 16 == 0);
+  static constexpr int kK = 32 * kKRow, kS = 32 * NB, kV = kPV8 ? D * 32 + D : 32 * 2 * D;
+  static constexpr int kWarpStage = kK + kS + kV;
+  static constexpr int kMisc = 128 + 2 * kWarps * kRows * 4 + 2 * NB * 4 * 32 * 4 + 2 * NB * kRows * 4;
+  // As many stages as leave two CTAs an SM (~113 KB each): more bytes in flight per warp.
+  static constexpr int kStages = std::min(4, (113 * 1024 - kMisc) / (kWarps * kWarpStage));
+  static constexpr int kLut = kStages * kWarps * kWarpStage;  // [2][64] FP6 code -> E4M3 byte
+  static constexpr int kMax = kLut + 128;                       // [2][kWarps][kRows] floats: row maxima
+  static constexpr int kQa = kMax + 2 * kWarps * kRows * 4;     // q's A fragments [2][NB][4][32 lanes] uint32
+  static constexpr int kSq = kQa + 2 * NB * 4 * 32 * 4;         // q's block scales [2][NB][kRows] floats
+  static constexpr int kBytes = kSq + 2 * NB * kRows * 4;
+  static_assert(kStages >= 2 && kWarpStage % 16 == 0 && kBytes - kLut == kMisc);
+  static_assert(kWarps * kRows * D * 4 <= kLut, "the final cross-warp sum reuses the stage buffers");
 };
+
+// The d index of contraction slot k of a 32-wide block, in both q's A and K's B fragments: lane t's
+// slots 4t..4t+3 and 16+4t..16+4t+3 are d = 8t..8t+7, so a lane reads one 8-byte run of FP8 codes
+// (4 bytes of E2M1) per block. A dot is a sum, so permuting its terms in both operands alike leaves
+// it unchanged (exactly so on the integer tensor cores).
+__device__ __forceinline__ int d_of_slot(int k) { return 8 * ((k % 16) / 4) + 4 * (k / 16) + k % 4; }
 
 // E2M1 pages run on the integer tensor cores: twice an E2M1 value is an integer in [-12, 12], so
 // a 32-element dot of q and K (both E2M1: q takes the page's format) is an exact int32 / 4. The
@@ -91,77 +96,116 @@ __device__ __forceinline__ uint32_t e2m1x4_to_s8x4(uint32_t x) {
   return (pos & ~mask) | (neg & mask);
 }
 
-// Byte offset of byte `b` of row `row` in a swizzled shared-memory tile (16-byte chunks XOR row%8).
-__device__ __forceinline__ int swz(int row, int b) { return ((b / 16) ^ (row % 8)) * 16 + b % 16; }
+// Byte offset of byte b of row `row` in a swizzled K or bf16 V tile: 16-byte chunk c goes to
+// c ^ f(row % 8) with f = 0 2 4 6 1 3 5 7, so that 8 rows' 4-byte loads (E2M1, ldmatrix) and each
+// half warp's 8-byte loads (4 rows x 2 chunks, FP8) fall in distinct banks.
+__device__ __forceinline__ int swz(int row, int b) {
+  const int f = ((row & 3) << 1) | ((row >> 2) & 1);
+  return (((b >> 4) ^ f) << 4) | (b & 15);
+}
+// pv = mxfp8: V^T rows are 32 bytes (two chunks); rows 4 apart swap them.
+__device__ __forceinline__ int swz_vt(int col, int b) { return col * 32 + ((((b >> 4) ^ (col >> 2)) & 1) << 4) + (b & 15); }
 
-// The B fragment register of 4 consecutive K elements of a row (k = 4t.. of a block): int8 twice
-// the value for E2M1, the FP8 byte otherwise (FP6 codes widened to E4M3 by a table, exactly).
+// B fragment registers (slots 4t..4t+3 and 16+4t..) of block c of a key row: int8 twice the value
+// for E2M1, the FP8 bytes otherwise (FP6 codes widened to E4M3 by a table, exactly).
 template <Elem E>
-__device__ __forceinline__ uint32_t k_word(const uint8_t* row, int key, int k, const uint8_t* lut) {
+__device__ __forceinline__ void k_words(const uint8_t* row, int key, int c, int t, const uint8_t* lut, uint32_t& b0,
+                                        uint32_t& b1) {
   if constexpr (E == Elem::e2m1) {
-    return e2m1x4_to_s8x4(*reinterpret_cast<const uint16_t*>(row + swz(key, k / 2)));
-  } else if constexpr (E == Elem::e4m3 || E == Elem::e5m2) {
-    return *reinterpret_cast<const uint32_t*>(row + swz(key, k));
-  } else {  // FP6: one code per byte
-    const uint32_t w = *reinterpret_cast<const uint32_t*>(row + swz(key, k));
-    return uint32_t(lut[w & 0x3F]) | uint32_t(lut[(w >> 8) & 0x3F]) << 8 | uint32_t(lut[(w >> 16) & 0x3F]) << 16 |
-           uint32_t(lut[(w >> 24) & 0x3F]) << 24;
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(row + swz(key, c * 16 + 4 * t));
+    b0 = e2m1x4_to_s8x4(w & 0xFFFFu);
+    b1 = e2m1x4_to_s8x4(w >> 16);
+  } else {
+    const uint2 w = *reinterpret_cast<const uint2*>(row + swz(key, c * 32 + 8 * t));
+    if constexpr (E == Elem::e4m3 || E == Elem::e5m2) {
+      b0 = w.x;
+      b1 = w.y;
+    } else {  // FP6: one code per byte
+      auto widen = [&](uint32_t x) {
+        return uint32_t(lut[x & 0x3F]) | uint32_t(lut[(x >> 8) & 0x3F]) << 8 | uint32_t(lut[(x >> 16) & 0x3F]) << 16 |
+               uint32_t(lut[(x >> 24) & 0x3F]) << 24;
+      };
+      b0 = widen(w.x);
+      b1 = widen(w.y);
+    }
   }
 }
 
-// S for this warp's 16 keys (2 tiles of 8) against the CTA's 16 rows: for each 32-block, an mma
-// into a fresh accumulator, then s += (sq * sk) * dot, blocks in order (the oracle's order).
+// The key's E8M0 block scales as one word (byte c = block c).
+template <int NB>
+__device__ __forceinline__ uint32_t scale_word(const uint8_t* ks, int key) {
+  if constexpr (NB == 4) return *reinterpret_cast<const uint32_t*>(ks + key * 4);
+  else return *reinterpret_cast<const uint16_t*>(ks + key * 2);
+}
+
+// S of the warp's 32 keys (4 tiles of 8) against the CTA's 16 rows: per 32-block an mma into a fresh
+// accumulator, then s += (sq * sk) * dot, blocks in order (the oracle's order).
 // s[n][i]: row g + 8*(i/2), key 8n + 2t + i%2 of the warp's keys.
-template <int D, bool kPV8, Elem E>
-__device__ __forceinline__ void page_scores(const uint8_t* stage, int key0, const uint32_t (&qa)[D / 32][4],
-                                            const float (&sq)[D / 32][2], const uint8_t* lut, float (&s)[2][4]) {
-  using S_ = Smem<D, kPV8>;
+template <int D, Elem E>
+__device__ __forceinline__ void block_scores(const uint8_t* K, const uint8_t* ks, const uint32_t* qa, const float* sq,
+                                             const uint8_t* lut, float (&s)[4][4]) {
+  constexpr int NB = D / 32;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  uint32_t w[4][2];
 #pragma unroll
-  for (int n = 0; n < 2; ++n)
+  for (int n = 0; n < 4; ++n) {
+    w[n][0] = scale_word<NB>(ks, 8 * n + 2 * t);
+    w[n][1] = scale_word<NB>(ks, 8 * n + 2 * t + 1);
 #pragma unroll
     for (int i = 0; i < 4; ++i) s[n][i] = 0.0f;
+  }
 #pragma unroll
-  for (int c = 0; c < D / 32; ++c)
+  for (int c = 0; c < NB; ++c) {
+    uint32_t a[4];
 #pragma unroll
-    for (int n = 0; n < 2; ++n) {
-      const int key = key0 + 8 * n + g;
-      const uint8_t* row = stage + key * S_::kKRow;
-      const uint32_t b0 = k_word<E>(row, key, c * 32 + 4 * t, lut), b1 = k_word<E>(row, key, c * 32 + 16 + 4 * t, lut);
+    for (int h = 0; h < 4; ++h) a[h] = qa[(c * 4 + h) * 32 + lane];
+    const float sq0 = sq[c * kRows + g], sq1 = sq[c * kRows + g + 8];
+#pragma unroll
+    for (int n = 0; n < 4; ++n) {
+      const int key = 8 * n + g;
+      uint32_t b0, b1;
+      k_words<E>(K + key * 128, key, c, t, lut, b0, b1);
       float d[4];
       if constexpr (E == Elem::e2m1) {
         int di[4];
-        mma_s8_block(di, qa[c], b0, b1);
+        mma_s8_block(di, a, b0, b1);
 #pragma unroll
         for (int i = 0; i < 4; ++i) d[i] = float(di[i]) * 0.25f;  // exact
       } else {
-        mma_fp8_block<E == Elem::e5m2>(d, qa[c], b0, b1);
+        mma_fp8_block<E == Elem::e5m2>(d, a, b0, b1);
       }
-      const uint8_t* ks = stage + S_::kK + (key0 + 8 * n + 2 * t) * S_::NB + c;
-      const float sk0 = decode_e8m0(ks[0]), sk1 = decode_e8m0(ks[S_::NB]);
-      s[n][0] += (sq[c][0] * sk0) * d[0];
-      s[n][1] += (sq[c][0] * sk1) * d[1];
-      s[n][2] += (sq[c][1] * sk0) * d[2];
-      s[n][3] += (sq[c][1] * sk1) * d[3];
+      const float sk0 = decode_e8m0(uint8_t(w[n][0] >> (8 * c))), sk1 = decode_e8m0(uint8_t(w[n][1] >> (8 * c)));
+      s[n][0] += (sq0 * sk0) * d[0];
+      s[n][1] += (sq0 * sk1) * d[1];
+      s[n][2] += (sq1 * sk0) * d[2];
+      s[n][3] += (sq1 * sk1) * d[3];
     }
+  }
 }
 
-// kStages pages per CTA: one computes while the next loads; two CTAs share an SM.
+// Four bytes (low first) into a word.
+__device__ __forceinline__ uint32_t pack4(uint8_t a, uint8_t b, uint8_t c, uint8_t d) {
+  return uint32_t(a) | uint32_t(b) << 8 | uint32_t(c) << 16 | uint32_t(d) << 24;
+}
+
+// kStages pages per warp in flight; two CTAs of four warps share an SM. Per page, each warp: S of
+// its 32 keys on the tensor cores, the rows' maxima exchanged through shared memory (the one CTA
+// barrier of the page: the oracle's softmax takes the page's maximum), P in registers, P.V on the
+// tensor cores into the warp's own accumulator of all d columns. Every warp rescales by the same
+// factors, so the warps' accumulators and sums add up at the end.
 template <int D, bool kPV8>
 __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
-  constexpr int NB = D / 32, NT = D / kWarps / 8;  // NT column tiles of 8 per warp in P.V
+  constexpr int NB = D / 32, NT = D / 8;  // NT column tiles of 8 in P.V
   using S_ = Smem<D, kPV8>;
+  constexpr int kStages = S_::kStages;
   extern __shared__ __align__(128) uint8_t smem[];
   const int split = blockIdx.x, hk = blockIdx.y / p.chunks, chunk = blockIdx.y % p.chunks, s = blockIdx.z;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
   const int r0 = chunk * kRows, rows = min(kRows, p.G * p.Nq - r0);
   // Rows of this CTA: (query head hk*G + (r0+i)/Nq, query (r0+i)%Nq); their q rows are consecutive.
   const int64_t qrow0 = (int64_t(s) * p.Hq + int64_t(hk) * p.G) * p.Nq + r0;
-  float* P = reinterpret_cast<float*>(smem + S_::kP);
   uint8_t* lut = smem + S_::kLut;
-  float* m = reinterpret_cast<float*>(smem + S_::kRowState);
-  float* l = m + kRows;
-  float* alpha = l + kRows;
+  float* rmax = reinterpret_cast<float*>(smem + S_::kMax);  // [page parity][warp][row]
 
   const int L = p.kv.length[s], np = (L + T - 1) / T, eff = min(p.splits, np);
   auto out_part = [&](int i) { return p.part + ((qrow0 + i) * p.splits + split) * (D + 2); };
@@ -171,40 +215,40 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   }
   const int j0 = int(int64_t(split) * np / eff), j1 = int(int64_t(split + 1) * np / eff);
   const int32_t* table = p.kv.table + int64_t(s) * p.kv.max_pages;
+  auto stage_of = [&](int i) { return smem + (i * kWarps + warp) * S_::kWarpStage; };
 
-  auto issue = [&](int j, int stage) {  // page j of the sequence into a stage buffer
+  auto issue = [&](int j, int stage) {  // this warp's 32 keys of page j into its stage buffer
     if (j < j1) {
-      const int pid = table[j];
+      const int pid = table[j], key0 = 32 * warp, live = L - j * T - key0;  // keys present of the 32
       const int64_t head = int64_t(pid) * p.kv.Hkv + hk;
-      uint8_t* st = smem + stage * S_::kStage;
+      uint8_t* st = stage_of(stage);
       if (p.kelem[p.kv.slot[pid]] == Elem::e2m1) {  // d/2 packed bytes a row
-        const uint8_t* gk = p.kv.codes + int64_t(pid) * p.kv.Hkv * T * D + int64_t(hk) * T * (D / 2);
-        for (int i = tid; i < T * D / 32; i += kThreads) {
+        const uint8_t* gk = p.kv.codes + int64_t(pid) * p.kv.Hkv * T * D + (int64_t(hk) * T + key0) * (D / 2);
+        for (int i = lane; i < 32 * D / 32; i += 32) {
           const int key = i / (D / 32);
           cp_async16(st + key * S_::kKRow + swz(key, (i % (D / 32)) * 16), gk + i * 16);
         }
       } else {
-        const uint8_t* gk = p.kv.codes + int64_t(pid) * p.kv.Hkv * T * D + int64_t(hk) * T * D;
-        for (int i = tid; i < T * D / 16; i += kThreads) {
+        const uint8_t* gk = p.kv.codes + int64_t(pid) * p.kv.Hkv * T * D + (int64_t(hk) * T + key0) * D;
+        for (int i = lane; i < 32 * D / 16; i += 32) {
           const int key = i / (D / 16);
           cp_async16(st + key * S_::kKRow + swz(key, (i % (D / 16)) * 16), gk + i * 16);
         }
       }
-      const uint8_t* gs = p.kv.scales + head * T * NB;
-      for (int i = tid; i < S_::kS / 16; i += kThreads) cp_async16(st + S_::kK + i * 16, gs + i * 16);
-      if constexpr (kPV8) {  // V^T rows (one per column) of 128 key bytes, then the scales
-        const uint8_t* gv = p.kv.v8 + head * T * D;
-        for (int i = tid; i < T * D / 16; i += kThreads) {
-          const int col = i / (T / 16);
-          cp_async16(st + S_::kK + S_::kS + col * S_::kVRow + swz(col, (i % (T / 16)) * 16), gv + i * 16);
-        }
-        const uint8_t* gvs = p.kv.vs + head * 4 * D;
-        for (int i = tid; i < 4 * D / 16; i += kThreads) cp_async16(st + S_::kK + S_::kS + D * T + i * 16, gvs + i * 16);
-      } else {
-        const uint8_t* gv = reinterpret_cast<const uint8_t*>(p.kv.v + head * T * D);
-        for (int i = tid; i < T * D / 8; i += kThreads) {
+      const uint8_t* gs = p.kv.scales + (head * T + key0) * NB;
+      if (lane < S_::kS / 16) cp_async16(st + S_::kK + lane * 16, gs + lane * 16);
+      uint8_t* sv = st + S_::kK + S_::kS;
+      if constexpr (kPV8) {  // V^T: each column's 32 keys (two chunks; past the sequence, zeros), then the scales
+        const uint8_t* gv = p.kv.v8 + head * T * D + key0;
+        for (int i = lane; i < 2 * D; i += 32)
+          cp_async16(sv + swz_vt(i / 2, (i % 2) * 16), gv + (i / 2) * T + (i % 2) * 16, 16 * (i % 2) < live);
+        const uint8_t* gvs = p.kv.vs + head * 4 * D + warp * D;
+        if (lane < D / 16) cp_async16(sv + 32 * D + lane * 16, gvs + lane * 16);
+      } else {  // zeros past the sequence: P = 0 there must not meet a stale NaN
+        const uint8_t* gv = reinterpret_cast<const uint8_t*>(p.kv.v + (head * T + key0) * D);
+        for (int i = lane; i < 32 * D / 8; i += 32) {
           const int key = i / (D / 8);
-          cp_async16(st + S_::kK + S_::kS + key * S_::kVRow + swz(key, (i % (D / 8)) * 16), gv + i * 16);
+          cp_async16(sv + key * 2 * D + swz(key, (i % (D / 8)) * 16), gv + i * 16, key < live);
         }
       }
     }
@@ -212,16 +256,17 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   };
   for (int i = 0; i < kStages - 1; ++i) issue(j0 + i, i);
 
-  // q as A fragments (rows g, g+8; zero past this CTA's rows) and its block scales, per slot, in
-  // shared memory (registers are the scarce resource at two CTAs an SM); an E2M1 slot's fragments
-  // hold int8 twice the value (see e2m1x4_to_s8x4).
+  // q as A fragments (rows g, g+8; zero past this CTA's rows; contraction slots ordered by
+  // d_of_slot) and its block scales, per slot, in shared memory; an E2M1 slot's fragments hold
+  // int8 twice the value (see e2m1x4_to_s8x4).
   uint32_t* qa = reinterpret_cast<uint32_t*>(smem + S_::kQa);
   float* sq = reinterpret_cast<float*>(smem + S_::kSq);
   for (int i = tid; i < 2 * NB * 4 * 32; i += kThreads) {
     const int sl = i / (NB * 128), c = i / 128 % NB, h = i / 32 % 4, ln = i % 32;
     const int r = ln / 4 + 8 * (h % 2);
-    uint32_t w =
-        r < rows ? *reinterpret_cast<const uint32_t*>(p.q8[sl] + (qrow0 + r) * D + c * 32 + 16 * (h / 2) + 4 * (ln % 4)) : 0u;
+    uint32_t w = r < rows ? *reinterpret_cast<const uint32_t*>(p.q8[sl] + (qrow0 + r) * D + c * 32 +
+                                                                d_of_slot(16 * (h / 2) + 4 * (ln % 4)))
+                          : 0u;
     if (p.kelem[sl] == Elem::e2m1) {
       uint32_t v = 0;
       for (int b = 0; b < 4; ++b) v |= uint32_t(uint8_t(int8_t(2.0f * fp8_decode<false>(uint8_t(w >> (8 * b)))))) << (8 * b);
@@ -237,182 +282,176 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
     const Elem e = p.kelem[i / 64];
     lut[i] = (e == Elem::e3m2 || e == Elem::e2m3) ? fp8_encode<false>(decode_elem(e, uint8_t(i % 64))) : 0;
   }
-  for (int i = tid; i < kRows; i += kThreads) {
-    m[i] = -INFINITY;
-    l[i] = 0.0f;
+  __syncthreads();
+
+  // The last key (exclusive, absolute) each of this thread's rows sees: causal, bottom-right.
+  int kend[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const int row = g + 8 * r;
+    kend[r] = row < rows ? L - p.Nq + (r0 + row) % p.Nq + 1 : L;
   }
-  float acc[NT][4];  // this warp's d/8 columns: NT tiles of 8; C fragment of rows g, g+8
+  float acc[NT][4];  // all d columns of rows g, g+8 (C fragments), over this warp's keys
 #pragma unroll
   for (int n = 0; n < NT; ++n)
 #pragma unroll
     for (int i = 0; i < 4; ++i) acc[n][i] = 0.0f;
+  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // l: this thread's share of the row sums
 
   for (int j = j0; j < j1; ++j) {
     const int stage = (j - j0) % kStages;
-    cp_async_wait<kStages - 2>();  // page j has landed (this thread's copies)
-    __syncthreads();                // ... everyone's; and every warp is done with page j - 1
-    issue(j + kStages - 1, (j - j0 + kStages - 1) % kStages);  // into page j - 1's stage
-    const uint8_t* st = smem + stage * S_::kStage;
+    cp_async_wait<kStages - 2>();  // this warp's part of page j has landed
+    __syncwarp();
+    issue(j + kStages - 1, (j - j0 + kStages - 1) % kStages);  // into page j - 1's buffer, done with
+    const uint8_t* st = stage_of(stage);
     const int sl = p.kv.slot[table[j]];
-    const int keys = min(T, L - j * T);  // keys present in this page
-    {  // scores of the warp's 16 keys, written to P (scaled) for the softmax
-      float sc[2][4];
-      uint32_t qc[NB][4];
-      float sqc[NB][2];
-#pragma unroll
-      for (int c = 0; c < NB; ++c) {
-#pragma unroll
-        for (int h = 0; h < 4; ++h) qc[c][h] = qa[((sl * NB + c) * 4 + h) * 32 + lane];
-        sqc[c][0] = sq[(sl * NB + c) * kRows + g];
-        sqc[c][1] = sq[(sl * NB + c) * kRows + g + 8];
-      }
+    float sc[4][4];
+    {
+      const uint32_t* qs = qa + sl * NB * 128;
+      const float* sqs = sq + sl * NB * kRows;
       const uint8_t* lt = lut + 64 * sl;
-      const int key0 = kKeysPerWarp * warp;
       switch (p.kelem[sl]) {
-        case Elem::e4m3: page_scores<D, kPV8, Elem::e4m3>(st, key0, qc, sqc, lt, sc); break;
-        case Elem::e5m2: page_scores<D, kPV8, Elem::e5m2>(st, key0, qc, sqc, lt, sc); break;
-        case Elem::e3m2: page_scores<D, kPV8, Elem::e3m2>(st, key0, qc, sqc, lt, sc); break;
-        case Elem::e2m3: page_scores<D, kPV8, Elem::e2m3>(st, key0, qc, sqc, lt, sc); break;
-        case Elem::e2m1: page_scores<D, kPV8, Elem::e2m1>(st, key0, qc, sqc, lt, sc); break;
-      }
-#pragma unroll
-      for (int n = 0; n < 2; ++n)
-#pragma unroll
-        for (int i = 0; i < 4; i += 2)
-          *reinterpret_cast<float2*>(P + (g + 4 * i) * S_::kPRow + key0 + 8 * n + 2 * t) =
-              make_float2(sc[n][i] * p.scale, sc[n][i + 1] * p.scale);
-    }
-    __syncthreads();
-    for (int r = warp; r < kRows; r += kWarps) {  // online softmax, one warp per row
-      float* pr_row = P + r * S_::kPRow;
-      uint8_t* p8_row = smem + S_::kP8 + r * T;  // pv = mxfp8 only
-      float* ps_row = reinterpret_cast<float*>(smem + S_::kPs) + r * 4;
-      auto zero_row = [&] {  // P = 0 (a padding row, or a row that sees no key of the page)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          pr_row[lane + 32 * i] = 0.0f;
-          if constexpr (kPV8) p8_row[swz(r, lane + 32 * i)] = 0;
-        }
-        if (kPV8 && lane < 4) ps_row[lane] = 0.0f;
-        if (lane == 0) alpha[r] = 1.0f;
-      };
-      if (r >= rows) {  // padding rows: P = 0 keeps their (unused) accumulators finite
-        zero_row();
-        continue;
-      }
-      const int q_index = (r0 + r) % p.Nq;
-      const int nvalid = min(T, L - p.Nq + q_index + 1 - j * T);  // causal, bottom-right
-      float pr[4], mt = -INFINITY;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        pr[i] = pr_row[lane + 32 * i];
-        if (lane + 32 * i < nvalid) mt = fmaxf(mt, pr[i]);
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) mt = fmaxf(mt, __shfl_xor_sync(0xffffffffu, mt, o));
-      const float mold = m[r];
-      if (nvalid <= 0) {  // this row sees no key of the page
-        zero_row();
-        continue;
-      }
-      const float mnew = fmaxf(mold, mt), a = expf(mold - mnew);
-      float psum = 0.0f;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float e = lane + 32 * i < nvalid ? expf(pr[i] - mnew) : 0.0f;
-        psum += e;
-        if constexpr (kPV8) {  // P in MXFP8 E4M3, one scale per 32 keys (block i: keys 32i + lane)
-          float amax = e;
-#pragma unroll
-          for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-          const uint8_t sc = choose_e8m0(amax, Elem::e4m3, p.rule);
-          p8_row[swz(r, lane + 32 * i)] = fp8_encode<false>(e * hd::ldexp2(1.0f, 127 - int(sc)));
-          if (lane == 0) ps_row[i] = decode_e8m0(sc);
-        } else {
-          pr_row[lane + 32 * i] = __uint_as_float(bf16x2_rn(e, 0.0f) << 16);  // P in bf16, as the oracle
-        }
-      }
-#pragma unroll
-      for (int o = 16; o > 0; o >>= 1) psum += __shfl_xor_sync(0xffffffffu, psum, o);
-      __syncwarp();  // every lane has read m[r] before lane 0 replaces it
-      if (lane == 0) {
-        l[r] = l[r] * a + psum;
-        m[r] = mnew;
-        alpha[r] = a;
+        case Elem::e4m3: block_scores<D, Elem::e4m3>(st, st + S_::kK, qs, sqs, lt, sc); break;
+        case Elem::e5m2: block_scores<D, Elem::e5m2>(st, st + S_::kK, qs, sqs, lt, sc); break;
+        case Elem::e3m2: block_scores<D, Elem::e3m2>(st, st + S_::kK, qs, sqs, lt, sc); break;
+        case Elem::e2m3: block_scores<D, Elem::e2m3>(st, st + S_::kK, qs, sqs, lt, sc); break;
+        case Elem::e2m1: block_scores<D, Elem::e2m1>(st, st + S_::kK, qs, sqs, lt, sc); break;
       }
     }
+    // Scale, mask (keys past each row's end: -inf), the rows' maxima over this warp's keys.
+    const int kbase = j * T + 32 * warp + 2 * t;
+    const bool whole = (j + 1) * T <= L - p.Nq + 1;  // every row sees every key of the page
+    float mx[2] = {-INFINITY, -INFINITY};
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        sc[n][i] *= p.scale;
+        if (!whole && kbase + 8 * n + i % 2 >= kend[i / 2]) sc[n][i] = -INFINITY;
+        mx[i / 2] = fmaxf(mx[i / 2], sc[n][i]);
+      }
+    float* red = rmax + (j & 1) * kWarps * kRows;  // two buffers: a warp runs at most a page ahead
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      mx[r] = quad_max(mx[r]);
+      if (t == 0) red[warp * kRows + g + 8 * r] = mx[r];
+    }
     __syncthreads();
-    {  // P.V on the tensor cores: this warp's d/8 columns, 16 keys a step
-      const float a0 = alpha[g], a1 = alpha[g + 8];
+    float alpha[2], mref[2];
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float pm = red[g + 8 * r];
+#pragma unroll
+      for (int w = 1; w < kWarps; ++w) pm = fmaxf(pm, red[w * kRows + g + 8 * r]);
+      const float mnew = fmaxf(m[r], pm);
+      // A row that has seen no key yet keeps its state (as if the page were skipped).
+      alpha[r] = mnew == -INFINITY ? 1.0f : expf(m[r] - mnew);
+      mref[r] = mnew == -INFINITY ? 0.0f : mnew;
+      m[r] = mnew;
+      l[r] *= alpha[r];
+    }
+#pragma unroll
+    for (int n = 0; n < 4; ++n)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        sc[n][i] = expf(sc[n][i] - mref[i / 2]);  // masked: exp(-inf) = 0
+        l[i / 2] += sc[n][i];
+      }
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
-        acc[n][0] *= a0;
-        acc[n][1] *= a0;
-        acc[n][2] *= a1;
-        acc[n][3] *= a1;
+        acc[n][0] *= alpha[0];
+        acc[n][1] *= alpha[0];
+        acc[n][2] *= alpha[1];
+        acc[n][3] *= alpha[1];
       }
-      const uint8_t* V = st + S_::kK + S_::kS;
-      const int col0 = warp * (D / kWarps);
-      if constexpr (kPV8) {  // per 32-key block: an FP8 mma, scaled by P's and V's block scales
-        const uint8_t* p8 = smem + S_::kP8;
-        const float* ps = reinterpret_cast<const float*>(smem + S_::kPs);
-        for (int c = 0; c * 32 < keys; ++c) {
-          uint32_t a[4];
+    }
+    const uint8_t* V = st + S_::kK + S_::kS;
+    if constexpr (kPV8) {
+      // P in MXFP8 E4M3 with one scale per row over the warp's 32 keys (one MX block), as A
+      // fragments: slot 4t+i holds key pi(i) = 2t, 2t+1, 8+2t, 9+2t (and +16 for slots 16+4t..),
+      // the keys this lane's S fragment holds; V^T's B fragments take the same keys.
+      float ps[2];
+      uint8_t c8[4][4];
 #pragma unroll
-          for (int h = 0; h < 4; ++h) {  // rows g / g+8, keys 32c + 4t (+16)
-            const int r = g + 8 * (h % 2);
-            a[h] = *reinterpret_cast<const uint32_t*>(p8 + r * T + swz(r, 32 * c + 16 * (h / 2) + 4 * t));
-          }
-          const float p0 = ps[g * 4 + c], p1 = ps[(g + 8) * 4 + c];
+      for (int r = 0; r < 2; ++r) {
+        float amax = 0.0f;
 #pragma unroll
-          for (int n = 0; n < NT; ++n) {
-            const int col = col0 + 8 * n + g;
-            const uint8_t* vrow = V + col * S_::kVRow;
-            float d[4];
-            mma_fp8_block<false>(d, a, *reinterpret_cast<const uint32_t*>(vrow + swz(col, 32 * c + 4 * t)),
-                                 *reinterpret_cast<const uint32_t*>(vrow + swz(col, 32 * c + 16 + 4 * t)));
-            const uint8_t* vs = V + D * T + c * D + col0 + 8 * n + 2 * t;
-            const float v0 = decode_e8m0(vs[0]), v1 = decode_e8m0(vs[1]);
-            acc[n][0] += (p0 * v0) * d[0];
-            acc[n][1] += (p0 * v1) * d[1];
-            acc[n][2] += (p1 * v0) * d[2];
-            acc[n][3] += (p1 * v1) * d[3];
-          }
+        for (int n = 0; n < 4; ++n) amax = fmaxf(amax, fmaxf(sc[n][2 * r], sc[n][2 * r + 1]));
+        const uint8_t e = choose_e8m0(quad_max(amax), Elem::e4m3, p.rule);
+        const float inv = hd::ldexp2(1.0f, 127 - int(e));
+        ps[r] = decode_e8m0(e);
+#pragma unroll
+        for (int n = 0; n < 4; ++n) {
+          c8[n][2 * r] = fp8_encode<false>(sc[n][2 * r] * inv);
+          c8[n][2 * r + 1] = fp8_encode<false>(sc[n][2 * r + 1] * inv);
         }
-      } else
-      for (int k0 = 0; k0 < keys; k0 += 16) {
-        uint32_t a[4];
+      }
+      const uint32_t a[4] = {pack4(c8[0][0], c8[0][1], c8[1][0], c8[1][1]), pack4(c8[0][2], c8[0][3], c8[1][2], c8[1][3]),
+                             pack4(c8[2][0], c8[2][1], c8[3][0], c8[3][1]), pack4(c8[2][2], c8[2][3], c8[3][2], c8[3][3])};
+      const uint8_t* vsc = V + 32 * D;  // this block's scale per column
 #pragma unroll
-        for (int h = 0; h < 4; ++h) {  // rows g / g+8, keys k0 + 2t (+8)
-          const float2 x = *reinterpret_cast<const float2*>(P + (g + 8 * (h % 2)) * S_::kPRow + k0 + 8 * (h / 2) + 2 * t);
-          a[h] = bf16x2_rn(x.x, x.y);  // exact: P is already bf16-valued
-        }
-        uint32_t b[4];
-        if constexpr (NT == 2) {  // matrices: keys +8 for odd, columns +8 for the upper two
-          const int mi = lane / 8, key = k0 + lane % 8 + 8 * (mi % 2);
-          ldmatrix_x4_trans(b, V + key * S_::kVRow + swz(key, (col0 + 8 * (mi / 2)) * 2));
-          mma_bf16_16816(acc[0], a, b[0], b[1]);
-          mma_bf16_16816(acc[NT - 1], a, b[2], b[3]);
-        } else {  // one column tile: matrices 2, 3 repeat 0, 1 (their results unused)
-          const int mi = lane / 8, key = k0 + lane % 8 + 8 * (mi % 2);
-          ldmatrix_x4_trans(b, V + key * S_::kVRow + swz(key, col0 * 2));
-          mma_bf16_16816(acc[0], a, b[0], b[1]);
+      for (int n = 0; n < NT; ++n) {
+        const int col = 8 * n + g;
+        auto half = [&](int b) { return uint32_t(*reinterpret_cast<const uint16_t*>(V + swz_vt(col, b))); };
+        const uint32_t b0 = half(2 * t) | half(8 + 2 * t) << 16, b1 = half(16 + 2 * t) | half(24 + 2 * t) << 16;
+        float d[4];
+        mma_fp8_block<false>(d, a, b0, b1);
+        const uint16_t vw = *reinterpret_cast<const uint16_t*>(vsc + 8 * n + 2 * t);
+        const float v0 = decode_e8m0(uint8_t(vw)), v1 = decode_e8m0(uint8_t(vw >> 8));
+        acc[n][0] += (ps[0] * v0) * d[0];
+        acc[n][1] += (ps[0] * v1) * d[1];
+        acc[n][2] += (ps[1] * v0) * d[2];
+        acc[n][3] += (ps[1] * v1) * d[3];
+      }
+    } else {  // P rounded to bf16 (as the oracle) times bf16 V, 16 keys a step
+#pragma unroll
+      for (int kk = 0; kk < 2; ++kk) {
+        const uint32_t a[4] = {bf16x2_rn(sc[2 * kk][0], sc[2 * kk][1]), bf16x2_rn(sc[2 * kk][2], sc[2 * kk][3]),
+                               bf16x2_rn(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
+                               bf16x2_rn(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
+        const int mi = lane / 8, key = 16 * kk + lane % 8 + 8 * (mi % 2);
+#pragma unroll
+        for (int n = 0; n < NT; n += 2) {  // matrices: keys +8 for odd, columns +8 for the upper two
+          uint32_t b[4];
+          ldmatrix_x4_trans(b, V + key * 2 * D + swz(key, (8 * n + 8 * (mi / 2)) * 2));
+          mma_bf16_16816(acc[n], a, b[0], b[1]);
+          mma_bf16_16816(acc[n + 1], a, b[2], b[3]);
         }
       }
     }
   }
   cp_async_wait<0>();
+  __syncthreads();  // every warp is done with the stage buffers: they take the warps' accumulators
+  float* sum = reinterpret_cast<float*>(smem);  // [kWarps][kRows][D], then the row sums [kWarps][kRows]
+  float* lsum = reinterpret_cast<float*>(smem + S_::kMax);  // the maxima's buffers are free too
 #pragma unroll
   for (int n = 0; n < NT; ++n)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int r = g + 8 * (i / 2);
-      if (r < rows) out_part(r)[warp * (D / kWarps) + 8 * n + 2 * t + i % 2] = acc[n][i];
-    }
-  for (int r = tid; r < rows; r += kThreads) {
-    out_part(r)[D] = m[r];
-    out_part(r)[D + 1] = l[r];
+    for (int i = 0; i < 4; ++i) sum[(warp * kRows + g + 8 * (i / 2)) * D + 8 * n + 2 * t + i % 2] = acc[n][i];
+#pragma unroll
+  for (int r = 0; r < 2; ++r) {
+    const float lr = quad_sum(l[r]);
+    if (t == 0) lsum[warp * kRows + g + 8 * r] = lr;
   }
+  __syncthreads();
+  for (int i = tid; i < rows * D; i += kThreads) {
+    float o = 0.0f;
+#pragma unroll
+    for (int w = 0; w < kWarps; ++w) o += sum[w * kRows * D + i];
+    out_part(i / D)[i % D] = o;
+  }
+  if (warp == 0 && t == 0)  // m is the same in every warp
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = g + 8 * r;
+      if (row >= rows) continue;
+      float lr = 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) lr += lsum[w * kRows + row];
+      out_part(row)[D] = m[r];
+      out_part(row)[D + 1] = lr;
+    }
 }
 
 // One thread per (row, column): the splits merged by LSE in one pass over their maxima (the CPU
@@ -439,9 +478,8 @@ __global__ void merge_splits(const float* part, int64_t rows, int splits, int d,
   if (lse && c == 0) lse[row] = M + logf(lsum);
 }
 
-// Two stages at two CTAs an SM: measured faster than four stages at one CTA an SM (1.17-1.43x,
-// bench/RESULTS.md run 19), i.e. the kernel wants warps to hide its instruction latency more than
-// it wants bytes in flight.
+// Two CTAs an SM (Smem sizes the stages for it): run 19 measured the earlier block-synchronous kernel
+// faster at two CTAs than at one CTA with twice the stages (bench/RESULTS.md).
 template <int D, bool kPV8>
 void launch(const Params& p, dim3 grid, cudaStream_t stream) {
   constexpr int bytes = Smem<D, kPV8>::kBytes;
