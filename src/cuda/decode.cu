@@ -54,8 +54,9 @@ struct Smem {  // byte offsets into dynamic shared memory
   static constexpr int NB = D / 32;
   // Per warp and stage: K rows of 128 bytes (E2M1 and d = 64 use the first half or less), the
   // keys' E8M0 scales [32][NB], then V: bf16 rows [32 keys][d], or (pv = mxfp8) V^T [d][32 keys]
-  // E4M3 and the block's E8M0 scales [d]. 16-byte chunks are XOR-swizzled (swz, swz_vt) so the
-  // fragment loads of a warp fall in distinct banks without padding.
+  // E4M3 (keys in fragment order, see vt_position) and the block's E8M0 scales [d]. K and bf16 V
+  // rows have their 16-byte chunks XOR-swizzled (swz) so the fragment loads of a warp fall in
+  // distinct banks without padding; V^T's 32-byte rows need no swizzle for 8-byte loads.
   static constexpr int kKRow = 128;
   static constexpr int kK = 32 * kKRow, kS = 32 * NB, kV = kPV8 ? D * 32 + D : 32 * 2 * D;
   static constexpr int kWarpStage = kK + kS + kV;
@@ -77,24 +78,27 @@ struct Smem {  // byte offsets into dynamic shared memory
 // it unchanged (exactly so on the integer tensor cores).
 __device__ __forceinline__ int d_of_slot(int k) { return 8 * ((k % 16) / 4) + 4 * (k / 16) + k % 4; }
 
-// E2M1 pages run on the integer tensor cores: twice an E2M1 value is an integer in [-12, 12], so
-// a 32-element dot of q and K (both E2M1: q takes the page's format) is an exact int32 / 4. The
-// oracle's fp32 sum of those products is exact as well, so these scores match it bit for bit.
-// Four codes (16 bits, low nibble first) -> four int8 (2 x value): magnitude and negated magnitude
-// by byte permutes of the two 8-entry tables, chosen per byte by the sign (a permute in its
-// sign-replicating mode: nibble i's sign bit lands on the top bit of the byte it selects).
+// E2M1 pages run on the FP8 tensor cores with their codes widened to E4M3 bytes (exact): the
+// products of two E2M1 values are multiples of 1/4 below 37 and a 32-term sum stays below 2^11, so
+// the mma's sum is exact (GpuMma.FragmentLayoutAndDotPrecision asserts it) and equals the oracle's.
+// Four codes (low 16 bits, low nibble first) -> four E4M3 bytes: the magnitude by a byte permute of
+// the 8-entry table, the sign by a permute in its sign-replicating mode (nibble i's sign bit lands
+// on the top bit of the byte it selects).
 __device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {  // PTX prmt, sign mode included
   uint32_t d;
   asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
   return d;
 }
-__device__ __forceinline__ uint32_t e2m1x4_to_s8x4(uint32_t x) {
-  const uint32_t sel = x & 0x7777u;
-  const uint32_t pos = prmt(0x03020100u, 0x0C080604u, sel);  // 0 1 2 3 | 4 6 8 12
-  const uint32_t neg = prmt(0xFDFEFF00u, 0xF4F8FAFCu, sel);  // 0 -1 -2 -3 | -4 -6 -8 -12
-  const uint32_t mask = prmt(x << 4, x, 0xD9C8u);             // 0xFF where the code is negative
-  return (pos & ~mask) | (neg & mask);
+__device__ __forceinline__ uint32_t e2m1x4_to_e4m3x4(uint32_t x) {
+  const uint32_t mag = prmt(0x3C383000u, 0x4C484440u, x & 0x7777u);  // 0 .5 1 1.5 | 2 3 4 6
+  const uint32_t neg = prmt(x << 4, x, 0xD9C8u);                      // 0xFF where the code is negative
+  return mag | (neg & 0x80808080u);
 }
+
+// The E8M0 scale code in byte c of `word` as a float. Cache pages hold no NaN scale (append rejects
+// non-finite input) and code 0 (2^-127) only scales all-zero blocks, so the plain exponent field is
+// enough here: two instructions instead of decode_e8m0's special cases.
+__device__ __forceinline__ float e8m0_of_byte(uint32_t word, int c) { return __uint_as_float(((word >> (8 * c)) & 0xFFu) << 23); }
 
 // Byte offset of byte b of row `row` in a swizzled K or bf16 V tile: 16-byte chunk c goes to
 // c ^ f(row % 8) with f = 0 2 4 6 1 3 5 7, so that 8 rows' 4-byte loads (E2M1, ldmatrix) and each
@@ -103,18 +107,16 @@ __device__ __forceinline__ int swz(int row, int b) {
   const int f = ((row & 3) << 1) | ((row >> 2) & 1);
   return (((b >> 4) ^ f) << 4) | (b & 15);
 }
-// pv = mxfp8: V^T rows are 32 bytes (two chunks); rows 4 apart swap them.
-__device__ __forceinline__ int swz_vt(int col, int b) { return col * 32 + ((((b >> 4) ^ (col >> 2)) & 1) << 4) + (b & 15); }
 
-// B fragment registers (slots 4t..4t+3 and 16+4t..) of block c of a key row: int8 twice the value
-// for E2M1, the FP8 bytes otherwise (FP6 codes widened to E4M3 by a table, exactly).
+// B fragment registers (slots 4t..4t+3 and 16+4t..) of block c of a key row: FP8 bytes (E2M1 and FP6
+// codes widened to E4M3, exactly).
 template <Elem E>
 __device__ __forceinline__ void k_words(const uint8_t* row, int key, int c, int t, const uint8_t* lut, uint32_t& b0,
                                         uint32_t& b1) {
   if constexpr (E == Elem::e2m1) {
     const uint32_t w = *reinterpret_cast<const uint32_t*>(row + swz(key, c * 16 + 4 * t));
-    b0 = e2m1x4_to_s8x4(w & 0xFFFFu);
-    b1 = e2m1x4_to_s8x4(w >> 16);
+    b0 = e2m1x4_to_e4m3x4(w);
+    b1 = e2m1x4_to_e4m3x4(w >> 16);
   } else {
     const uint2 w = *reinterpret_cast<const uint2*>(row + swz(key, c * 32 + 8 * t));
     if constexpr (E == Elem::e4m3 || E == Elem::e5m2) {
@@ -166,26 +168,14 @@ __device__ __forceinline__ void block_scores(const uint8_t* K, const uint8_t* ks
       uint32_t b0, b1;
       k_words<E>(K + key * 128, key, c, t, lut, b0, b1);
       float d[4];
-      if constexpr (E == Elem::e2m1) {
-        int di[4];
-        mma_s8_block(di, a, b0, b1);
-#pragma unroll
-        for (int i = 0; i < 4; ++i) d[i] = float(di[i]) * 0.25f;  // exact
-      } else {
-        mma_fp8_block<E == Elem::e5m2>(d, a, b0, b1);
-      }
-      const float sk0 = decode_e8m0(uint8_t(w[n][0] >> (8 * c))), sk1 = decode_e8m0(uint8_t(w[n][1] >> (8 * c)));
+      mma_fp8_block<E == Elem::e5m2>(d, a, b0, b1);
+      const float sk0 = e8m0_of_byte(w[n][0], c), sk1 = e8m0_of_byte(w[n][1], c);
       s[n][0] += (sq0 * sk0) * d[0];
       s[n][1] += (sq0 * sk1) * d[1];
       s[n][2] += (sq1 * sk0) * d[2];
       s[n][3] += (sq1 * sk1) * d[3];
     }
   }
-}
-
-// Four bytes (low first) into a word.
-__device__ __forceinline__ uint32_t pack4(uint8_t a, uint8_t b, uint8_t c, uint8_t d) {
-  return uint32_t(a) | uint32_t(b) << 8 | uint32_t(c) << 16 | uint32_t(d) << 24;
 }
 
 // kStages pages per warp in flight; two CTAs of four warps share an SM. Per page, each warp: S of
@@ -217,37 +207,63 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   const int32_t* table = p.kv.table + int64_t(s) * p.kv.max_pages;
   auto stage_of = [&](int i) { return smem + (i * kWarps + warp) * S_::kWarpStage; };
 
+  // Page ids and formats of this split, 32 pages at a time in the warp's lanes (one a lane), the
+  // next 32 loaded a window ahead: the two dependent global loads stay off the per-page path.
+  auto load_window = [&](int base, int& pid, int& sl) {
+    const int jj = base + lane;
+    pid = jj < j1 ? table[jj] : 0;
+    sl = jj < j1 ? p.kv.slot[pid] : 0;
+  };
+  int win = j0, cur_pid, cur_sl, nxt_pid, nxt_sl;
+  load_window(win, cur_pid, cur_sl);
+  load_window(win + 32, nxt_pid, nxt_sl);
+  uint32_t ring = 0;  // bit i: the format slot of the page in stage i
+
   auto issue = [&](int j, int stage) {  // this warp's 32 keys of page j into its stage buffer
     if (j < j1) {
-      const int pid = table[j], key0 = 32 * warp, live = L - j * T - key0;  // keys present of the 32
+      if (j == win + 32) {
+        win = j;
+        cur_pid = nxt_pid;
+        cur_sl = nxt_sl;
+        load_window(win + 32, nxt_pid, nxt_sl);
+      }
+      const int pid = __shfl_sync(0xffffffffu, cur_pid, j - win), sl = __shfl_sync(0xffffffffu, cur_sl, j - win);
+      ring = (ring & ~(1u << stage)) | uint32_t(sl) << stage;
+      const int key0 = 32 * warp, live = L - j * T - key0;  // keys present of the 32
       const int64_t head = int64_t(pid) * p.kv.Hkv + hk;
       uint8_t* st = stage_of(stage);
-      if (p.kelem[p.kv.slot[pid]] == Elem::e2m1) {  // d/2 packed bytes a row
+      if (p.kelem[sl] == Elem::e2m1) {  // d/2 packed bytes a row
         const uint8_t* gk = p.kv.codes + int64_t(pid) * p.kv.Hkv * T * D + (int64_t(hk) * T + key0) * (D / 2);
-        for (int i = lane; i < 32 * D / 32; i += 32) {
-          const int key = i / (D / 32);
+#pragma unroll
+        for (int k = 0; k < D / 32; ++k) {
+          const int i = lane + 32 * k, key = i / (D / 32);
           cp_async16(st + key * S_::kKRow + swz(key, (i % (D / 32)) * 16), gk + i * 16);
         }
       } else {
         const uint8_t* gk = p.kv.codes + int64_t(pid) * p.kv.Hkv * T * D + (int64_t(hk) * T + key0) * D;
-        for (int i = lane; i < 32 * D / 16; i += 32) {
-          const int key = i / (D / 16);
+#pragma unroll
+        for (int k = 0; k < D / 16; ++k) {
+          const int i = lane + 32 * k, key = i / (D / 16);
           cp_async16(st + key * S_::kKRow + swz(key, (i % (D / 16)) * 16), gk + i * 16);
         }
       }
       const uint8_t* gs = p.kv.scales + (head * T + key0) * NB;
       if (lane < S_::kS / 16) cp_async16(st + S_::kK + lane * 16, gs + lane * 16);
       uint8_t* sv = st + S_::kK + S_::kS;
-      if constexpr (kPV8) {  // V^T: each column's 32 keys (two chunks; past the sequence, zeros), then the scales
+      if constexpr (kPV8) {  // V^T: each column's 32 keys (two chunks), then the block's scales
         const uint8_t* gv = p.kv.v8 + head * T * D + key0;
-        for (int i = lane; i < 2 * D; i += 32)
-          cp_async16(sv + swz_vt(i / 2, (i % 2) * 16), gv + (i / 2) * T + (i % 2) * 16, 16 * (i % 2) < live);
+#pragma unroll
+        for (int k = 0; k < D / 16; ++k) {
+          const int i = lane + 32 * k;
+          cp_async16(sv + i * 16, gv + (i / 2) * T + (i % 2) * 16);
+        }
         const uint8_t* gvs = p.kv.vs + head * 4 * D + warp * D;
         if (lane < D / 16) cp_async16(sv + 32 * D + lane * 16, gvs + lane * 16);
       } else {  // zeros past the sequence: P = 0 there must not meet a stale NaN
         const uint8_t* gv = reinterpret_cast<const uint8_t*>(p.kv.v + (head * T + key0) * D);
-        for (int i = lane; i < 32 * D / 8; i += 32) {
-          const int key = i / (D / 8);
+#pragma unroll
+        for (int k = 0; k < D / 8; ++k) {
+          const int i = lane + 32 * k, key = i / (D / 8);
           cp_async16(sv + key * 2 * D + swz(key, (i % (D / 8)) * 16), gv + i * 16, key < live);
         }
       }
@@ -257,22 +273,16 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   for (int i = 0; i < kStages - 1; ++i) issue(j0 + i, i);
 
   // q as A fragments (rows g, g+8; zero past this CTA's rows; contraction slots ordered by
-  // d_of_slot) and its block scales, per slot, in shared memory; an E2M1 slot's fragments hold
-  // int8 twice the value (see e2m1x4_to_s8x4).
+  // d_of_slot; FP8 bytes of q's element values in the slot's format) and its block scales, per slot,
+  // in shared memory.
   uint32_t* qa = reinterpret_cast<uint32_t*>(smem + S_::kQa);
   float* sq = reinterpret_cast<float*>(smem + S_::kSq);
   for (int i = tid; i < 2 * NB * 4 * 32; i += kThreads) {
     const int sl = i / (NB * 128), c = i / 128 % NB, h = i / 32 % 4, ln = i % 32;
     const int r = ln / 4 + 8 * (h % 2);
-    uint32_t w = r < rows ? *reinterpret_cast<const uint32_t*>(p.q8[sl] + (qrow0 + r) * D + c * 32 +
-                                                                d_of_slot(16 * (h / 2) + 4 * (ln % 4)))
-                          : 0u;
-    if (p.kelem[sl] == Elem::e2m1) {
-      uint32_t v = 0;
-      for (int b = 0; b < 4; ++b) v |= uint32_t(uint8_t(int8_t(2.0f * fp8_decode<false>(uint8_t(w >> (8 * b)))))) << (8 * b);
-      w = v;
-    }
-    qa[i] = w;
+    qa[i] = r < rows ? *reinterpret_cast<const uint32_t*>(p.q8[sl] + (qrow0 + r) * D + c * 32 +
+                                                           d_of_slot(16 * (h / 2) + 4 * (ln % 4)))
+                     : 0u;
   }
   for (int i = tid; i < 2 * NB * kRows; i += kThreads) {
     const int sl = i / (NB * kRows), c = i / kRows % NB, r = i % kRows;
@@ -304,7 +314,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
     __syncwarp();
     issue(j + kStages - 1, (j - j0 + kStages - 1) % kStages);  // into page j - 1's buffer, done with
     const uint8_t* st = stage_of(stage);
-    const int sl = p.kv.slot[table[j]];
+    const int sl = (ring >> stage) & 1;
     float sc[4][4];
     {
       const uint32_t* qs = qa + sl * NB * 128;
@@ -371,34 +381,30 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
       // P in MXFP8 E4M3 with one scale per row over the warp's 32 keys (one MX block), as A
       // fragments: slot 4t+i holds key pi(i) = 2t, 2t+1, 8+2t, 9+2t (and +16 for slots 16+4t..),
       // the keys this lane's S fragment holds; V^T's B fragments take the same keys.
-      float ps[2];
-      uint8_t c8[4][4];
+      float ps[2], inv[2];
 #pragma unroll
       for (int r = 0; r < 2; ++r) {
         float amax = 0.0f;
 #pragma unroll
         for (int n = 0; n < 4; ++n) amax = fmaxf(amax, fmaxf(sc[n][2 * r], sc[n][2 * r + 1]));
         const uint8_t e = choose_e8m0(quad_max(amax), Elem::e4m3, p.rule);
-        const float inv = hd::ldexp2(1.0f, 127 - int(e));
+        inv[r] = hd::ldexp2(1.0f, 127 - int(e));
         ps[r] = decode_e8m0(e);
-#pragma unroll
-        for (int n = 0; n < 4; ++n) {
-          c8[n][2 * r] = fp8_encode<false>(sc[n][2 * r] * inv);
-          c8[n][2 * r + 1] = fp8_encode<false>(sc[n][2 * r + 1] * inv);
-        }
       }
-      const uint32_t a[4] = {pack4(c8[0][0], c8[0][1], c8[1][0], c8[1][1]), pack4(c8[0][2], c8[0][3], c8[1][2], c8[1][3]),
-                             pack4(c8[2][0], c8[2][1], c8[3][0], c8[3][1]), pack4(c8[2][2], c8[2][3], c8[3][2], c8[3][3])};
+      auto enc = [&](int n, int r) { return uint32_t(fp8x2_encode<false>(sc[n][2 * r] * inv[r], sc[n][2 * r + 1] * inv[r])); };
+      const uint32_t a[4] = {enc(0, 0) | enc(1, 0) << 16, enc(0, 1) | enc(1, 1) << 16, enc(2, 0) | enc(3, 0) << 16,
+                             enc(2, 1) | enc(3, 1) << 16};
       const uint8_t* vsc = V + 32 * D;  // this block's scale per column
 #pragma unroll
       for (int n = 0; n < NT; ++n) {
-        const int col = 8 * n + g;
-        auto half = [&](int b) { return uint32_t(*reinterpret_cast<const uint16_t*>(V + swz_vt(col, b))); };
-        const uint32_t b0 = half(2 * t) | half(8 + 2 * t) << 16, b1 = half(16 + 2 * t) | half(24 + 2 * t) << 16;
+        // The device V^T stores each 32-key block of a column in this fragment order (decode.cuh), so
+        // a lane's two B registers are one 8-byte load; 4 rows of 32 bytes a half warp: no conflicts.
+        const uint2 bw = *reinterpret_cast<const uint2*>(V + (8 * n + g) * 32 + 8 * t);
+        const uint32_t b0 = bw.x, b1 = bw.y;
         float d[4];
         mma_fp8_block<false>(d, a, b0, b1);
-        const uint16_t vw = *reinterpret_cast<const uint16_t*>(vsc + 8 * n + 2 * t);
-        const float v0 = decode_e8m0(uint8_t(vw)), v1 = decode_e8m0(uint8_t(vw >> 8));
+        const uint32_t vw = *reinterpret_cast<const uint16_t*>(vsc + 8 * n + 2 * t);
+        const float v0 = e8m0_of_byte(vw, 0), v1 = e8m0_of_byte(vw, 1);
         acc[n][0] += (ps[0] * v0) * d[0];
         acc[n][1] += (ps[0] * v1) * d[1];
         acc[n][2] += (ps[1] * v0) * d[2];

@@ -24,11 +24,20 @@ struct PagedKV {
   const int32_t* length = nullptr;  // [S] tokens per sequence
   int S = 0, max_pages = 0, Hkv = 0, d = 0;
   // pv = mxfp8 (instead of v): page p, head h's V as V^T, [d][128] E4M3 codes at
-  // v8 + (p*Hkv + h)*128*d (columns contiguous over keys: the FP8 mma's B operand), and the E8M0
-  // scales of its 32-key blocks, [4][d], at vs + (p*Hkv + h)*4*d (the host page's layout).
+  // v8 + (p*Hkv + h)*128*d (columns contiguous over keys: the FP8 mma's B operand; within each
+  // 32-key block the keys in the order vt_position gives), and the E8M0 scales of its 32-key
+  // blocks, [4][d], at vs + (p*Hkv + h)*4*d (the host page's layout).
   const uint8_t* v8 = nullptr;
   const uint8_t* vs = nullptr;
 };
+
+// Where key k (0..127) of a page sits in a row of the device V^T: within its 32-key block, lane t of
+// the mma's B fragment reads bytes 8t..8t+7, which must hold keys 2t, 2t+1, 8+2t, 9+2t and the same
+// plus 16 (the keys its P fragment holds, see decode.cu).
+constexpr int vt_position(int k) {
+  const int r = k % 16;
+  return k / 32 * 32 + 8 * ((r % 8) / 2) + 4 * (k % 32 / 16) + (r % 2) + 2 * (r / 8);
+}
 
 // q, out: [S, Hq, Nq, d] CUDA views (unit stride on d); lse [S*Hq*Nq] device floats or null. splits
 // 0 = automatic. Enqueues the work on `stream` (q's quantization, the decode, the split merge) and

@@ -5,15 +5,18 @@
 
 namespace dmattn::cuda {
 
+// Two values in one conversion: lo in the low byte.
 template <bool kE5M2>
-__device__ __forceinline__ uint8_t fp8_encode(float x) {
+__device__ __forceinline__ uint16_t fp8x2_encode(float lo, float hi) {
   uint16_t r;
   if constexpr (kE5M2)
-    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(x));
+    asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
   else
-    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(0.0f), "f"(x));
-  return uint8_t(r & 0xFF);
+    asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(r) : "f"(hi), "f"(lo));
+  return r;
 }
+template <bool kE5M2>
+__device__ __forceinline__ uint8_t fp8_encode(float x) { return uint8_t(fp8x2_encode<kE5M2>(x, 0.0f) & 0xFF); }
 
 // Every E4M3 and E5M2 value is an fp16 value, so the widening through f16 is exact.
 template <bool kE5M2>

@@ -89,12 +89,12 @@ struct Mirror {
       put(codes + id * code_bytes, pg.codes.data(), pg.codes.size());
       put(scales + id * scale_bytes, pg.scales.data(), pg.scales.size());
       if (v) put(v + id * (v_bytes / 2), pg.v.data(), pg.v.size() * sizeof(uint16_t));
-      if (v8) {  // V^T per head: the FP8 mma wants each column's keys contiguous
+      if (v8) {  // V^T per head: the FP8 mma wants each column's keys contiguous (in fragment order)
         uint8_t* dst = vt.data() + i * size_t(v8_bytes);
         const int64_t heads = v8_bytes / (T * d);
         for (int64_t h = 0; h < heads; ++h)
           for (int64_t k = 0; k < T; ++k)
-            for (int64_t c = 0; c < d; ++c) dst[(h * d + c) * T + k] = pg.v8[size_t((h * T + k) * d + c)];
+            for (int64_t c = 0; c < d; ++c) dst[(h * d + c) * T + vt_position(int(k))] = pg.v8[size_t((h * T + k) * d + c)];
         put(v8 + id * v8_bytes, dst, size_t(v8_bytes));
         put(vs + id * vs_bytes, pg.vs.data(), pg.vs.size());
       }

@@ -48,15 +48,6 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t r[4], const void* row
                : "r"(a));
 }
 
-// The same block product on the integer tensor cores (int8 operands, exact int32 result).
-__device__ __forceinline__ void mma_s8_block(int d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%10,%10,%10,%10};\n"
-      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0));
-}
-
 // Two floats rounded to bf16 (nearest-even, as to_bf16) in one instruction; lo in the low half.
 __device__ __forceinline__ uint32_t bf16x2_rn(float lo, float hi) {
   uint32_t r;
