@@ -34,7 +34,6 @@ namespace {
 constexpr int T = kTile;          // keys per page
 constexpr int kWarps = T / 32;    // warp w owns keys 32w..32w+31 of every page: one MX block of P
 constexpr int kThreads = 32 * kWarps;
-constexpr int kRows = 16;         // query rows per CTA: the M of mma.sync; more rows take more CTAs
 
 struct Params {
   PagedKV kv;
@@ -49,9 +48,10 @@ struct Params {
 
 // Shared memory. Each warp streams its own 32 keys of every page through its own kStages buffers
 // (so it waits for its own copies only); the warps meet once a page, to agree on the rows' maximum.
-template <int D, bool kPV8>
+// kNR: query rows per CTA in tiles of 8 (the N of mma.sync; more rows take more CTAs).
+template <int D, bool kPV8, int kNR>
 struct Smem {  // byte offsets into dynamic shared memory
-  static constexpr int NB = D / 32;
+  static constexpr int NB = D / 32, kRows = 8 * kNR;
   // Per warp and stage: K rows of 128 bytes (E2M1 and d = 64 use the first half or less), the
   // keys' E8M0 scales [32][NB], then V: bf16 rows [32 keys][d], or (pv = mxfp8) V^T [d][32 keys]
   // E4M3 (keys in fragment order, see vt_position) and the block's E8M0 scales [d]. K and bf16 V
@@ -60,21 +60,22 @@ struct Smem {  // byte offsets into dynamic shared memory
   static constexpr int kKRow = 128;
   static constexpr int kK = 32 * kKRow, kS = 32 * NB, kV = kPV8 ? D * 32 + D : 32 * 2 * D;
   static constexpr int kWarpStage = kK + kS + kV;
-  static constexpr int kMisc = 128 + 2 * kWarps * kRows * 4 + 2 * NB * 4 * 32 * 4 + 2 * NB * kRows * 4;
+  static constexpr int kQbBytes = 2 * NB * kNR * 2 * 32 * 4;
+  static constexpr int kMisc = 128 + 2 * kWarps * kRows * 4 + kQbBytes + 2 * NB * kRows * 4;
   // As many stages as leave two CTAs an SM (~113 KB each): more bytes in flight per warp.
   static constexpr int kStages = std::min(4, (113 * 1024 - kMisc) / (kWarps * kWarpStage));
   static constexpr int kLut = kStages * kWarps * kWarpStage;  // [2][64] FP6 code -> E4M3 byte
   static constexpr int kMax = kLut + 128;                       // [2][kWarps][kRows] floats: row maxima
-  static constexpr int kQa = kMax + 2 * kWarps * kRows * 4;     // q's A fragments [2][NB][4][32 lanes] uint32
-  static constexpr int kSq = kQa + 2 * NB * 4 * 32 * 4;         // q's block scales [2][NB][kRows] floats
+  static constexpr int kQb = kMax + 2 * kWarps * kRows * 4;     // q's B fragments [2][NB][kNR][2][32 lanes] uint32
+  static constexpr int kSq = kQb + kQbBytes;                    // q's block scales [2][NB][kRows] floats
   static constexpr int kBytes = kSq + 2 * NB * kRows * 4;
   static_assert(kStages >= 2 && kWarpStage % 16 == 0 && kBytes - kLut == kMisc);
   static_assert(kWarps * kRows * D * 4 <= kLut, "the final cross-warp sum reuses the stage buffers");
 };
 
-// The d index of contraction slot k of a 32-wide block, in both q's A and K's B fragments: lane t's
+// The d index of contraction slot k of a 32-wide block, in both K's A and q's B fragments: lane t's
 // slots 4t..4t+3 and 16+4t..16+4t+3 are d = 8t..8t+7, so a lane reads one 8-byte run of FP8 codes
-// (4 bytes of E2M1) per block. A dot is a sum, so permuting its terms in both operands alike leaves
+// (4 bytes of E2M1) per key and block. A dot is a sum, so permuting its terms in both operands alike leaves
 // it unchanged (exactly so on the integer tensor cores).
 __device__ __forceinline__ int d_of_slot(int k) { return 8 * ((k % 16) / 4) + 4 * (k / 16) + k % 4; }
 
@@ -108,7 +109,7 @@ __device__ __forceinline__ int swz(int row, int b) {
   return (((b >> 4) ^ f) << 4) | (b & 15);
 }
 
-// B fragment registers (slots 4t..4t+3 and 16+4t..) of block c of a key row: FP8 bytes (E2M1 and FP6
+// A fragment registers (slots 4t..4t+3 and 16+4t..) of block c of a key row: FP8 bytes (E2M1 and FP6
 // codes widened to E4M3, exactly).
 template <Elem E>
 __device__ __forceinline__ void k_words(const uint8_t* row, int key, int c, int t, const uint8_t* lut, uint32_t& b0,
@@ -140,54 +141,86 @@ __device__ __forceinline__ uint32_t scale_word(const uint8_t* ks, int key) {
   else return *reinterpret_cast<const uint16_t*>(ks + key * 2);
 }
 
-// S of the warp's 32 keys (4 tiles of 8) against the CTA's 16 rows: per 32-block an mma into a fresh
-// accumulator, then s += (sq * sk) * dot, blocks in order (the oracle's order).
-// s[n][i]: row g + 8*(i/2), key 8n + 2t + i%2 of the warp's keys.
-template <int D, Elem E>
-__device__ __forceinline__ void block_scores(const uint8_t* K, const uint8_t* ks, const uint32_t* qa, const float* sq,
-                                             const uint8_t* lut, float (&s)[4][4]) {
-  constexpr int NB = D / 32;
+// S^T = K.q^T for the warp's 32 keys (2 tiles of 16, the mma's M) against the CTA's rows (kNR tiles
+// of 8, its N): with the query rows in N, a GQA group of 4 or 8 rows wastes no more than half of
+// the mma (in M it wasted three quarters). Per 32-wide block of d an mma into a fresh accumulator,
+// then s += (sk * sq) * dot, blocks in order (the oracle's order).
+// s[mt][nr][i]: key 16mt + g + 8*(i/2) of the warp's keys, row 8nr + 2t + i%2.
+template <int D, int kNR, Elem E>
+__device__ __forceinline__ void block_scores(const uint8_t* K, const uint8_t* ks, const uint32_t* qb, const float* sq,
+                                             const uint8_t* lut, float (&s)[2][kNR][4]) {
+  constexpr int NB = D / 32, kRows = 8 * kNR;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  uint32_t w[4][2];
+  uint32_t w[2][2];  // the scale words of keys 16mt + g + 8h
 #pragma unroll
-  for (int n = 0; n < 4; ++n) {
-    w[n][0] = scale_word<NB>(ks, 8 * n + 2 * t);
-    w[n][1] = scale_word<NB>(ks, 8 * n + 2 * t + 1);
+  for (int mt = 0; mt < 2; ++mt) {
+    w[mt][0] = scale_word<NB>(ks, 16 * mt + g);
+    w[mt][1] = scale_word<NB>(ks, 16 * mt + g + 8);
 #pragma unroll
-    for (int i = 0; i < 4; ++i) s[n][i] = 0.0f;
+    for (int nr = 0; nr < kNR; ++nr)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[mt][nr][i] = 0.0f;
   }
 #pragma unroll
   for (int c = 0; c < NB; ++c) {
-    uint32_t a[4];
+    uint32_t b[kNR][2];
+    float2 sqr[kNR];  // rows 8nr + 2t, +1
 #pragma unroll
-    for (int h = 0; h < 4; ++h) a[h] = qa[(c * 4 + h) * 32 + lane];
-    const float sq0 = sq[c * kRows + g], sq1 = sq[c * kRows + g + 8];
+    for (int nr = 0; nr < kNR; ++nr) {
+      b[nr][0] = qb[((c * kNR + nr) * 2) * 32 + lane];
+      b[nr][1] = qb[((c * kNR + nr) * 2 + 1) * 32 + lane];
+      sqr[nr] = *reinterpret_cast<const float2*>(sq + c * kRows + 8 * nr + 2 * t);
+    }
 #pragma unroll
-    for (int n = 0; n < 4; ++n) {
-      const int key = 8 * n + g;
-      uint32_t b0, b1;
-      k_words<E>(K + key * 128, key, c, t, lut, b0, b1);
-      float d[4];
-      mma_fp8_block<E == Elem::e5m2>(d, a, b0, b1);
-      const float sk0 = e8m0_of_byte(w[n][0], c), sk1 = e8m0_of_byte(w[n][1], c);
-      s[n][0] += (sq0 * sk0) * d[0];
-      s[n][1] += (sq0 * sk1) * d[1];
-      s[n][2] += (sq1 * sk0) * d[2];
-      s[n][3] += (sq1 * sk1) * d[3];
+    for (int mt = 0; mt < 2; ++mt) {
+      const int key = 16 * mt + g;
+      uint32_t a[4];
+      k_words<E>(K + key * 128, key, c, t, lut, a[0], a[2]);
+      k_words<E>(K + (key + 8) * 128, key + 8, c, t, lut, a[1], a[3]);
+      const float sk0 = e8m0_of_byte(w[mt][0], c), sk1 = e8m0_of_byte(w[mt][1], c);
+#pragma unroll
+      for (int nr = 0; nr < kNR; ++nr) {
+        float d[4];
+        mma_fp8_block<E == Elem::e5m2>(d, a, b[nr][0], b[nr][1]);
+        s[mt][nr][0] += (sk0 * sqr[nr].x) * d[0];
+        s[mt][nr][1] += (sk0 * sqr[nr].y) * d[1];
+        s[mt][nr][2] += (sk1 * sqr[nr].x) * d[2];
+        s[mt][nr][3] += (sk1 * sqr[nr].y) * d[3];
+      }
     }
   }
 }
 
-// kStages pages per warp in flight; two CTAs of four warps share an SM. Per page, each warp: S of
+// An 8x8 matrix of 16-bit pairs transposed across the warp: lane (g, t) gives row g, columns 2t and
+// 2t+1, and receives row g of the transpose (columns 2t, 2t+1 of it).
+__device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
+  uint32_t r;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
+  return r;
+}
+// E4M3 pairs widened to f16 pairs and back (exact both ways: every E4M3 value is an f16 value).
+__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t x) {
+  uint32_t r;
+  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(uint16_t(x)));
+  return r;
+}
+__device__ __forceinline__ uint32_t f16x2_to_e4m3x2(uint32_t x) {
+  uint16_t r;
+  asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(r) : "r"(x));
+  return r;
+}
+
+// kStages pages per warp in flight; two CTAs of four warps share an SM. Per page, each warp: S^T of
 // its 32 keys on the tensor cores, the rows' maxima exchanged through shared memory (the one CTA
-// barrier of the page: the oracle's softmax takes the page's maximum), P in registers, P.V on the
-// tensor cores into the warp's own accumulator of all d columns. Every warp rescales by the same
-// factors, so the warps' accumulators and sums add up at the end.
-template <int D, bool kPV8>
+// barrier of the page: the oracle's softmax takes the page's maximum), P in registers, O^T += V^T.P^T
+// on the tensor cores into the warp's own accumulator of all d columns (P^T's B fragments come from
+// S^T's accumulators by movmatrix). Every warp rescales by the same factors, so the warps'
+// accumulators and sums add up at the end.
+template <int D, bool kPV8, int kNR>
 __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
-  constexpr int NB = D / 32, NT = D / 8;  // NT column tiles of 8 in P.V
-  using S_ = Smem<D, kPV8>;
-  constexpr int kStages = S_::kStages;
+  constexpr int NB = D / 32, MD = D / 16;  // MD tiles of 16 columns of d in O^T
+  using S_ = Smem<D, kPV8, kNR>;
+  constexpr int kStages = S_::kStages, kRows = S_::kRows;
   extern __shared__ __align__(128) uint8_t smem[];
   const int split = blockIdx.x, hk = blockIdx.y / p.chunks, chunk = blockIdx.y % p.chunks, s = blockIdx.z;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
@@ -272,16 +305,16 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   };
   for (int i = 0; i < kStages - 1; ++i) issue(j0 + i, i);
 
-  // q as A fragments (rows g, g+8; zero past this CTA's rows; contraction slots ordered by
+  // q^T as B fragments (row 8nr + g; zero past this CTA's rows; contraction slots ordered by
   // d_of_slot; FP8 bytes of q's element values in the slot's format) and its block scales, per slot,
   // in shared memory.
-  uint32_t* qa = reinterpret_cast<uint32_t*>(smem + S_::kQa);
+  uint32_t* qb = reinterpret_cast<uint32_t*>(smem + S_::kQb);
   float* sq = reinterpret_cast<float*>(smem + S_::kSq);
-  for (int i = tid; i < 2 * NB * 4 * 32; i += kThreads) {
-    const int sl = i / (NB * 128), c = i / 128 % NB, h = i / 32 % 4, ln = i % 32;
-    const int r = ln / 4 + 8 * (h % 2);
-    qa[i] = r < rows ? *reinterpret_cast<const uint32_t*>(p.q8[sl] + (qrow0 + r) * D + c * 32 +
-                                                           d_of_slot(16 * (h / 2) + 4 * (ln % 4)))
+  for (int i = tid; i < 2 * NB * kNR * 2 * 32; i += kThreads) {
+    const int sl = i / (NB * kNR * 64), c = i / (kNR * 64) % NB, nr = i / 64 % kNR, h = i / 32 % 2, ln = i % 32;
+    const int r = 8 * nr + ln / 4;
+    qb[i] = r < rows ? *reinterpret_cast<const uint32_t*>(p.q8[sl] + (qrow0 + r) * D + c * 32 +
+                                                           d_of_slot(16 * h + 4 * (ln % 4)))
                      : 0u;
   }
   for (int i = tid; i < 2 * NB * kRows; i += kThreads) {
@@ -294,19 +327,25 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   }
   __syncthreads();
 
-  // The last key (exclusive, absolute) each of this thread's rows sees: causal, bottom-right.
-  int kend[2];
+  // The last key (exclusive, absolute) each of this thread's rows (8nr + 2t + r) sees: causal, bottom-right.
+  int kend[kNR][2];
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int row = g + 8 * r;
-    kend[r] = row < rows ? L - p.Nq + (r0 + row) % p.Nq + 1 : L;
-  }
-  float acc[NT][4];  // all d columns of rows g, g+8 (C fragments), over this warp's keys
+  for (int nr = 0; nr < kNR; ++nr)
 #pragma unroll
-  for (int n = 0; n < NT; ++n)
+    for (int r = 0; r < 2; ++r) {
+      const int row = 8 * nr + 2 * t + r;
+      kend[nr][r] = row < rows ? L - p.Nq + (r0 + row) % p.Nq + 1 : L;
+    }
+  float acc[MD][kNR][4];  // O^T: columns 16md + g (+8) of rows 8nr + 2t (+1), over this warp's keys
 #pragma unroll
-    for (int i = 0; i < 4; ++i) acc[n][i] = 0.0f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};  // l: this thread's share of the row sums
+  for (int md = 0; md < MD; ++md)
+#pragma unroll
+    for (int nr = 0; nr < kNR; ++nr)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[md][nr][i] = 0.0f;
+  float m[kNR][2], l[kNR][2];  // l: this lane's share of the row sums
+#pragma unroll
+  for (int nr = 0; nr < kNR; ++nr) m[nr][0] = m[nr][1] = -INFINITY, l[nr][0] = l[nr][1] = 0.0f;
 
   for (int j = j0; j < j1; ++j) {
     const int stage = (j - j0) % kStages;
@@ -315,131 +354,175 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
     issue(j + kStages - 1, (j - j0 + kStages - 1) % kStages);  // into page j - 1's buffer, done with
     const uint8_t* st = stage_of(stage);
     const int sl = (ring >> stage) & 1;
-    float sc[4][4];
+    float sc[2][kNR][4];
     {
-      const uint32_t* qs = qa + sl * NB * 128;
+      const uint32_t* qs = qb + sl * NB * kNR * 64;
       const float* sqs = sq + sl * NB * kRows;
       const uint8_t* lt = lut + 64 * sl;
       switch (p.kelem[sl]) {
-        case Elem::e4m3: block_scores<D, Elem::e4m3>(st, st + S_::kK, qs, sqs, lt, sc); break;
-        case Elem::e5m2: block_scores<D, Elem::e5m2>(st, st + S_::kK, qs, sqs, lt, sc); break;
-        case Elem::e3m2: block_scores<D, Elem::e3m2>(st, st + S_::kK, qs, sqs, lt, sc); break;
-        case Elem::e2m3: block_scores<D, Elem::e2m3>(st, st + S_::kK, qs, sqs, lt, sc); break;
-        case Elem::e2m1: block_scores<D, Elem::e2m1>(st, st + S_::kK, qs, sqs, lt, sc); break;
+        case Elem::e4m3: block_scores<D, kNR, Elem::e4m3>(st, st + S_::kK, qs, sqs, lt, sc); break;
+        case Elem::e5m2: block_scores<D, kNR, Elem::e5m2>(st, st + S_::kK, qs, sqs, lt, sc); break;
+        case Elem::e3m2: block_scores<D, kNR, Elem::e3m2>(st, st + S_::kK, qs, sqs, lt, sc); break;
+        case Elem::e2m3: block_scores<D, kNR, Elem::e2m3>(st, st + S_::kK, qs, sqs, lt, sc); break;
+        case Elem::e2m1: block_scores<D, kNR, Elem::e2m1>(st, st + S_::kK, qs, sqs, lt, sc); break;
       }
     }
     // Scale, mask (keys past each row's end: -inf), the rows' maxima over this warp's keys.
-    const int kbase = j * T + 32 * warp + 2 * t;
+    const int kbase = j * T + 32 * warp + g;
     const bool whole = (j + 1) * T <= L - p.Nq + 1;  // every row sees every key of the page
-    float mx[2] = {-INFINITY, -INFINITY};
+    float mx[kNR][2];
 #pragma unroll
-    for (int n = 0; n < 4; ++n)
+    for (int nr = 0; nr < kNR; ++nr) {
+      mx[nr][0] = mx[nr][1] = -INFINITY;
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        sc[n][i] *= p.scale;
-        if (!whole && kbase + 8 * n + i % 2 >= kend[i / 2]) sc[n][i] = -INFINITY;
-        mx[i / 2] = fmaxf(mx[i / 2], sc[n][i]);
-      }
+      for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          float& x = sc[mt][nr][i];
+          x *= p.scale;
+          if (!whole && kbase + 16 * mt + 8 * (i / 2) >= kend[nr][i % 2]) x = -INFINITY;
+          mx[nr][i % 2] = fmaxf(mx[nr][i % 2], x);
+        }
+    }
     float* red = rmax + (j & 1) * kWarps * kRows;  // two buffers: a warp runs at most a page ahead
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      mx[r] = quad_max(mx[r]);
-      if (t == 0) red[warp * kRows + g + 8 * r] = mx[r];
-    }
+    for (int nr = 0; nr < kNR; ++nr)
+#pragma unroll
+      for (int r = 0; r < 2; ++r) {
+        float x = mx[nr][r];
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));  // over g
+        if (g == 0) red[warp * kRows + 8 * nr + 2 * t + r] = x;
+      }
     __syncthreads();
-    float alpha[2], mref[2];
+    float alpha[kNR][2], mref[kNR][2];
+    bool rescale = false;
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float pm = red[g + 8 * r];
+    for (int nr = 0; nr < kNR; ++nr)
 #pragma unroll
-      for (int w = 1; w < kWarps; ++w) pm = fmaxf(pm, red[w * kRows + g + 8 * r]);
-      const float mnew = fmaxf(m[r], pm);
-      // A row that has seen no key yet keeps its state (as if the page were skipped).
-      alpha[r] = mnew == -INFINITY ? 1.0f : expf(m[r] - mnew);
-      mref[r] = mnew == -INFINITY ? 0.0f : mnew;
-      m[r] = mnew;
-      l[r] *= alpha[r];
-    }
+      for (int r = 0; r < 2; ++r) {
+        const int row = 8 * nr + 2 * t + r;
+        float pm = red[row];
 #pragma unroll
-    for (int n = 0; n < 4; ++n)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        sc[n][i] = expf(sc[n][i] - mref[i / 2]);  // masked: exp(-inf) = 0
-        l[i / 2] += sc[n][i];
+        for (int w = 1; w < kWarps; ++w) pm = fmaxf(pm, red[w * kRows + row]);
+        const float mnew = fmaxf(m[nr][r], pm);
+        // A row that has seen no key yet keeps its state (as if the page were skipped).
+        alpha[nr][r] = mnew == -INFINITY ? 1.0f : expf(m[nr][r] - mnew);
+        mref[nr][r] = mnew == -INFINITY ? 0.0f : mnew;
+        m[nr][r] = mnew;
+        l[nr][r] *= alpha[nr][r];
+        rescale |= alpha[nr][r] != 1.0f;
       }
-    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
 #pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        acc[n][0] *= alpha[0];
-        acc[n][1] *= alpha[0];
-        acc[n][2] *= alpha[1];
-        acc[n][3] *= alpha[1];
-      }
+    for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+      for (int nr = 0; nr < kNR; ++nr)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          sc[mt][nr][i] = expf(sc[mt][nr][i] - mref[nr][i % 2]);  // masked: exp(-inf) = 0
+          l[nr][i % 2] += sc[mt][nr][i];
+        }
+    if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+      for (int md = 0; md < MD; ++md)
+#pragma unroll
+        for (int nr = 0; nr < kNR; ++nr)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) acc[md][nr][i] *= alpha[nr][i % 2];
     }
     const uint8_t* V = st + S_::kK + S_::kS;
     if constexpr (kPV8) {
-      // P in MXFP8 E4M3 with one scale per row over the warp's 32 keys (one MX block), as A
-      // fragments: slot 4t+i holds key pi(i) = 2t, 2t+1, 8+2t, 9+2t (and +16 for slots 16+4t..),
-      // the keys this lane's S fragment holds; V^T's B fragments take the same keys.
-      float ps[2], inv[2];
+      // P in MXFP8 E4M3, one scale per row over the warp's 32 keys (one MX block). The codes of
+      // (key, rows 2t, 2t+1) go to P^T's B fragments (row g, keys 2t, 2t+1 of each 8-key group) by
+      // movmatrix on their f16 values; slot 4t+i of the fragment then holds key 2t, 2t+1, 8+2t,
+      // 9+2t (and +16 in slots 16+4t..), the order the device V^T keeps its keys in (vt_position).
+      float ps[kNR][2];
+      uint32_t bq[kNR][2];
 #pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float amax = 0.0f;
+      for (int nr = 0; nr < kNR; ++nr) {
+        float inv[2];
 #pragma unroll
-        for (int n = 0; n < 4; ++n) amax = fmaxf(amax, fmaxf(sc[n][2 * r], sc[n][2 * r + 1]));
-        const uint8_t e = choose_e8m0(quad_max(amax), Elem::e4m3, p.rule);
-        inv[r] = hd::ldexp2(1.0f, 127 - int(e));
-        ps[r] = decode_e8m0(e);
+        for (int r = 0; r < 2; ++r) {
+          float amax = 0.0f;
+#pragma unroll
+          for (int mt = 0; mt < 2; ++mt) amax = fmaxf(amax, fmaxf(sc[mt][nr][r], sc[mt][nr][2 + r]));
+#pragma unroll
+          for (int o = 4; o < 32; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+          const uint8_t e = choose_e8m0(amax, Elem::e4m3, p.rule);
+          inv[r] = hd::ldexp2(1.0f, 127 - int(e));
+          ps[nr][r] = decode_e8m0(e);
+        }
+        uint32_t grp[4];  // key groups 0..3 (keys 8q..8q+7): (mt, half) = (q / 2, q % 2)
+#pragma unroll
+        for (int q = 0; q < 4; ++q) {
+          const float* x = sc[q / 2][nr] + 2 * (q % 2);
+          const uint32_t codes = fp8x2_encode<false>(x[0] * inv[0], x[1] * inv[1]);
+          grp[q] = f16x2_to_e4m3x2(movmatrix_trans(e4m3x2_to_f16x2(codes)));
+        }
+        bq[nr][0] = grp[0] | grp[1] << 16;
+        bq[nr][1] = grp[2] | grp[3] << 16;
       }
-      auto enc = [&](int n, int r) { return uint32_t(fp8x2_encode<false>(sc[n][2 * r] * inv[r], sc[n][2 * r + 1] * inv[r])); };
-      const uint32_t a[4] = {enc(0, 0) | enc(1, 0) << 16, enc(0, 1) | enc(1, 1) << 16, enc(2, 0) | enc(3, 0) << 16,
-                             enc(2, 1) | enc(3, 1) << 16};
       const uint8_t* vsc = V + 32 * D;  // this block's scale per column
 #pragma unroll
-      for (int n = 0; n < NT; ++n) {
-        // The device V^T stores each 32-key block of a column in this fragment order (decode.cuh), so
-        // a lane's two B registers are one 8-byte load; 4 rows of 32 bytes a half warp: no conflicts.
-        const uint2 bw = *reinterpret_cast<const uint2*>(V + (8 * n + g) * 32 + 8 * t);
-        const uint32_t b0 = bw.x, b1 = bw.y;
-        float d[4];
-        mma_fp8_block<false>(d, a, b0, b1);
-        const uint32_t vw = *reinterpret_cast<const uint16_t*>(vsc + 8 * n + 2 * t);
-        const float v0 = e8m0_of_byte(vw, 0), v1 = e8m0_of_byte(vw, 1);
-        acc[n][0] += (ps[0] * v0) * d[0];
-        acc[n][1] += (ps[0] * v1) * d[1];
-        acc[n][2] += (ps[1] * v0) * d[2];
-        acc[n][3] += (ps[1] * v1) * d[3];
+      for (int md = 0; md < MD; ++md) {
+        // A fragments of V^T: rows 16md + g (+8), slots 4t.. and 16+4t.. = bytes 8t..8t+7 of the row
+        // (fragment order); 4 rows of 32 bytes a half warp: no bank conflicts.
+        const uint2 lo = *reinterpret_cast<const uint2*>(V + (16 * md + g) * 32 + 8 * t);
+        const uint2 hi = *reinterpret_cast<const uint2*>(V + (16 * md + g + 8) * 32 + 8 * t);
+        const uint32_t a[4] = {lo.x, hi.x, lo.y, hi.y};
+        const float v0 = e8m0_of_byte(vsc[16 * md + g], 0), v1 = e8m0_of_byte(vsc[16 * md + g + 8], 0);
+#pragma unroll
+        for (int nr = 0; nr < kNR; ++nr) {
+          float d[4];
+          mma_fp8_block<false>(d, a, bq[nr][0], bq[nr][1]);
+          acc[md][nr][0] += (v0 * ps[nr][0]) * d[0];
+          acc[md][nr][1] += (v0 * ps[nr][1]) * d[1];
+          acc[md][nr][2] += (v1 * ps[nr][0]) * d[2];
+          acc[md][nr][3] += (v1 * ps[nr][1]) * d[3];
+        }
       }
     } else {  // P rounded to bf16 (as the oracle) times bf16 V, 16 keys a step
 #pragma unroll
-      for (int kk = 0; kk < 2; ++kk) {
-        const uint32_t a[4] = {bf16x2_rn(sc[2 * kk][0], sc[2 * kk][1]), bf16x2_rn(sc[2 * kk][2], sc[2 * kk][3]),
-                               bf16x2_rn(sc[2 * kk + 1][0], sc[2 * kk + 1][1]),
-                               bf16x2_rn(sc[2 * kk + 1][2], sc[2 * kk + 1][3])};
-        const int mi = lane / 8, key = 16 * kk + lane % 8 + 8 * (mi % 2);
+      for (int mt = 0; mt < 2; ++mt) {
+        uint32_t bq[kNR][2];  // P^T: keys 2t, 2t+1 (+8) of row 8nr + g
 #pragma unroll
-        for (int n = 0; n < NT; n += 2) {  // matrices: keys +8 for odd, columns +8 for the upper two
-          uint32_t b[4];
-          ldmatrix_x4_trans(b, V + key * 2 * D + swz(key, (8 * n + 8 * (mi / 2)) * 2));
-          mma_bf16_16816(acc[n], a, b[0], b[1]);
-          mma_bf16_16816(acc[n + 1], a, b[2], b[3]);
+        for (int nr = 0; nr < kNR; ++nr) {
+          bq[nr][0] = movmatrix_trans(bf16x2_rn(sc[mt][nr][0], sc[mt][nr][1]));
+          bq[nr][1] = movmatrix_trans(bf16x2_rn(sc[mt][nr][2], sc[mt][nr][3]));
+        }
+        // V^T's A fragments by ldmatrix.trans from V's key rows: matrices (columns +8 for odd,
+        // keys +8 for the upper two).
+        const int mi = lane / 8, key = 16 * mt + 8 * (mi / 2) + lane % 8;
+#pragma unroll
+        for (int md = 0; md < MD; ++md) {
+          uint32_t a[4];
+          ldmatrix_x4_trans(a, V + key * 2 * D + swz(key, (16 * md + 8 * (mi % 2)) * 2));
+#pragma unroll
+          for (int nr = 0; nr < kNR; ++nr) mma_bf16_16816(acc[md][nr], a, bq[nr][0], bq[nr][1]);
         }
       }
     }
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with the stage buffers: they take the warps' accumulators
-  float* sum = reinterpret_cast<float*>(smem);  // [kWarps][kRows][D], then the row sums [kWarps][kRows]
-  float* lsum = reinterpret_cast<float*>(smem + S_::kMax);  // the maxima's buffers are free too
+  float* sum = reinterpret_cast<float*>(smem);  // [kWarps][kRows][D]
+  float* lsum = reinterpret_cast<float*>(smem + S_::kMax);  // [kWarps][kRows]: the maxima's buffers are free too
 #pragma unroll
-  for (int n = 0; n < NT; ++n)
+  for (int md = 0; md < MD; ++md)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) sum[(warp * kRows + g + 8 * (i / 2)) * D + 8 * n + 2 * t + i % 2] = acc[n][i];
+    for (int nr = 0; nr < kNR; ++nr)
 #pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float lr = quad_sum(l[r]);
-    if (t == 0) lsum[warp * kRows + g + 8 * r] = lr;
-  }
+      for (int i = 0; i < 4; ++i)
+        sum[(warp * kRows + 8 * nr + 2 * t + i % 2) * D + 16 * md + g + 8 * (i / 2)] = acc[md][nr][i];
+#pragma unroll
+  for (int nr = 0; nr < kNR; ++nr)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float x = l[nr][r];
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+      if (g == 0) lsum[warp * kRows + 8 * nr + 2 * t + r] = x;
+    }
   __syncthreads();
   for (int i = tid; i < rows * D; i += kThreads) {
     float o = 0.0f;
@@ -447,17 +530,19 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
     for (int w = 0; w < kWarps; ++w) o += sum[w * kRows * D + i];
     out_part(i / D)[i % D] = o;
   }
-  if (warp == 0 && t == 0)  // m is the same in every warp
+  if (warp == 0 && g == 0)  // m is the same in every warp and lane group
 #pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const int row = g + 8 * r;
-      if (row >= rows) continue;
-      float lr = 0.0f;
+    for (int nr = 0; nr < kNR; ++nr)
 #pragma unroll
-      for (int w = 0; w < kWarps; ++w) lr += lsum[w * kRows + row];
-      out_part(row)[D] = m[r];
-      out_part(row)[D + 1] = lr;
-    }
+      for (int r = 0; r < 2; ++r) {
+        const int row = 8 * nr + 2 * t + r;
+        if (row >= rows) continue;
+        float lr = 0.0f;
+#pragma unroll
+        for (int w = 0; w < kWarps; ++w) lr += lsum[w * kRows + row];
+        out_part(row)[D] = m[nr][r];
+        out_part(row)[D + 1] = lr;
+      }
 }
 
 // One thread per (row, column): the splits merged by LSE in one pass over their maxima (the CPU
@@ -486,20 +571,30 @@ __global__ void merge_splits(const float* part, int64_t rows, int splits, int d,
 
 // Two CTAs an SM (Smem sizes the stages for it): run 19 measured the earlier block-synchronous kernel
 // faster at two CTAs than at one CTA with twice the stages (bench/RESULTS.md).
-template <int D, bool kPV8>
+template <int D, bool kPV8, int kNR>
 void launch(const Params& p, dim3 grid, cudaStream_t stream) {
-  constexpr int bytes = Smem<D, kPV8>::kBytes;
-  check(cudaFuncSetAttribute(decode_kernel<D, kPV8>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+  constexpr int bytes = Smem<D, kPV8, kNR>::kBytes;
+  check(cudaFuncSetAttribute(decode_kernel<D, kPV8, kNR>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
         "decode kernel attribute");
-  decode_kernel<D, kPV8><<<grid, kThreads, bytes, stream>>>(p);
+  decode_kernel<D, kPV8, kNR><<<grid, kThreads, bytes, stream>>>(p);
 }
 
-template <int D>
-void launch(const Params& p, dim3 grid, bool pv8, cudaStream_t stream) {
-  if (pv8)
-    launch<D, true>(p, grid, stream);
+// One dispatch point for the kernel's instances: head dim x pv mode x rows per CTA (8 or 16).
+void launch(const Params& p, dim3 grid, int d, bool pv8, int nr, cudaStream_t stream) {
+  auto go = [&](auto dc, auto pvc) {
+    constexpr int D = decltype(dc)::value;
+    constexpr bool kPV8 = decltype(pvc)::value;
+    if (nr == 1)
+      launch<D, kPV8, 1>(p, grid, stream);
+    else
+      launch<D, kPV8, 2>(p, grid, stream);
+  };
+  using I64 = std::integral_constant<int, 64>;
+  using I128 = std::integral_constant<int, 128>;
+  if (d == 64)
+    pv8 ? go(I64{}, std::true_type{}) : go(I64{}, std::false_type{});
   else
-    launch<D, false>(p, grid, stream);
+    pv8 ? go(I128{}, std::true_type{}) : go(I128{}, std::false_type{});
 }
 
 }  // namespace
@@ -520,7 +615,9 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   p.Hq = int(Hq);
   p.Nq = int(Nq);
   p.G = int(Hq / Hkv);
-  p.chunks = (p.G * p.Nq + kRows - 1) / kRows;
+  // Rows per CTA: 8 (one N tile of the mma) when the GQA group's rows fit, else 16 and more chunks.
+  const int nr = p.G * p.Nq <= 8 ? 1 : 2;
+  p.chunks = (p.G * p.Nq + 8 * nr - 1) / (8 * nr);
   p.scale = scale;
   p.rule = policy.scale_rule;
   int dev = 0, sms = 0;
@@ -542,10 +639,7 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   quantize_rows(q, policy.scale_rule, qt[0], qt[1], stream, nonfinite);  // one read of q for both formats
   p.part = buf.alloc<float>(size_t(rows * p.splits * (d + 2)) * sizeof(float));
   const dim3 grid(unsigned(p.splits), unsigned(Hkv * p.chunks), unsigned(S));
-  if (d == 64)
-    launch<64>(p, grid, pv8, stream);
-  else
-    launch<128>(p, grid, pv8, stream);
+  launch(p, grid, int(d), pv8, nr, stream);
   check(cudaGetLastError(), "decode kernel");
   const unsigned mblocks = unsigned((rows * d + 255) / 256);
   with_typed(out, [&](auto* typed) {
