@@ -47,6 +47,10 @@ if [ "${QUICK:-0}" = 1 ]; then  # correctness of the GPU tests + the main benchm
     ncu --kernel-name regex:decode_kernel --launch-skip 3 --launch-count 1 --section SpeedOfLight --section WarpStateStats \
       --section SchedulerStats --section Occupancy $B/bench/bench_decode_cuda bf16 16 32768 >"$OUT/ncu_decode.txt" 2>&1
     grep -E "Throughput|Duration|Occupancy|Registers|Issued|Eligible|No Eligible|cycles being stalled" "$OUT/ncu_decode.txt" | head -30
+    # A small step (B=1, 8k): each kernel's duration, to see fixed costs against the bytes.
+    ncu --metrics gpu__time_duration.sum --launch-skip 20 --launch-count 4 $B/bench/bench_decode_cuda bf16 1 8192 \
+      >"$OUT/ncu_decode_small.txt" 2>&1
+    grep -E "^  [a-z_:<>0-9, ]+\(|gpu__time_duration" "$OUT/ncu_decode_small.txt" | sed -E 's/\(.*//' | paste - - | head -4
   fi
   if [ "${PROFILE:-0}" = 1 ] && [ "$PART" != decode ]; then  # where the prefill kernel's time goes (one launch, N=8192)
     ncu --kernel-name regex:prefill_kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight --section WarpStateStats \

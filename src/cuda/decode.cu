@@ -22,7 +22,6 @@
 #include "cuda/cp_async.cuh"
 #include "cuda/fp8.cuh"
 #include "cuda/mma.cuh"
-#include "cuda/quantize.hpp"
 #include "dmattn/error.hpp"
 #include "dmattn/format.hpp"
 #include "dmattn/mx_codec.hpp"
@@ -37,8 +36,10 @@ constexpr int kThreads = 32 * kWarps;
 
 struct Params {
   PagedKV kv;
-  const uint8_t* q8[2];  // [rows][d] FP8 bytes of q's element values in the high / low format
-  const uint8_t* qs[2];  // [rows][d/32] E8M0
+  const void* q;         // [S, Hq, Nq, d] f32 / f16 / bf16, unit stride on d: quantized by each CTA
+  DType qdt;
+  int64_t qsb, qsh, qsn;
+  int* nonfinite;        // set to 1 where q holds NaN / Inf
   Elem kelem[2];         // K's element type per slot (q's too: it takes the page's format)
   float* part;           // [rows][splits][d + 2]: unnormalised acc, m, l
   int Hq, Nq, G, splits, chunks;
@@ -305,21 +306,48 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   };
   for (int i = 0; i < kStages - 1; ++i) issue(j0 + i, i);
 
-  // q^T as B fragments (row 8nr + g; zero past this CTA's rows; contraction slots ordered by
-  // d_of_slot; FP8 bytes of q's element values in the slot's format) and its block scales, per slot,
-  // in shared memory.
+  // q's rows quantized here, in both formats (the codec's quantize_mx_block, as the CPU decode
+  // does; a CTA's rows are a few KB, so no separate pass or launch): one thread per (format slot,
+  // row, 32-block), its FP8 bytes (of the element values; E2M1/FP6 values widened to E4M3) into
+  // the still unused last stage buffer, the block scale into sq.
   uint32_t* qb = reinterpret_cast<uint32_t*>(smem + S_::kQb);
-  float* sq = reinterpret_cast<float*>(smem + S_::kSq);
+  float* sq = reinterpret_cast<float*>(smem + S_::kSq);  // [slot][c][row]
+  uint8_t* q8 = stage_of(kStages - 1) - warp * S_::kWarpStage;  // [slot][kRows][D] bytes
+  static_assert(2 * kRows * D <= kWarps * S_::kWarpStage);
+  for (int i = tid; i < 2 * kRows * NB; i += kThreads) {
+    const int sl = i / (kRows * NB), r = i / NB % kRows, c = i % NB;
+    uint8_t codes[32];
+    uint8_t sc = 0;
+    if (r < rows) {
+      const int64_t row = qrow0 + r;
+      const int64_t off = s * p.qsb + row / p.Nq % p.Hq * p.qsh + row % p.Nq * p.qsn + c * 32;
+      float v[32];
+#pragma unroll
+      for (int k = 0; k < 32; ++k)
+        v[k] = p.qdt == DType::f32   ? static_cast<const float*>(p.q)[off + k]
+               : p.qdt == DType::f16 ? to_float(static_cast<const fp16*>(p.q)[off + k])
+                                     : to_float(static_cast<const bf16*>(p.q)[off + k]);
+      const Elem e = p.kelem[sl];
+      sc = quantize_mx_block(v, 32, e, p.rule, codes);
+      if (sc == kE8M0NaN && p.nonfinite) *p.nonfinite = 1;
+      if (e != Elem::e4m3 && e != Elem::e5m2)
+#pragma unroll
+        for (int k = 0; k < 32; ++k) codes[k] = fp8_encode<false>(decode_elem(e, codes[k]));
+    } else {
+#pragma unroll
+      for (int k = 0; k < 32; ++k) codes[k] = 0;
+    }
+#pragma unroll
+    for (int k = 0; k < 32; k += 4)
+      *reinterpret_cast<uint32_t*>(q8 + (sl * kRows + r) * D + c * 32 + k) =
+          uint32_t(codes[k]) | uint32_t(codes[k + 1]) << 8 | uint32_t(codes[k + 2]) << 16 | uint32_t(codes[k + 3]) << 24;
+    sq[(sl * NB + c) * kRows + r] = r < rows ? decode_e8m0(sc) : 0.0f;
+  }
+  __syncthreads();
+  // q^T as B fragments (row 8nr + g; contraction slots ordered by d_of_slot), per slot.
   for (int i = tid; i < 2 * NB * kNR * 2 * 32; i += kThreads) {
     const int sl = i / (NB * kNR * 64), c = i / (kNR * 64) % NB, nr = i / 64 % kNR, h = i / 32 % 2, ln = i % 32;
-    const int r = 8 * nr + ln / 4;
-    qb[i] = r < rows ? *reinterpret_cast<const uint32_t*>(p.q8[sl] + (qrow0 + r) * D + c * 32 +
-                                                           d_of_slot(16 * h + 4 * (ln % 4)))
-                     : 0u;
-  }
-  for (int i = tid; i < 2 * NB * kRows; i += kThreads) {
-    const int sl = i / (NB * kRows), c = i / kRows % NB, r = i % kRows;
-    sq[i] = r < rows ? decode_e8m0(p.qs[sl][(qrow0 + r) * NB + c]) : 0.0f;
+    qb[i] = *reinterpret_cast<const uint32_t*>(q8 + (sl * kRows + 8 * nr + ln / 4) * D + c * 32 + d_of_slot(16 * h + 4 * (ln % 4)));
   }
   for (int i = tid; i < 128; i += kThreads) {  // FP6 codes widened to E4M3 bytes (exact)
     const Elem e = p.kelem[i / 64];
@@ -597,6 +625,22 @@ void launch(const Params& p, dim3 grid, int d, bool pv8, int nr, cudaStream_t st
     pv8 ? go(I128{}, std::true_type{}) : go(I128{}, std::false_type{});
 }
 
+// Automatic splits: the count that minimises waves x (pages per split + 1), with `slots` CTAs
+// running at once (two an SM) and the +1 standing for a CTA's fixed cost (q, the merge's share);
+// more splits must win by 3% (each adds partial results to write and merge).
+// A partial last wave costs a whole one, so e.g. 128 CTA groups on 264 slots take 2 splits (one
+// wave of 256), not 3 (384 CTAs: 1.45 waves, the second mostly idle).
+int auto_splits(int64_t ctas, int max_pages, int slots) {
+  const int np = std::max(1, max_pages);
+  int best = 1;
+  double best_cost = 0.0;
+  for (int s = 1; s <= std::min(np, 256); ++s) {
+    const double waves = double((ctas * s + slots - 1) / slots), cost = waves * ((np + s - 1) / s + 1);
+    if (s == 1 || cost < 0.97 * best_cost) best = s, best_cost = cost;  // more splits only for a clear gain
+  }
+  return best;
+}
+
 }  // namespace
 
 void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorView& q, const TensorView& out, float* lse,
@@ -610,6 +654,9 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   const bool pv8 = policy.pv == PV::mxfp8;
   if (pv8 ? !(kv.v8 && kv.vs) : !kv.v) throw Error("decode: the pages' V is missing for the policy's pv mode");
   const Format fmt[2] = {policy.high, policy.low};
+  for (Format f : fmt)
+    if (f == Format::nvfp4 || f == Format::bf16)
+      throw Error(std::string("the CUDA decode reads MX 32-block pages (mxfp8-*, mxfp6-*, mxfp4), not ") + std::string(format_info(f).name));
   Params p{};
   p.kv = kv;
   p.Hq = int(Hq);
@@ -623,20 +670,16 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   int dev = 0, sms = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
-  // Automatic: about two CTAs per SM over the batch (each split keeps >= 2 pages where it can).
-  const int64_t ctas = S * Hkv * p.chunks;
-  p.splits = splits > 0 ? splits : int(std::clamp<int64_t>((2 * sms + ctas - 1) / ctas, 1, std::max(1, kv.max_pages / 2)));
-  p.splits = std::min(p.splits, std::max(1, kv.max_pages));
+  p.splits = std::min(splits > 0 ? splits : auto_splits(S * Hkv * p.chunks, kv.max_pages, 2 * sms), std::max(1, kv.max_pages));
   Buffers buf(stream);  // stream-ordered: freed after the enqueued work
   const int64_t rows = S * Hq * Nq;
-  QuantTarget qt[2];
-  for (int sl = 0; sl < 2; ++sl) {
-    qt[sl] = QuantTarget{fmt[sl], buf.alloc<uint8_t>(size_t(rows * d)), buf.alloc<uint8_t>(size_t(rows * d / 32)), true};
-    p.q8[sl] = qt[sl].codes;
-    p.qs[sl] = qt[sl].scales;
-    p.kelem[sl] = format_info(fmt[sl]).elem;
-  }
-  quantize_rows(q, policy.scale_rule, qt[0], qt[1], stream, nonfinite);  // one read of q for both formats
+  p.q = q.data;
+  p.qdt = q.dtype;
+  p.qsb = q.stride[0];
+  p.qsh = q.stride[1];
+  p.qsn = q.stride[2];
+  p.nonfinite = nonfinite;
+  for (int sl = 0; sl < 2; ++sl) p.kelem[sl] = format_info(fmt[sl]).elem;
   p.part = buf.alloc<float>(size_t(rows * p.splits * (d + 2)) * sizeof(float));
   const dim3 grid(unsigned(p.splits), unsigned(Hkv * p.chunks), unsigned(S));
   launch(p, grid, int(d), pv8, nr, stream);
