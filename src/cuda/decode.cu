@@ -306,42 +306,35 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   };
   for (int i = 0; i < kStages - 1; ++i) issue(j0 + i, i);
 
-  // q's rows quantized here, in both formats (the codec's quantize_mx_block, as the CPU decode
-  // does; a CTA's rows are a few KB, so no separate pass or launch): one thread per (format slot,
-  // row, 32-block), its FP8 bytes (of the element values; E2M1/FP6 values widened to E4M3) into
-  // the still unused last stage buffer, the block scale into sq.
+  // q's rows quantized here, in both formats, as the codec's quantize_mx_block (the CPU decode's
+  // rule; a CTA's rows are a few KB, so no separate pass or launch): a warp per (format slot, row,
+  // 32-block), a lane per element; FP8 bytes of the element values (E2M1/FP6 values widened to
+  // E4M3) go to the still unused last stage buffer, the block scale to sq.
   uint32_t* qb = reinterpret_cast<uint32_t*>(smem + S_::kQb);
   float* sq = reinterpret_cast<float*>(smem + S_::kSq);  // [slot][c][row]
   uint8_t* q8 = stage_of(kStages - 1) - warp * S_::kWarpStage;  // [slot][kRows][D] bytes
   static_assert(2 * kRows * D <= kWarps * S_::kWarpStage);
-  for (int i = tid; i < 2 * kRows * NB; i += kThreads) {
-    const int sl = i / (kRows * NB), r = i / NB % kRows, c = i % NB;
-    uint8_t codes[32];
-    uint8_t sc = 0;
+#pragma unroll 4
+  for (int it = warp; it < 2 * kRows * NB; it += kWarps) {
+    const int sl = it / (kRows * NB), r = it / NB % kRows, c = it % NB;
+    float v = 0.0f;
     if (r < rows) {
-      const int64_t row = qrow0 + r;
-      const int64_t off = s * p.qsb + row / p.Nq % p.Hq * p.qsh + row % p.Nq * p.qsn + c * 32;
-      float v[32];
-#pragma unroll
-      for (int k = 0; k < 32; ++k)
-        v[k] = p.qdt == DType::f32   ? static_cast<const float*>(p.q)[off + k]
-               : p.qdt == DType::f16 ? to_float(static_cast<const fp16*>(p.q)[off + k])
-                                     : to_float(static_cast<const bf16*>(p.q)[off + k]);
-      const Elem e = p.kelem[sl];
-      sc = quantize_mx_block(v, 32, e, p.rule, codes);
-      if (sc == kE8M0NaN && p.nonfinite) *p.nonfinite = 1;
-      if (e != Elem::e4m3 && e != Elem::e5m2)
-#pragma unroll
-        for (int k = 0; k < 32; ++k) codes[k] = fp8_encode<false>(decode_elem(e, codes[k]));
-    } else {
-#pragma unroll
-      for (int k = 0; k < 32; ++k) codes[k] = 0;
+      const int64_t row = qrow0 + r, off = s * p.qsb + row / p.Nq % p.Hq * p.qsh + row % p.Nq * p.qsn + c * 32 + lane;
+      v = p.qdt == DType::f32   ? static_cast<const float*>(p.q)[off]
+          : p.qdt == DType::f16 ? to_float(static_cast<const fp16*>(p.q)[off])
+                                : to_float(static_cast<const bf16*>(p.q)[off]);
     }
+    const bool bad = __any_sync(0xffffffffu, !hd::is_finite(v));
+    float amax = fabsf(v);
 #pragma unroll
-    for (int k = 0; k < 32; k += 4)
-      *reinterpret_cast<uint32_t*>(q8 + (sl * kRows + r) * D + c * 32 + k) =
-          uint32_t(codes[k]) | uint32_t(codes[k + 1]) << 8 | uint32_t(codes[k + 2]) << 16 | uint32_t(codes[k + 3]) << 24;
-    sq[(sl * NB + c) * kRows + r] = r < rows ? decode_e8m0(sc) : 0.0f;
+    for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    const Elem e = p.kelem[sl];
+    const uint8_t sc = bad ? kE8M0NaN : choose_e8m0(amax, e, p.rule);
+    uint8_t code = sc == kE8M0NaN ? uint8_t(0) : encode_elem(e, hd::ldexp2(v, 127 - int(sc)));
+    if (e != Elem::e4m3 && e != Elem::e5m2) code = fp8_encode<false>(decode_elem(e, code));
+    q8[(sl * kRows + r) * D + c * 32 + lane] = code;
+    if (lane == 0) sq[(sl * NB + c) * kRows + r] = r < rows ? decode_e8m0(sc) : 0.0f;
+    if (lane == 0 && bad && p.nonfinite) *p.nonfinite = 1;
   }
   __syncthreads();
   // q^T as B fragments (row 8nr + g; contraction slots ordered by d_of_slot), per slot.
@@ -573,28 +566,40 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
       }
 }
 
-// One thread per (row, column): the splits merged by LSE in one pass over their maxima (the CPU
-// oracle folds them pairwise; the two agree to fp32 rounding).
+// One warp per row: the splits merged by LSE in one pass over their maxima (the CPU oracle folds
+// them pairwise; the two agree to fp32 rounding). Lanes take the splits' (m, l) for the weights,
+// then d/32 columns each, so every partial row is read once, coalesced.
 template <class TOut>
 __global__ void merge_splits(const float* part, int64_t rows, int splits, int d, TOut* out, int64_t osb, int64_t osh,
                              int64_t osn, int Hq, int Nq, float* lse) {
-  const int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (i >= rows * d) return;
-  const int64_t row = i / d;
-  const int c = int(i % d);
+  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= rows) return;
+  const float* pr = part + row * splits * (d + 2);
   float M = -INFINITY;
-  for (int sp = 0; sp < splits; ++sp) M = fmaxf(M, part[(row * splits + sp) * (d + 2) + d]);
-  float o = 0.0f, lsum = 0.0f;
-  for (int sp = 0; sp < splits; ++sp) {
-    const float* pp = part + (row * splits + sp) * (d + 2);
-    if (pp[d] == -INFINITY) continue;
-    const float w = expf(pp[d] - M);
-    lsum += pp[d + 1] * w;
-    o += pp[c] * w;
-  }
+  for (int sp = lane; sp < splits; sp += 32) M = fmaxf(M, pr[sp * (d + 2) + d]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
+  auto weight = [&](int sp) {  // exp(m - M) of split sp; 0 for an empty split
+    const float m = pr[sp * (d + 2) + d];
+    return m == -INFINITY ? 0.0f : expf(m - M);
+  };
+  const float w_lane = lane < splits ? weight(lane) : 0.0f;  // the first 32 splits' weights, a lane each
+  float lsum = 0.0f;
+  for (int sp = lane; sp < splits; sp += 32) lsum += pr[sp * (d + 2) + d + 1] * (sp < 32 ? w_lane : weight(sp));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) lsum += __shfl_xor_sync(0xffffffffu, lsum, o);
   const int64_t s = row / (int64_t(Hq) * Nq), h = row / Nq % Hq, r = row % Nq;
-  out[s * osb + h * osh + r * osn + c] = from_float<TOut>(o / lsum);
-  if (lse && c == 0) lse[row] = M + logf(lsum);
+  for (int c = lane; c < d; c += 32) {
+    float o = 0.0f;
+#pragma unroll 8
+    for (int sp = 0; sp < splits; ++sp) {
+      const float w = sp < 32 ? __shfl_sync(0xffffffffu, w_lane, sp) : weight(sp);
+      if (w != 0.0f) o += pr[sp * (d + 2) + c] * w;  // an empty split's columns are never written: skip them
+    }
+    out[s * osb + h * osh + r * osn + c] = from_float<TOut>(o / lsum);
+  }
+  if (lse && lane == 0) lse[row] = M + logf(lsum);
 }
 
 // Two CTAs an SM (Smem sizes the stages for it): run 19 measured the earlier block-synchronous kernel
@@ -684,7 +689,7 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   const dim3 grid(unsigned(p.splits), unsigned(Hkv * p.chunks), unsigned(S));
   launch(p, grid, int(d), pv8, nr, stream);
   check(cudaGetLastError(), "decode kernel");
-  const unsigned mblocks = unsigned((rows * d + 255) / 256);
+  const unsigned mblocks = unsigned((rows + 7) / 8);  // 8 warps a block, a warp a row
   with_typed(out, [&](auto* typed) {
     merge_splits<<<mblocks, 256, 0, stream>>>(p.part, rows, p.splits, int(d), typed, out.stride[0], out.stride[1],
                                               out.stride[2], int(Hq), int(Nq), lse);
