@@ -233,8 +233,8 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
 
   const int L = p.kv.length[s], np = (L + T - 1) / T, eff = min(p.splits, np);
   auto out_part = [&](int i) { return p.part + ((qrow0 + i) * p.splits + split) * (D + 2); };
-  if (split >= eff) {  // more splits than this sequence has pages: an empty partial
-    for (int i = tid; i < rows; i += kThreads) out_part(i)[D] = -INFINITY;
+  if (split >= eff) {  // more splits than this sequence has pages: an empty partial (zeros, m = -inf)
+    for (int i = tid; i < rows * (D + 2); i += kThreads) out_part(i / (D + 2))[i % (D + 2)] = i % (D + 2) == D ? -INFINITY : 0.0f;
     return;
   }
   const int j0 = int(int64_t(split) * np / eff), j1 = int(int64_t(split + 1) * np / eff);
@@ -566,21 +566,22 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
       }
 }
 
-// One warp per row: the splits merged by LSE in one pass over their maxima (the CPU oracle folds
-// them pairwise; the two agree to fp32 rounding). Lanes take the splits' (m, l) for the weights,
-// then d/32 columns each, so every partial row is read once, coalesced.
+// One warp per (row, 32 columns): the splits merged by LSE in one pass over their maxima (the CPU
+// oracle folds them pairwise; the two agree to fp32 rounding). Lanes first take the splits' (m, l)
+// for the weights, then a column each, its loads over the splits independent of each other (an
+// empty split is zeros with m = -inf, weight 0), so they are in flight together.
 template <class TOut>
 __global__ void merge_splits(const float* part, int64_t rows, int splits, int d, TOut* out, int64_t osb, int64_t osh,
                              int64_t osn, int Hq, int Nq, float* lse) {
-  const int64_t row = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
+  const int64_t wid = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32, row = wid / (d / 32);
+  const int lane = threadIdx.x % 32, c = int(wid % (d / 32)) * 32 + lane;
   if (row >= rows) return;
   const float* pr = part + row * splits * (d + 2);
   float M = -INFINITY;
   for (int sp = lane; sp < splits; sp += 32) M = fmaxf(M, pr[sp * (d + 2) + d]);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-  auto weight = [&](int sp) {  // exp(m - M) of split sp; 0 for an empty split
+  auto weight = [&](int sp) {  // exp(m - M) of split sp (0 for an empty one)
     const float m = pr[sp * (d + 2) + d];
     return m == -INFINITY ? 0.0f : expf(m - M);
   };
@@ -589,17 +590,12 @@ __global__ void merge_splits(const float* part, int64_t rows, int splits, int d,
   for (int sp = lane; sp < splits; sp += 32) lsum += pr[sp * (d + 2) + d + 1] * (sp < 32 ? w_lane : weight(sp));
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) lsum += __shfl_xor_sync(0xffffffffu, lsum, o);
+  float o = 0.0f;
+#pragma unroll 16
+  for (int sp = 0; sp < splits; ++sp) o += pr[sp * (d + 2) + c] * (sp < 32 ? __shfl_sync(0xffffffffu, w_lane, sp) : weight(sp));
   const int64_t s = row / (int64_t(Hq) * Nq), h = row / Nq % Hq, r = row % Nq;
-  for (int c = lane; c < d; c += 32) {
-    float o = 0.0f;
-#pragma unroll 8
-    for (int sp = 0; sp < splits; ++sp) {
-      const float w = sp < 32 ? __shfl_sync(0xffffffffu, w_lane, sp) : weight(sp);
-      if (w != 0.0f) o += pr[sp * (d + 2) + c] * w;  // an empty split's columns are never written: skip them
-    }
-    out[s * osb + h * osh + r * osn + c] = from_float<TOut>(o / lsum);
-  }
-  if (lse && lane == 0) lse[row] = M + logf(lsum);
+  out[s * osb + h * osh + r * osn + c] = from_float<TOut>(o / lsum);
+  if (lse && c == 0) lse[row] = M + logf(lsum);
 }
 
 // Two CTAs an SM (Smem sizes the stages for it): run 19 measured the earlier block-synchronous kernel
@@ -689,7 +685,7 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   const dim3 grid(unsigned(p.splits), unsigned(Hkv * p.chunks), unsigned(S));
   launch(p, grid, int(d), pv8, nr, stream);
   check(cudaGetLastError(), "decode kernel");
-  const unsigned mblocks = unsigned((rows + 7) / 8);  // 8 warps a block, a warp a row
+  const unsigned mblocks = unsigned((rows * (d / 32) + 7) / 8);  // 8 warps a block, a warp per 32 columns of a row
   with_typed(out, [&](auto* typed) {
     merge_splits<<<mblocks, 256, 0, stream>>>(p.part, rows, p.splits, int(d), typed, out.stride[0], out.stride[1],
                                               out.stride[2], int(Hq), int(Nq), lse);
