@@ -192,6 +192,28 @@ __device__ __forceinline__ void block_scores(const uint8_t* K, const uint8_t* ks
   }
 }
 
+// x reduced by op over the 8 lanes of the same t (an accumulator column's rows g).
+template <class Op>
+__device__ __forceinline__ float over_g(float x, Op op) {
+#pragma unroll
+  for (int o = 4; o < 32; o <<= 1) x = op(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+// Per-row values (rows 8nr + 2t + r of S^T's columns) reduced over g and stored, a float a row.
+template <int kNR, class Op>
+__device__ __forceinline__ void store_rows(float* dst, const float (&v)[kNR][2], Op op) {
+  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+#pragma unroll
+  for (int nr = 0; nr < kNR; ++nr)
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const float x = over_g(v[nr][r], op);
+      if (g == 0) dst[8 * nr + 2 * t + r] = x;
+    }
+}
+constexpr auto kMaxOp = [](float a, float b) { return fmaxf(a, b); };
+constexpr auto kSumOp = [](float a, float b) { return a + b; };
+
 // An 8x8 matrix of 16-bit pairs transposed across the warp: lane (g, t) gives row g, columns 2t and
 // 2t+1, and receives row g of the transpose (columns 2t, 2t+1 of it).
 __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
@@ -406,15 +428,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
         }
     }
     float* red = rmax + (j & 1) * kWarps * kRows;  // two buffers: a warp runs at most a page ahead
-#pragma unroll
-    for (int nr = 0; nr < kNR; ++nr)
-#pragma unroll
-      for (int r = 0; r < 2; ++r) {
-        float x = mx[nr][r];
-#pragma unroll
-        for (int o = 4; o < 32; o <<= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));  // over g
-        if (g == 0) red[warp * kRows + 8 * nr + 2 * t + r] = x;
-      }
+    store_rows<kNR>(red + warp * kRows, mx, kMaxOp);
     __syncthreads();
     float alpha[kNR][2], mref[kNR][2];
     bool rescale = false;
@@ -467,9 +481,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
           float amax = 0.0f;
 #pragma unroll
           for (int mt = 0; mt < 2; ++mt) amax = fmaxf(amax, fmaxf(sc[mt][nr][r], sc[mt][nr][2 + r]));
-#pragma unroll
-          for (int o = 4; o < 32; o <<= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-          const uint8_t e = choose_e8m0(amax, Elem::e4m3, p.rule);
+          const uint8_t e = choose_e8m0(over_g(amax, kMaxOp), Elem::e4m3, p.rule);
           inv[r] = hd::ldexp2(1.0f, 127 - int(e));
           ps[nr][r] = decode_e8m0(e);
         }
@@ -535,15 +547,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
 #pragma unroll
       for (int i = 0; i < 4; ++i)
         sum[(warp * kRows + 8 * nr + 2 * t + i % 2) * D + 16 * md + g + 8 * (i / 2)] = acc[md][nr][i];
-#pragma unroll
-  for (int nr = 0; nr < kNR; ++nr)
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      float x = l[nr][r];
-#pragma unroll
-      for (int o = 4; o < 32; o <<= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-      if (g == 0) lsum[warp * kRows + 8 * nr + 2 * t + r] = x;
-    }
+  store_rows<kNR>(lsum + warp * kRows, l, kSumOp);
   __syncthreads();
   for (int i = tid; i < rows * D; i += kThreads) {
     float o = 0.0f;
