@@ -38,8 +38,7 @@ struct Smem {
   static constexpr int kQ = 2 * kQK, kQs = 2 * BM * kNb * 4;
   static constexpr int kStage = kVt + kQK + 1024;  // + BN floats and BN * kNb bytes (<= 1024 for D <= 128)
   static_assert(BN * 4 + BN * kNb <= 1024);
-  static constexpr int kStages = 3;  // one computing, one loading, one held by P.V still in flight
-  static constexpr int kFlags = kQ + kQs + kStages * kStage;  // int q_folded[2][2]
+  static constexpr int kFlags = kQ + kQs + 2 * kStage;  // int q_folded[2][2]
   static constexpr int kBytes = kFlags + 16;
   static_assert(kQ % 1024 == 0 && kQs % 1024 == 0 && kStage % 1024 == 0);
 };
@@ -203,24 +202,19 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
   // Whether every key of tile j has one scale for all of d (read a tile ahead, off the critical path).
   auto k_uniform = [&](int64_t j) { return (slot_of(j) ? p.kuni[1] : p.kuni[0])[kv_tile0 / BN + j] != 0; };
 
-  // Pipeline, three stages and one CTA barrier a tile: tile j+1 loads while tile j computes; P_j.V_j
-  // stays in flight on the tensor cores while the next iteration waits for its tile and issues
-  // S_{j+1} (the wait inside tile_scores retires both). Past the barrier of iteration j every warp
-  // has retired P_{j-2}.V_{j-2}, so tile j-2's stage takes tile j+1 before S_j starts.
+  // Pipeline: tile j+1 loads while tile j computes; P_j.V_j stays in flight on the tensor cores
+  // while the next iteration waits for its tile and issues S_{j+1} (the wait inside tile_scores
+  // retires both).
   bool k_folded = tiles > 0 && k_uniform(0);
   uint32_t a[BN / 16][4];  // bf16 P of the tile in flight (a wgmma operand until it retires)
   if (tiles > 0) issue(0, 0);
   for (int64_t j = 0; j < tiles; ++j) {
-    const int slot = slot_of(j), st = int(j % S::kStages);
+    const int slot = slot_of(j), st = int(j & 1);
     const bool e5m2 = slot ? p.e5m2[1] : p.e5m2[0];
     cp_async_wait<0>();
     wg::fence_async_smem();
-    __syncthreads();  // tile j's K, V and scales are visible to every warp; tile j-2's stage is free
+    __syncthreads();  // tile j's K, V and scales are visible to every warp
     const bool folded = k_folded && q_folded[slot][wgi];
-    if (j + 1 < tiles) {
-      issue(j + 1, int((j + 1) % S::kStages));
-      k_folded = k_uniform(j + 1);
-    }
 
     float s[BN / 2];
     const uint8_t* sq = sQ + slot * S::kQK + wgi * 64 * D;
@@ -231,6 +225,11 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
     else
       tile_scores<D, false>(s, folded, sq, sqs, sK(st), sKr(st), sKb(st), rscale, t);
     wg::pin(o);  // P_{j-1}.V_{j-1} has retired (the wait in tile_scores)
+    __syncthreads();  // ... in both warpgroups: stage st^1 is free for tile j+1
+    if (j + 1 < tiles) {
+      issue(j + 1, st ^ 1);
+      k_folded = k_uniform(j + 1);
+    }
 
     // Mask (tiles every row of the warp sees whole skip it), online softmax (fp32).
     float mx[2] = {-INFINITY, -INFINITY};
