@@ -225,6 +225,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
     else
       tile_scores<D, false>(s, folded, sq, sqs, sK(st), sKr(st), sKb(st), rscale, t);
     wg::pin(o);  // P_{j-1}.V_{j-1} has retired (the wait in tile_scores)
+    wg::pin(a);  // ... so its A registers (P_{j-1}) were live until here
     __syncthreads();  // ... in both warpgroups: stage st^1 is free for tile j+1
     if (j + 1 < tiles) {
       issue(j + 1, st ^ 1);

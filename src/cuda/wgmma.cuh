@@ -48,6 +48,15 @@ __device__ __forceinline__ void pin(float (&acc)[R]) {
 #pragma unroll
   for (int i = 0; i < R; ++i) asm volatile("" : "+f"(acc[i])::"memory");
 }
+// The same for A-operand registers of a wgmma in flight: pinned after its wait, they stay live (and
+// their physical registers unused by other values) until the hardware has read them.
+template <int R, int C>
+__device__ __forceinline__ void pin(uint32_t (&regs)[R][C]) {
+#pragma unroll
+  for (int i = 0; i < R; ++i)
+#pragma unroll
+    for (int k = 0; k < C; ++k) asm volatile("" : "+r"(regs[i][k])::"memory");
+}
 
 #define DM_ACC8(o) "+f"(d[o]), "+f"(d[o + 1]), "+f"(d[o + 2]), "+f"(d[o + 3]), "+f"(d[o + 4]), "+f"(d[o + 5]), "+f"(d[o + 6]), "+f"(d[o + 7])
 #define DM_ACC32 DM_ACC8(0), DM_ACC8(8), DM_ACC8(16), DM_ACC8(24)
