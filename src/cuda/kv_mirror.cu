@@ -17,6 +17,18 @@
 #include "problem.hpp"
 
 namespace dmattn::cuda {
+
+// vt_position must be a permutation of each 32-key block (the mirror writes every key once).
+constexpr bool vt_position_permutes() {
+  bool seen[kTile] = {};
+  for (int k = 0; k < kTile; ++k) {
+    const int p = vt_position(k);
+    if (p < 0 || p >= kTile || p / 32 != k / 32 || seen[p]) return false;
+    seen[p] = true;
+  }
+  return true;
+}
+static_assert(vt_position_permutes());
 namespace {
 
 constexpr int64_t T = kTile;
