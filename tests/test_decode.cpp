@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <limits>
 
+#include "cuda/splits.hpp"
 #include "dmattn/attention.hpp"
 #include "dmattn/error.hpp"
 #include "dmattn/kv_cache.hpp"
@@ -255,4 +256,24 @@ TEST(Decode, TokenByTokenEqualsPrefillOnRealActivations) {
       EXPECT_LT(rel, 0.05);
     }
   }
+}
+
+// The GPU decode's automatic split count (plain C++, so checked here): whole waves of CTAs, no
+// split for a batch that already fills the GPU, many for a single long sequence.
+TEST(Decode, AutomaticSplitsFillWholeWaves) {
+  using dmattn::cuda::decode_auto_splits;
+  const int slots = 264;  // an H200: 132 SMs x 2 CTAs
+  EXPECT_EQ(decode_auto_splits(128, 256, slots), 2);    // B=16 x Hkv=8, 32k: one wave of 256, not 1.45 of 384
+  EXPECT_EQ(decode_auto_splits(512, 1024, slots), 1);   // B=64, 128k: the batch alone fills two waves
+  const int s1 = decode_auto_splits(8, 64, slots);      // B=1, 8k: 8 CTA groups
+  EXPECT_LE(8 * s1, slots);                             // one wave ...
+  EXPECT_GE(8 * s1, slots / 2);                         // ... at least half full
+  EXPECT_EQ(decode_auto_splits(8, 1, slots), 1);        // one page: nothing to split
+  EXPECT_EQ(decode_auto_splits(8, 0, slots), 1);        // an empty cache
+  for (int64_t ctas : {1, 3, 8, 40, 128, 1000})
+    for (int pages : {1, 2, 7, 64, 257, 1024}) {
+      const int s = decode_auto_splits(ctas, pages, slots);
+      EXPECT_GE(s, 1);
+      EXPECT_LE(s, pages);
+    }
 }

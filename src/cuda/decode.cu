@@ -22,6 +22,7 @@
 #include "cuda/cp_async.cuh"
 #include "cuda/fp8.cuh"
 #include "cuda/mma.cuh"
+#include "cuda/splits.hpp"
 #include "dmattn/error.hpp"
 #include "dmattn/format.hpp"
 #include "dmattn/mx_codec.hpp"
@@ -630,22 +631,6 @@ void launch(const Params& p, dim3 grid, int d, bool pv8, int nr, cudaStream_t st
     pv8 ? go(I128{}, std::true_type{}) : go(I128{}, std::false_type{});
 }
 
-// Automatic splits: the count that minimises waves x (pages per split + 1), with `slots` CTAs
-// running at once (two an SM) and the +1 standing for a CTA's fixed cost (q, the merge's share);
-// more splits must win by 3% (each adds partial results to write and merge).
-// A partial last wave costs a whole one, so e.g. 128 CTA groups on 264 slots take 2 splits (one
-// wave of 256), not 3 (384 CTAs: 1.45 waves, the second mostly idle).
-int auto_splits(int64_t ctas, int max_pages, int slots) {
-  const int np = std::max(1, max_pages);
-  int best = 1;
-  double best_cost = 0.0;
-  for (int s = 1; s <= std::min(np, 256); ++s) {
-    const double waves = double((ctas * s + slots - 1) / slots), cost = waves * ((np + s - 1) / s + 1);
-    if (s == 1 || cost < 0.97 * best_cost) best = s, best_cost = cost;  // more splits only for a clear gain
-  }
-  return best;
-}
-
 }  // namespace
 
 void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorView& q, const TensorView& out, float* lse,
@@ -675,7 +660,7 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   int dev = 0, sms = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
-  p.splits = std::min(splits > 0 ? splits : auto_splits(S * Hkv * p.chunks, kv.max_pages, 2 * sms), std::max(1, kv.max_pages));
+  p.splits = std::min(splits > 0 ? splits : decode_auto_splits(S * Hkv * p.chunks, kv.max_pages, 2 * sms), std::max(1, kv.max_pages));
   Buffers buf(stream);  // stream-ordered: freed after the enqueued work
   const int64_t rows = S * Hq * Nq;
   p.q = q.data;
