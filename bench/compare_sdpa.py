@@ -1,7 +1,9 @@
 #!/usr/bin/env python3
 """Same-run comparison on the GPU: dmattn (CUDA backend, via `dmattn run --backend cuda`) against
-PyTorch SDPA bf16 (flash and cuDNN backends) and the unfused quantize->dequantize->SDPA pipeline,
-with the ceilings measured in the same run (bf16 and fp8 matmul, device copy). Prints one table.
+PyTorch SDPA bf16 (flash and cuDNN backends), the unfused quantize->dequantize->SDPA pipeline and,
+where importable (bench/device.sh installs the wheel scripts/device_deps.sh fetched), SageAttention
+1.0.6 (INT8 Q.K^T, fp16 P.V, Triton), with the ceilings measured in the same run (bf16 and fp8
+matmul, device copy). Prints one table; "vs best SDPA" is against the faster SDPA backend.
 
 Usage: python3 bench/compare_sdpa.py BUILD_DIR OUT_DIR [N ...]
 """
@@ -42,6 +44,24 @@ def ceilings():
     dst = torch.empty_like(buf)
     msc = timeit(lambda: dst.copy_(buf))
     return bf16, fp8, 2 * buf.numel() / msc / 1e6
+
+
+try:
+    from sageattention import sageattn
+except Exception as e:  # not carried, or it does not import here: the row says so
+    sageattn = None
+    print(f"sageattention: unavailable ({str(e).splitlines()[0][:80]})")
+
+
+def sage_rows(res, q, k, v, rel=None):
+    """SageAttention's row (its own GQA, smooth_k on, its default); a failure prints and adds nothing."""
+    if sageattn is None:
+        return
+    try:
+        fn = lambda: sageattn(q, k, v, tensor_layout="HND", is_causal=True)
+        res["sageattention 1.0.6"] = (timeit(fn, iters=5), rel(fn()) if rel else float("nan"))
+    except Exception as e:
+        print(f"sageattention N={q.shape[2]} d={q.shape[3]}: failed ({str(e).splitlines()[0][:80]})")
 
 
 def sdpa(q, k, v, backend):
@@ -91,6 +111,7 @@ for N in Ns:
             res[name] = (ms, rel(sdpa(q, k, v, be)))
         except Exception as e:  # a backend that cannot run this shape says so
             print(f"{name}: unavailable ({str(e).splitlines()[0][:80]})")
+    sage_rows(res, q, k, v, rel)
     ms = timeit(lambda: sdpa(mx_fake_quant(q, 8), mx_fake_quant(k, 4), v, SDPBackend.FLASH_ATTENTION), iters=3)
     res["unfused q->dq->sdpa (mxfp4 K)"] = (ms, rel(sdpa(mx_fake_quant(q, 8), mx_fake_quant(k, 4), v, SDPBackend.FLASH_ATTENTION)))
     # dmattn through its CLI on the same inputs (fp16 .npy: bf16 -> fp16 is exact for N(0,1) data in range).
@@ -125,6 +146,7 @@ def large_rows(N, d):
                 res[name] = (timeit(lambda: sdpa(q, k, v, be), iters=5), float("nan"))
             except Exception as e:
                 print(f"{name} N={N} d={d}: unavailable ({str(e).splitlines()[0][:80]})")
+        sage_rows(res, q, k, v)
         del q, k, v
         torch.cuda.empty_cache()
         r = subprocess.run([os.path.join(build, "bench", "bench_prefill_cuda"), str(N), str(d), "3"], capture_output=True, text=True)

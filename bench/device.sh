@@ -12,6 +12,10 @@ RESULT_DIR=$OUT
 OUT=$(mktemp -d)
 trap 'tar -czf "$RESULT_DIR/logs.tgz" -C "$OUT" .' EXIT
 PART=${PART:-all}
+if ls .deps/wheels/*.whl >/dev/null 2>&1; then  # carried Python wheels (the SageAttention baseline)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dmattn-site .deps/wheels/*.whl \
+    && export PYTHONPATH=/tmp/dmattn-site${PYTHONPATH:+:$PYTHONPATH}
+fi
 B=build-sm90
 declare -A row
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
