@@ -74,7 +74,7 @@ std::string fill(std::string s, const fs::path& dir) {
 }  // namespace
 
 TEST_F(Cli, HelpOnEverySubcommand) {
-  for (const char* sub : {"", "run", "quantize", "dequantize", "compare", "demo", "eval", "capture"}) {
+  for (const char* sub : {"", "run", "decode", "quantize", "dequantize", "compare", "demo", "eval", "capture"}) {
     const Proc r = run(std::string(sub) + " --help");
     EXPECT_EQ(r.code, 0) << sub;
     EXPECT_NE(r.out.find("--help"), std::string::npos) << sub;
@@ -178,6 +178,37 @@ TEST_F(Cli, BadInputGivesOneLineError) {
   expect_error(fill(kQKV, dir) + " --scale-rule floor", "unknown scale rule");
   expect_error(fill(kQKV, dir) + " --diag-tiles -2", "must be >= 0");
   ASSERT_EQ(run(fill(kQKV, dir)).code, 0);  // and the same files, unbroken, run
+}
+
+// `decode` through the KV cache computes what `run --causal` computes on the same files: bit for bit
+// on the CPU with one split (two sequences, GQA, 3 new queries, a policy with sinks and pv = mxfp8).
+TEST_F(Cli, DecodeEqualsCausalRun) {
+  const QKV x = random_qkv({2, 4, 2, 3, 300, 64}, 28);
+  save_qkv(x);
+  const std::string pol = " --backend cpu --diag-tiles 1 --sink-tiles 1 --pv mxfp8";
+  ASSERT_EQ(run(fill(std::string(kQKV) + " --causal --lse {d}/lse_run.npy", dir) + pol).code, 0);
+  fs::rename(p("o.npy"), p("o_run.npy"));
+  const Proc r = run(fill("decode --q {d}/q.npy --k {d}/k.npy --v {d}/v.npy --out {d}/o.npy --lse {d}/lse.npy", dir) + pol);
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.err.find("MB a sequence"), std::string::npos) << r.err;
+  const std::vector<float> a = npy_to_floats(read_npy(p("o.npy"))), b = npy_to_floats(read_npy(p("o_run.npy")));
+  ASSERT_EQ(a.size(), size_t(2 * 4 * 3 * 64));
+  EXPECT_EQ(a, b);
+  EXPECT_EQ(npy_to_floats(read_npy(p("lse.npy"))), npy_to_floats(read_npy(p("lse_run.npy"))));
+  // Split-KV merges by LSE: close, not equal (pv = mxfp8 quantizes each split's P against that
+  // split's running maximum; with 300 keys in 2 splits that moves the output by ~2e-2 here).
+  ASSERT_EQ(run(fill("decode --q {d}/q.npy --k {d}/k.npy --v {d}/v.npy --out {d}/o.npy --splits 2", dir) + pol).code, 0);
+  const Comparison c = compare(npy_to_floats(read_npy(p("o.npy"))), b);
+  EXPECT_GT(c.rel_l2, 0.0);
+  EXPECT_LT(c.rel_l2, 5e-2);
+  EXPECT_EQ(c.nan_count, 0);
+
+  const QKV many = random_qkv({2, 4, 2, 17, 300, 64}, 29);  // 17 new queries: more than decode takes
+  save(many.q, "q17.npy");
+  expect_error(fill("decode --q {d}/q17.npy --k {d}/k.npy --v {d}/v.npy --out {d}/o.npy", dir), "1 to 16 new queries");
+  expect_error(fill("decode --q {d}/q.npy --k {d}/k.npy --v {d}/q.npy --out {d}/o.npy", dir), "same shape");
+  expect_error(fill("decode --q {d}/q.npy --k {d}/k.npy --v {d}/v.npy --out {d}/o.npy --smooth-k", dir), "smooth-k");
+  expect_error(fill("decode --q {d}/q.npy --k {d}/k.npy --v {d}/v.npy --out {d}/o.npy --low nvfp4", dir), "MX 32-block");
 }
 
 TEST_F(Cli, DemoPrintsTableWithDmaBetweenFormats) {

@@ -108,4 +108,11 @@ struct DecodeOptions {
 void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const TensorView& q, const TensorView& out,
                       float* lse, const DecodeOptions& opts = {});
 
+// decode_attention on the current CUDA device for host q / out / lse (contiguous): q staged to the
+// device, out and lse copied back. Returns the decode call's device time in ms (the first call on a
+// cache includes uploading its pages to the cache's device mirror; later ones upload only changes).
+// Throws dmattn::Error in a build without CUDA or where no device is present.
+double decode_on_device(const KVCache& cache, const std::vector<int>& seqs, const TensorView& q, const TensorView& out,
+                        float* lse, const DecodeOptions& opts = {});
+
 }  // namespace dmattn

@@ -131,4 +131,11 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
   });
 }
 
+#if !defined(DMATTN_HAVE_CUDA)
+double decode_on_device(const KVCache&, const std::vector<int>&, const TensorView&, const TensorView&, float*,
+                        const DecodeOptions&) {
+  throw Error("this build has no CUDA backend (configure with -DDMATTN_CUDA=ON on a machine with nvcc)");
+}
+#endif
+
 }  // namespace dmattn

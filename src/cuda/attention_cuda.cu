@@ -150,10 +150,7 @@ void dma_attention(const Problem& p) {
 
 double attention_on_device(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                            float* lse, const AttentionOptions& opts) {
-  int devices = 0;
-  const cudaError_t err = cudaGetDeviceCount(&devices);
-  if (err != cudaSuccess || devices == 0)
-    throw Error(std::string("no CUDA device available (") + (err != cudaSuccess ? cudaGetErrorString(err) : "none found") + ")");
+  cuda::require_device();
   cuda::Buffers buf;
   auto stage = [&](const TensorView& t) {
     if (t.device != Device::cpu) throw Error("attention_on_device takes host tensors");
@@ -164,25 +161,13 @@ double attention_on_device(const TensorView& q, const TensorView& k, const Tenso
     return TensorView::contiguous(d, t.dtype, t.shape, Device::cuda);
   };
   const TensorView dq = stage(q), dk = stage(k), dv = stage(v), dout = stage(out);
-  float* dlse = lse ? buf.alloc<float>(size_t(q.shape[0] * q.shape[1] * q.shape[2]) * sizeof(float)) : nullptr;
+  const size_t rows = size_t(q.shape[0] * q.shape[1] * q.shape[2]);
+  float* dlse = lse ? buf.alloc<float>(rows * sizeof(float)) : nullptr;
   AttentionOptions o = opts;
   o.backend = Backend::cuda;
-  cudaEvent_t a, b;
-  cudaEventCreate(&a);
-  cudaEventCreate(&b);
-  cudaEventRecord(a);
-  attention(dq, dk, dv, dout, dlse, o);
-  cudaEventRecord(b);
-  cudaEventSynchronize(b);
-  float ms = 0;
-  cudaEventElapsedTime(&ms, a, b);
-  cudaEventDestroy(a);
-  cudaEventDestroy(b);
-  cuda::check(cudaMemcpy(out.data, dout.data, size_t(out.numel()) * dtype_size(out.dtype), cudaMemcpyDeviceToHost),
-              "copy from device");
-  if (lse)
-    cuda::check(cudaMemcpy(lse, dlse, size_t(q.shape[0] * q.shape[1] * q.shape[2]) * sizeof(float), cudaMemcpyDeviceToHost),
-                "copy from device");
+  const float ms = cuda::time_ms([&] { attention(dq, dk, dv, dout, dlse, o); });
+  cuda::download(out.data, dout.data, size_t(out.numel()) * dtype_size(out.dtype));
+  if (lse) cuda::download(lse, dlse, rows * sizeof(float));
   return ms;
 }
 

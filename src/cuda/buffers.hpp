@@ -24,6 +24,36 @@ inline bool is_device_pointer(const void* ptr) {
   return ok;
 }
 
+// Throws dmattn::Error unless a CUDA device is present (the host-staging entry points call it first).
+inline void require_device() {
+  int devices = 0;
+  const cudaError_t err = cudaGetDeviceCount(&devices);
+  if (err != cudaSuccess || devices == 0)
+    throw Error(std::string("no CUDA device available (") + (err != cudaSuccess ? cudaGetErrorString(err) : "none found") + ")");
+}
+
+// Runs f() (work enqueued on the default stream) between two events: the device time in ms.
+template <class F>
+float time_ms(F&& f) {
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  cudaEventRecord(a);
+  f();
+  cudaEventRecord(b);
+  cudaEventSynchronize(b);
+  float ms = 0;
+  cudaEventElapsedTime(&ms, a, b);
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  return ms;
+}
+
+// n bytes from the device back to the host (synchronous).
+inline void download(void* dst, const void* src, size_t n) {
+  check(cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost), "copy from device");
+}
+
 struct Buffers {
   cudaStream_t stream = nullptr;
   std::vector<void*> ptrs;

@@ -157,3 +157,31 @@ TEST(GpuDecode, Errors) {
   DeviceCopy dqw(qw.q, false), doutw(qw.q, true);
   EXPECT_THROW(decode_attention(wide, {iw}, dqw.view, doutw.view, nullptr), Error);
 }
+
+// decode_on_device (host q/out staged to the GPU; what `dmattn decode --backend cuda` calls) against
+// the CPU decode on the same cache, the same splits; out poisoned by the CPU-side buffer's content.
+TEST(GpuDecode, OnDeviceFromHostTensors) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const int64_t d = 128, Hq = 8, Hkv = 2;
+  KVCache cache(Hkv, d, with_pv8(Policy{}));
+  const QKV x = llm_like_qkv({1, Hq, Hkv, 700, 700, d}, 11);
+  const int id = cache.new_sequence();
+  append_all(cache, id, x, 0, 700);
+  const QKV qs = random_qkv({1, Hq, Hkv, 3, 3, d}, 12, DType::f32, 2.0f);
+  DecodeOptions o;
+  o.splits = 2;
+  HostTensor want(DType::f32, qs.q.shape()), got(DType::f32, qs.q.shape());
+  std::vector<float> want_lse(size_t(Hq * 3)), got_lse(size_t(Hq * 3), std::nanf(""));
+  decode_attention(cache, {id}, qs.q.view(), want.view(), want_lse.data(), o);
+  std::vector<float> poison(size_t(got.numel()), std::nanf(""));
+  got = HostTensor::from_floats(poison, qs.q.shape(), DType::f32);
+  for (int rep = 0; rep < 2; ++rep) {  // the first call creates the mirror, the second reuses it
+    const double ms = decode_on_device(cache, {id}, qs.q.view(), got.view(), got_lse.data(), o);
+    EXPECT_GT(ms, 0.0);
+    const Comparison c = compare(got.to_floats(), want.to_floats());
+    std::printf("decode_on_device call %d: rel_l2 %.3e, %.3f ms\n", rep, c.rel_l2, ms);
+    EXPECT_EQ(c.nan_count, 0);
+    EXPECT_LE(c.rel_l2, 1e-5);
+    for (size_t i = 0; i < got_lse.size(); ++i) EXPECT_NEAR(got_lse[i], want_lse[i], 1e-5f * (1 + std::fabs(want_lse[i])));
+  }
+}

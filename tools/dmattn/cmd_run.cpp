@@ -11,7 +11,7 @@ namespace dmattn::cli {
 
 void add_run(CLI::App& app) {
   struct Args {
-    std::string q, k, v, out, lse;
+    QkvFiles files;
     bool causal = false, exact = false;
     std::optional<float> softmax_scale;
     PolicyArgs policy;
@@ -19,11 +19,7 @@ void add_run(CLI::App& app) {
   };
   auto args = std::make_shared<Args>();
   CLI::App* cmd = app.add_subcommand("run", "attention over Q/K/V .npy files ([B,H,N,d], float32 or float16)");
-  cmd->add_option("--q", args->q, "queries [B,Hq,Nq,d]")->required();
-  cmd->add_option("--k", args->k, "keys [B,Hkv,Nk,d]")->required();
-  cmd->add_option("--v", args->v, "values [B,Hkv,Nk,d]")->required();
-  cmd->add_option("--out", args->out, "output [B,Hq,Nq,d], float32")->required();
-  cmd->add_option("--lse", args->lse, "row log-sum-exp [B,Hq,Nq], float32");
+  args->files.add_to(*cmd, "queries [B,Hq,Nq,d]", "keys [B,Hkv,Nk,d]", "values [B,Hkv,Nk,d]");
   cmd->add_flag("--causal", args->causal, "causal mask, last query aligned with last key");
   cmd->add_option("--softmax-scale", args->softmax_scale, "scale of QK^T (default 1/sqrt(d))");
   cmd->add_flag("--exact", args->exact, "fp64 reference attention instead of DMA");
@@ -36,9 +32,9 @@ void add_run(CLI::App& app) {
     o.causal = args->causal;
     o.exact = args->exact;
     o.softmax_scale = args->softmax_scale;
-    const HostTensor q = read_npy_tensor(args->q, "--q");
-    const HostTensor k = read_npy_tensor(args->k, "--k");
-    const HostTensor v = read_npy_tensor(args->v, "--v");
+    const HostTensor q = read_npy_tensor(args->files.q, "--q");
+    const HostTensor k = read_npy_tensor(args->files.k, "--k");
+    const HostTensor v = read_npy_tensor(args->files.v, "--v");
     HostTensor out(DType::f32, q.shape());
     const Shape& s = q.shape();
     std::vector<float> lse(size_t(s[0] * s[1] * s[2]));
@@ -54,12 +50,12 @@ void add_run(CLI::App& app) {
     }
     std::sort(times.begin(), times.end());
     const double secs = times[times.size() / 2];
-    write_npy(args->out, NpyType::f32, {s[0], s[1], s[2], s[3]}, out.bytes());
-    if (!args->lse.empty()) write_npy(args->lse, NpyType::f32, {s[0], s[1], s[2]}, lse.data());
+    write_npy(args->files.out, NpyType::f32, {s[0], s[1], s[2], s[3]}, out.bytes());
+    if (!args->files.lse.empty()) write_npy(args->files.lse, NpyType::f32, {s[0], s[1], s[2]}, lse.data());
     std::fprintf(stderr, "dmattn run: %s %s%s on %s in %.6f s (median of %d) -> %s\n", shape_str(s).c_str(),
                  o.exact ? "exact fp64" : o.policy.describe().c_str(), o.causal ? " causal" : "",
                  o.backend == Backend::cuda ? "cuda" : "cpu", secs, args->repeat,
-                 args->out.c_str());
+                 args->files.out.c_str());
   });
 }
 

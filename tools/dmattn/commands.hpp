@@ -16,7 +16,15 @@ struct PolicyArgs {
   AttentionOptions options() const;  // throws dmattn::Error for unknown names
 };
 
+// The .npy files of a command that runs attention: inputs, output and the optional LSE.
+struct QkvFiles {
+  std::string q, k, v, out, lse;
+  // Registers --q --k --v --out (required) and --lse with the given help texts for the inputs.
+  void add_to(CLI::App& cmd, const std::string& q_help, const std::string& k_help, const std::string& v_help);
+};
+
 void add_run(CLI::App& app);
+void add_decode(CLI::App& app);
 void add_quantize(CLI::App& app);
 void add_compare(CLI::App& app);
 void add_demo(CLI::App& app);

@@ -19,6 +19,14 @@ void PolicyArgs::add_to(CLI::App& app) {
   app.add_option("--threads", threads, "CPU threads (0 = all)")->capture_default_str();
 }
 
+void QkvFiles::add_to(CLI::App& cmd, const std::string& q_help, const std::string& k_help, const std::string& v_help) {
+  cmd.add_option("--q", q, q_help)->required();
+  cmd.add_option("--k", k, k_help)->required();
+  cmd.add_option("--v", v, v_help)->required();
+  cmd.add_option("--out", out, "output [B,Hq,Nq,d], float32")->required();
+  cmd.add_option("--lse", lse, "row log-sum-exp [B,Hq,Nq], float32");
+}
+
 AttentionOptions PolicyArgs::options() const {
   AttentionOptions o;
   o.policy.high = parse_format(high);
@@ -40,6 +48,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   app.set_help_all_flag("--help-all", "help for every subcommand");
   dmattn::cli::add_run(app);
+  dmattn::cli::add_decode(app);
   dmattn::cli::add_quantize(app);
   dmattn::cli::add_compare(app);
   dmattn::cli::add_demo(app);
