@@ -152,15 +152,8 @@ double attention_on_device(const TensorView& q, const TensorView& k, const Tenso
                            float* lse, const AttentionOptions& opts) {
   cuda::require_device();
   cuda::Buffers buf;
-  auto stage = [&](const TensorView& t) {
-    if (t.device != Device::cpu) throw Error("attention_on_device takes host tensors");
-    // Host tensors reach here contiguous (HostTensor views); a strided host view is an error.
-    if (t.stride != TensorView::contiguous(nullptr, t.dtype, t.shape).stride)
-      throw Error("attention_on_device needs contiguous host tensors");
-    std::byte* d = buf.upload(static_cast<const std::byte*>(t.data), size_t(t.numel()) * dtype_size(t.dtype));
-    return TensorView::contiguous(d, t.dtype, t.shape, Device::cuda);
-  };
-  const TensorView dq = stage(q), dk = stage(k), dv = stage(v), dout = stage(out);
+  const char* who = "attention_on_device";
+  const TensorView dq = buf.stage(q, who), dk = buf.stage(k, who), dv = buf.stage(v, who), dout = buf.stage(out, who);
   const size_t rows = size_t(q.shape[0] * q.shape[1] * q.shape[2]);
   float* dlse = lse ? buf.alloc<float>(rows * sizeof(float)) : nullptr;
   AttentionOptions o = opts;

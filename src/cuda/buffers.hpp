@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "dmattn/error.hpp"
+#include "dmattn/tensor.hpp"
 
 namespace dmattn::cuda {
 
@@ -70,6 +71,13 @@ struct Buffers {
     T* p = alloc<T>(n * sizeof(T));
     if (n) check(cudaMemcpyAsync(p, src, n * sizeof(T), cudaMemcpyHostToDevice, stream), "upload");
     return p;
+  }
+  // A device copy of a contiguous host tensor, as a CUDA view (`who` names the caller in errors).
+  TensorView stage(const TensorView& t, const char* who) {
+    if (t.device != Device::cpu || t.stride != TensorView::contiguous(nullptr, t.dtype, t.shape).stride)
+      throw Error(std::string(who) + " takes contiguous host tensors");
+    std::byte* d = upload(static_cast<const std::byte*>(t.data), size_t(t.numel()) * dtype_size(t.dtype));
+    return TensorView::contiguous(d, t.dtype, t.shape, Device::cuda);
   }
   Buffers() = default;
   explicit Buffers(cudaStream_t s) : stream(s) {}

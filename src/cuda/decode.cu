@@ -1,10 +1,10 @@
 // Split-KV decode over cache pages on the GPU. One CTA per (split, KV head x row chunk, sequence)
-// runs up to 16 query rows of one KV head (of the G = Hq/Hkv query heads x Nq new queries: GQA
+// runs 8 or 16 query rows of one KV head (of the G = Hq/Hkv query heads x Nq new queries: GQA
 // packing, so a page is read once per KV head, not once per query head). Each of the CTA's four
 // warps owns one 32-key block of every page and streams it through its own cp.async stages. Both
-// products run on the tensor cores with mma.sync: S per 32-wide block of d, E2M1 pages on the
-// integer tensor cores (exact), FP8 pages in FP8 and FP6 pages widened to E4M3 bytes (exact),
-// scaled by the two E8M0 scales and summed over blocks in order as the CPU oracle does; the
+// products run on the FP8 tensor cores with mma.sync, transposed so the query rows are the mma's N:
+// S^T per 32-wide block of d (E2M1 and FP6 pages widened to E4M3 bytes, exactly), scaled by the
+// two E8M0 scales and summed over blocks in order as the CPU oracle does; the
 // softmax stays in registers (the page's row maxima are the only thing the warps exchange);
 // P (rounded to bf16, as the oracle) times V in bf16 with fp32 accumulation, or with pv = mxfp8 P
 // quantized to MXFP8 per 32 keys (a warp's block) times V's MXFP8 codes on the FP8 tensor cores,
@@ -77,13 +77,13 @@ struct Smem {  // byte offsets into dynamic shared memory
 
 // The d index of contraction slot k of a 32-wide block, in both K's A and q's B fragments: lane t's
 // slots 4t..4t+3 and 16+4t..16+4t+3 are d = 8t..8t+7, so a lane reads one 8-byte run of FP8 codes
-// (4 bytes of E2M1) per key and block. A dot is a sum, so permuting its terms in both operands alike leaves
-// it unchanged (exactly so on the integer tensor cores).
+// (4 bytes of E2M1) per key and block. A dot is a sum, so permuting its terms in both operands alike
+// leaves it unchanged (up to the mma's own summation order, which the oracle does not fix either).
 __device__ __forceinline__ int d_of_slot(int k) { return 8 * ((k % 16) / 4) + 4 * (k / 16) + k % 4; }
 
 // E2M1 pages run on the FP8 tensor cores with their codes widened to E4M3 bytes (exact): the
 // products of two E2M1 values are multiples of 1/4 below 37 and a 32-term sum stays below 2^11, so
-// the mma's sum is exact (GpuMma.FragmentLayoutAndDotPrecision asserts it) and equals the oracle's.
+// the mma's sum is exact (GpuMma.Fp8BlockDotPrecision asserts it) and equals the oracle's.
 // Four codes (low 16 bits, low nibble first) -> four E4M3 bytes: the magnitude by a byte permute of
 // the 8-entry table, the sign by a permute in its sign-replicating mode (nibble i's sign bit lands
 // on the top bit of the byte it selects).
@@ -220,17 +220,6 @@ constexpr auto kSumOp = [](float a, float b) { return a + b; };
 __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
   uint32_t r;
   asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;" : "=r"(r) : "r"(x));
-  return r;
-}
-// E4M3 pairs widened to f16 pairs and back (exact both ways: every E4M3 value is an f16 value).
-__device__ __forceinline__ uint32_t e4m3x2_to_f16x2(uint32_t x) {
-  uint32_t r;
-  asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(uint16_t(x)));
-  return r;
-}
-__device__ __forceinline__ uint32_t f16x2_to_e4m3x2(uint32_t x) {
-  uint16_t r;
-  asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(r) : "r"(x));
   return r;
 }
 
@@ -491,7 +480,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
         for (int q = 0; q < 4; ++q) {
           const float* x = sc[q / 2][nr] + 2 * (q % 2);
           const uint32_t codes = fp8x2_encode<false>(x[0] * inv[0], x[1] * inv[1]);
-          grp[q] = f16x2_to_e4m3x2(movmatrix_trans(e4m3x2_to_f16x2(codes)));
+          grp[q] = f16x2_to_fp8x2<false>(movmatrix_trans(fp8x2_to_f16x2<false>(codes)));
         }
         bq[nr][0] = grp[0] | grp[1] << 16;
         bq[nr][1] = grp[2] | grp[3] << 16;

@@ -18,15 +18,30 @@ __device__ __forceinline__ uint16_t fp8x2_encode(float lo, float hi) {
 template <bool kE5M2>
 __device__ __forceinline__ uint8_t fp8_encode(float x) { return uint8_t(fp8x2_encode<kE5M2>(x, 0.0f) & 0xFF); }
 
-// Every E4M3 and E5M2 value is an fp16 value, so the widening through f16 is exact.
+// Every E4M3 and E5M2 value is an fp16 value, so widening to f16 is exact, and so is narrowing an
+// f16 that holds such a value back (the decode kernel transposes FP8 pairs through f16 this way).
+// Two FP8 bytes (low 16 bits of x, low byte first) -> two f16 (low half first), and back.
+template <bool kE5M2>
+__device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t x) {
+  uint32_t r;
+  if constexpr (kE5M2)
+    asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(r) : "h"(uint16_t(x)));
+  else
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(uint16_t(x)));
+  return r;
+}
+template <bool kE5M2>
+__device__ __forceinline__ uint32_t f16x2_to_fp8x2(uint32_t x) {
+  uint16_t r;
+  if constexpr (kE5M2)
+    asm("cvt.rn.satfinite.e5m2x2.f16x2 %0, %1;" : "=h"(r) : "r"(x));
+  else
+    asm("cvt.rn.satfinite.e4m3x2.f16x2 %0, %1;" : "=h"(r) : "r"(x));
+  return r;
+}
 template <bool kE5M2>
 __device__ __forceinline__ float fp8_decode(uint8_t b) {
-  uint32_t h2;
-  const uint16_t in = b;
-  if constexpr (kE5M2)
-    asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(h2) : "h"(in));
-  else
-    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(h2) : "h"(in));
+  const uint32_t h2 = fp8x2_to_f16x2<kE5M2>(b);
   float f;
   asm("{.reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.f32.f16 %0, lo;}" : "=f"(f) : "r"(h2));
   return f;

@@ -29,6 +29,7 @@ constexpr bool vt_position_permutes() {
   return true;
 }
 static_assert(vt_position_permutes());
+
 namespace {
 
 constexpr int64_t T = kTile;
@@ -168,15 +169,9 @@ namespace dmattn {
 double decode_on_device(const KVCache& cache, const std::vector<int>& seqs, const TensorView& q, const TensorView& out,
                         float* lse, const DecodeOptions& opts) {
   cuda::require_device();
-  for (const TensorView* t : {&q, &out})
-    if (t->device != Device::cpu || t->stride != TensorView::contiguous(nullptr, t->dtype, t->shape).stride)
-      throw Error("decode_on_device takes contiguous host tensors");
   cuda::Buffers buf;
   const size_t rows = size_t(q.shape[0] * q.shape[1] * q.shape[2]);
-  const TensorView dq = TensorView::contiguous(
-      buf.upload(static_cast<const std::byte*>(q.data), size_t(q.numel()) * dtype_size(q.dtype)), q.dtype, q.shape, Device::cuda);
-  const TensorView dout = TensorView::contiguous(buf.alloc<std::byte>(size_t(out.numel()) * dtype_size(out.dtype)),
-                                                 out.dtype, out.shape, Device::cuda);
+  const TensorView dq = buf.stage(q, "decode_on_device"), dout = buf.stage(out, "decode_on_device");
   float* dlse = lse ? buf.alloc<float>(rows * sizeof(float)) : nullptr;
   DecodeOptions o = opts;
   o.stream = nullptr;  // the default stream, which time_ms times
