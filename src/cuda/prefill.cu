@@ -1,9 +1,11 @@
-// DMA prefill on Hopper's warpgroup tensor cores (wgmma). One CTA = one 128-position query tile
-// (aligned in absolute positions, so one format per key tile) x its key tiles in ascending order;
-// two warpgroups of 64 query rows each. K (in the tile's format, FP8 bytes) and V (bf16,
-// transposed by the pre-pass so both wgmma operands are K-major) stream into a double buffer with
-// cp.async while the previous tile computes; P.V overlaps the next tile's wait and S. Heavy (late)
-// causal tiles are scheduled first.
+// DMA prefill on Hopper's warpgroup tensor cores (wgmma), warp-specialised. One CTA = one
+// 128-position query tile (aligned in absolute positions, so one format per key tile) x its key tiles
+// in ascending order. A producer warpgroup streams each tile's K (in the tile's format, FP8 bytes),
+// V (bf16, transposed by the pre-pass so both wgmma operands are K-major) and key scales into a
+// 3-stage ring with TMA, signalled through mbarriers; two consumer warpgroups of 64 query rows each
+// take turns on the tensor cores (named barriers): while one runs its softmax, the other's S_j and
+// P_{j-1}.V_{j-1} execute (FA3's ping-pong), and within a warpgroup P_{j-1}.V_{j-1} runs under
+// S_j's softmax. Heavy (late) causal tiles are scheduled first.
 //
 // S = Q.K^T per tile with MX scaling (DESIGN §3, §5). Where every row of the warpgroup's Q and every
 // key of the tile carries one scale for all of d (the quantize pass folds block scales into the FP8
@@ -12,9 +14,9 @@
 // Online softmax in fp32; P rounded to bf16 (registers) times bf16 V (shared memory).
 #include <cmath>
 
-#include "cuda/cp_async.cuh"
 #include "cuda/mma.cuh"
 #include "cuda/prefill.cuh"
+#include "cuda/tma.cuh"
 #include "cuda/wgmma.cuh"
 #include "dmattn/error.hpp"
 #include "dmattn/mx_codec.hpp"
@@ -23,13 +25,16 @@
 namespace dmattn::cuda {
 namespace {
 
-constexpr int BM = kPrefillRows, BN = kTile, kThreads = 256;  // 2 warpgroups x 64 rows
+constexpr int BM = kPrefillRows, BN = kTile;
+constexpr int kConsumers = 256, kThreads = kConsumers + 128;  // 2 consumer warpgroups x 64 rows + a producer
+constexpr int kStages = 3;
 constexpr float kLog2e = 1.4426950408889634f;
 
 // Shared memory (every tile 1024-byte aligned, as the swizzle needs):
 //   Q: [2 slots][BM rows][D bytes] swizzled, then Q scales as floats [2][BM][D/32];
 //   per stage: V^T as two [D][64 keys] bf16 halves (128-byte rows), K [BN][D bytes], the keys' row
-//   scales [BN] floats (folded tiles) and block scales [BN][D/32] E8M0 bytes (per-block tiles).
+//   scales [BN] floats (folded tiles) and block scales [BN][D/32] E8M0 bytes (per-block tiles);
+//   then the stages' full/empty barriers and the Q-fold flags.
 template <int D>
 struct Smem {
   static constexpr int kNb = D / 32;
@@ -37,8 +42,10 @@ struct Smem {
   static constexpr int kVHalf = D * 128, kVt = 2 * kVHalf;
   static constexpr int kQ = 2 * kQK, kQs = 2 * BM * kNb * 4;
   static constexpr int kStage = kVt + kQK + 1024;  // + BN floats and BN * kNb bytes (<= 1024 for D <= 128)
+  static constexpr uint32_t kTx = kVt + kQK + BN * 4 + BN * kNb;  // bytes a stage's copies bring
   static_assert(BN * 4 + BN * kNb <= 1024);
-  static constexpr int kFlags = kQ + kQs + 2 * kStage;  // int q_folded[2][2]
+  static constexpr int kBars = kQ + kQs + kStages * kStage;  // uint64_t full[kStages], empty[kStages]
+  static constexpr int kFlags = kBars + 2 * kStages * 8;     // int q_folded[2][2]
   static constexpr int kBytes = kFlags + 16;
   static_assert(kQ % 1024 == 0 && kQs % 1024 == 0 && kStage % 1024 == 0);
 };
@@ -58,30 +65,27 @@ __device__ __forceinline__ void scale_by_keys(float (&s)[BN / 2], const float* s
   }
 }
 
-// S for this warpgroup's 64 rows x the tile's 128 keys, times rscale (the softmax scale, per row).
-//  - folded tile: all of d as one wgmma chain, then the row and key scales once;
+// S for this warpgroup's 64 rows x the tile's 128 keys (DESIGN §5):
+//  - folded tile: all of d as one wgmma chain (issued and committed here, awaited by the caller),
+//    then the row and key scales once;
 //  - otherwise one wgmma per (64-key half, 32-wide block) into a fresh accumulator, promoted with
-//    the block scales sq * sk on the CUDA cores.
+//    the block scales sq * sk on the CUDA cores (this retires every wgmma in flight).
 // Precision (GpuMma.WgmmaFp8DotPrecision): Hopper's FP8 wgmma keeps about 13 bits of its sum, so
 // E4M3/FP6 blocks, and chains over blocks of different magnitude, differ from the oracle's fp32 sums
 // by up to ~1e-4 of sum|p|; one block of E2M1 values is exact. Measured against the oracle: <= 1e-3
 // rel. L2 (bench/RESULTS.md). A ping-pong variant of the per-block path (two accumulators in
 // flight) ran 3x slower than this serial one on the H200.
 template <int D, bool kE5M2>
-__device__ __forceinline__ void tile_scores(float (&s)[BN / 2], bool folded, const uint8_t* sq, const float* sqs,
-                                            const uint8_t* sk, const float* sks, const uint8_t* sks8,
-                                            const float (&rscale)[2], int t) {
-  constexpr int NB = D / 32;
-  if (folded) {
-    wg::fence();
+__device__ __forceinline__ void issue_chain(float (&s)[BN / 2], const uint8_t* sq, const uint8_t* sk) {
 #pragma unroll
-    for (int c = 0; c < NB; ++c) wg::mma_fp8<BN, kE5M2>(s, wg::desc<D>(sq, c * 32), wg::desc<D>(sk, c * 32), c > 0);
-    wg::commit();
-    wg::wait<0>();
-    wg::pin(s);
-    scale_by_keys(s, sks, rscale, t);
-    return;
-  }
+  for (int c = 0; c < D / 32; ++c) wg::mma_fp8<BN, kE5M2>(s, wg::desc<D>(sq, c * 32), wg::desc<D>(sk, c * 32), c > 0);
+  wg::commit();
+}
+
+template <int D, bool kE5M2>
+__device__ __forceinline__ void scores_per_block(float (&s)[BN / 2], const uint8_t* sq, const float* sqs,
+                                                 const uint8_t* sk, const uint8_t* sks8, float scale, int t) {
+  constexpr int NB = D / 32;
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) s[i] = 0.0f;
 #pragma unroll
@@ -103,11 +107,20 @@ __device__ __forceinline__ void tile_scores(float (&s)[BN / 2], bool folded, con
       }
     }
 #pragma unroll
-  for (int i = 0; i < BN / 2; ++i) s[i] *= rscale[(i / 2) % 2];
+  for (int i = 0; i < BN / 2; ++i) s[i] *= scale;
+}
+
+// O += bf16(P) . V over one key tile, 16 keys per wgmma; P's accumulator layout is the A-fragment
+// layout. Issued; the caller commits and awaits it.
+template <int D>
+__device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&a)[BN / 16][4], const uint8_t* svt) {
+#pragma unroll
+  for (int kc = 0; kc < BN / 16; ++kc)
+    wg::mma_bf16_rs<D>(o, a[kc], wg::desc<128>(svt + (kc / 4) * Smem<D>::kVHalf, (kc % 4) * 32));
 }
 
 template <int D, class TOut>
-__global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParams p) {
+__global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_constant__ PrefillParams p) {
   using S = Smem<D>;
   constexpr int NB = S::kNb;
   extern __shared__ __align__(1024) uint8_t smem[];
@@ -117,29 +130,31 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
   auto sK = [&](int st) { return sVt(st) + S::kVt; };
   auto sKr = [&](int st) { return reinterpret_cast<float*>(sK(st) + S::kQK); };
   auto sKb = [&](int st) { return sK(st) + S::kQK + BN * 4; };
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::kBars);  // a stage's copies have landed
+  uint64_t* empty = full + kStages;                                // both consumer warpgroups are done with it
   // [slot][warpgroup]: every Q row of the warpgroup has one scale for all of d.
   auto q_folded = reinterpret_cast<int(*)[2]>(smem + S::kFlags);
   if (threadIdx.x == 0 && (__cvta_generic_to_shared(smem) & 1023) != 0) __trap();  // the swizzle needs it
 
-  const int wgi = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4,
-            t = lane % 4;
   const int h = blockIdx.y, b = blockIdx.z, hk = h / (p.Hq / p.Hkv);
   const int64_t off = int64_t(p.Nk) - p.Nq;
   const int64_t pos0 = (p.first_block + (p.blocks - 1 - blockIdx.x)) * BM;  // late tiles first
   const int64_t qtile = hd::floor_div(pos0, kTile);
-  const int row_in_cta = wgi * 64 + warp * 16 + g;  // and +8
-  const int64_t pos[2] = {pos0 + row_in_cta, pos0 + row_in_cta + 8};
-  const int64_t row[2] = {pos[0] - off, pos[1] - off};
-  const bool valid[2] = {row[0] >= 0 && row[0] < p.Nq, row[1] >= 0 && row[1] < p.Nq};
   const int nslots = p.q8[1] ? 2 : 1;
-  // The last key each of this thread's rows sees (-1: none). Fits int: the host checks Nk < 2^31.
-  int kmax[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r)
-    kmax[r] = !valid[r] ? -1 : p.causal ? int(min(int64_t(p.Nk) - 1, pos[r])) : p.Nk - 1;
+  const int64_t kend = p.causal ? min(int64_t(p.Nk), max(int64_t(0), pos0 + BM)) : int64_t(p.Nk);
+  const int64_t tiles = (kend + BN - 1) / BN;
+  const int64_t kv_tile0 = (int64_t(b) * p.Hkv + hk) * p.ldv;  // this head's row scales
+  auto slot_of = [&](int64_t j) { return (nslots == 2 && !p.policy.is_high(qtile, j)) ? 1 : 0; };
 
   // Q rows of this CTA in both slots (zeros for rows outside [0, Nq)) and their scales.
   if (threadIdx.x < 4) q_folded[threadIdx.x / 2][threadIdx.x % 2] = 1;
+  if (threadIdx.x == 0) {
+    for (int st = 0; st < kStages; ++st) {
+      tma::init(&full[st], 1);
+      tma::init(&empty[st], kConsumers);
+    }
+    tma::fence_init();
+  }
   for (int i = threadIdx.x; i < 2 * BM * D / 16; i += kThreads) {
     const int s = i / (BM * D / 16), r = (i / (D / 16)) % BM, chunk = i % (D / 16);
     const int64_t qrow = pos0 + r - off;
@@ -149,8 +164,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
     *reinterpret_cast<uint4*>(sQ + s * S::kQK + wg::swizzled<D>(r, chunk * 16)) = w;
   }
   __syncthreads();  // q_folded initialised
-  {
-    const int s = threadIdx.x / BM, r = threadIdx.x % BM;  // kThreads = 2 * BM: one (slot, row) each
+  if (threadIdx.x < 2 * BM) {  // one (slot, row) each
+    const int s = threadIdx.x / BM, r = threadIdx.x % BM;
     const int64_t qrow = pos0 + r - off;
     const bool ok = s < nslots && qrow >= 0 && qrow < p.Nq;
     bool uniform = true;
@@ -165,71 +180,84 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
     if (!uniform) q_folded[s][r / 64] = 0;
   }
   wg::fence_async_smem();  // Q bytes written by st.shared are read by wgmma
+  __syncthreads();         // Q, its scales and flags, and the barriers are ready
+
+  if (threadIdx.x >= kConsumers) {  // producer warpgroup: one thread issues every copy
+    wg::regs_dec<24>();
+    if (threadIdx.x == kConsumers) {
+      const int bh = b * p.Hkv + hk;
+      for (int64_t j = 0; j < tiles; ++j) {
+        const int st = int(j % kStages), slot = slot_of(j);
+        if (j >= kStages) tma::wait(&empty[st], uint32_t(j / kStages - 1) & 1);
+        tma::arrive_expect(&full[st], S::kTx);
+        tma::load_3d(sK(st), &p.kmap[slot], 0, int(j * BN), bh, &full[st]);
+        tma::load_3d(sVt(st), &p.vmap, int(j * BN), 0, bh, &full[st]);
+        tma::load_3d(sVt(st) + S::kVHalf, &p.vmap, int(j * BN) + BN / 2, 0, bh, &full[st]);
+        tma::load_bytes(sKr(st), p.krs[slot] + kv_tile0 + j * BN, BN * 4, &full[st]);
+        tma::load_bytes(sKb(st), p.ks[slot] + (kv_tile0 + j * BN) * NB, BN * NB, &full[st]);
+      }
+    }
+    return;
+  }
+  wg::regs_inc<240>();
+
+  const int wgi = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4,
+            t = lane % 4;
+  const int row_in_cta = wgi * 64 + warp * 16 + g;  // and +8
+  const int64_t pos[2] = {pos0 + row_in_cta, pos0 + row_in_cta + 8};
+  const int64_t row[2] = {pos[0] - off, pos[1] - off};
+  const bool valid[2] = {row[0] >= 0 && row[0] < p.Nq, row[1] >= 0 && row[1] < p.Nq};
+  // The last key each of this thread's rows sees (-1: none). Fits int: the host checks Nk < 2^31.
+  int kmax[2];
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+    kmax[r] = !valid[r] ? -1 : p.causal ? int(min(int64_t(p.Nk) - 1, pos[r])) : p.Nk - 1;
 
   float o[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  uint32_t a[BN / 16][4];  // bf16 P of the previous tile (a wgmma operand until it retires)
 
-  const int64_t kend = p.causal ? min(int64_t(p.Nk), max(int64_t(0), pos0 + BM)) : int64_t(p.Nk);
-  const int64_t tiles = (kend + BN - 1) / BN;
-  const int64_t kv_base = (int64_t(b) * p.Hkv + hk) * p.Nk;
-  const uint16_t* vt = p.vt + (int64_t(b) * p.Hkv + hk) * D * p.ldv;
-  const int64_t kv_tile0 = (int64_t(b) * p.Hkv + hk) * p.ldv;  // this head's row scales
-
-  auto slot_of = [&](int64_t j) { return (nslots == 2 && !p.policy.is_high(qtile, j)) ? 1 : 0; };
-  // Issues the asynchronous copies of key tile j's K (its format) and V^T into stage st.
-  auto issue = [&](int64_t j, int st) {
-    const uint8_t* k8 = slot_of(j) ? p.k8[1] : p.k8[0];
-    for (int i = threadIdx.x; i < BN * D / 16; i += kThreads) {
-      const int key = i / (D / 16), chunk = i % (D / 16);
-      const int64_t gk = min(j * BN + key, int64_t(p.Nk) - 1);  // clamped address; zero-filled below
-      cp_async16(sK(st) + wg::swizzled<D>(key, chunk * 16), k8 + (kv_base + gk) * D + chunk * 16, j * BN + key < p.Nk);
-    }
-    // V^T rows and row scales are padded to ldv (a multiple of BN, zeros past Nk): all in bounds.
-    for (int i = threadIdx.x; i < D * BN / 8; i += kThreads) {
-      const int dim = i / (BN / 8), kchunk = i % (BN / 8);
-      cp_async16(sVt(st) + (kchunk / 8) * S::kVHalf + wg::swizzled<128>(dim, (kchunk % 8) * 16),
-                 vt + dim * p.ldv + j * BN + kchunk * 8, true);
-    }
-    if (threadIdx.x < BN / 4)
-      cp_async16(sKr(st) + threadIdx.x * 4, (slot_of(j) ? p.krs[1] : p.krs[0]) + kv_tile0 + j * BN + threadIdx.x * 4, true);
-    else if (threadIdx.x < BN / 4 + BN * NB / 16)
-      cp_async16(sKb(st) + (threadIdx.x - BN / 4) * 16,
-                 (slot_of(j) ? p.ks[1] : p.ks[0]) + (kv_tile0 + j * BN) * NB + (threadIdx.x - BN / 4) * 16, true);
-    cp_async_commit();
-  };
-  // Whether every key of tile j has one scale for all of d (read a tile ahead, off the critical path).
-  auto k_uniform = [&](int64_t j) { return (slot_of(j) ? p.kuni[1] : p.kuni[0])[kv_tile0 / BN + j] != 0; };
-
-  // Pipeline: tile j+1 loads while tile j computes; P_j.V_j stays in flight on the tensor cores
-  // while the next iteration waits for its tile and issues S_{j+1} (the wait inside tile_scores
-  // retires both).
-  bool k_folded = tiles > 0 && k_uniform(0);
-  uint32_t a[BN / 16][4];  // bf16 P of the tile in flight (a wgmma operand until it retires)
-  if (tiles > 0) issue(0, 0);
+  // Turns on the tensor cores: warpgroup w issues its GEMMs after barrier 1 + w, then lets the other
+  // go. Warpgroup 1 opens warpgroup 0's first turn and skips its last hand-over, so both barriers
+  // see as many arrivals as waits.
+  const int me = 1 + wgi, other = 2 - wgi;
+  if (wgi == 1 && tiles > 0) wg::bar_arrive(1, kConsumers);
   for (int64_t j = 0; j < tiles; ++j) {
-    const int slot = slot_of(j), st = int(j & 1);
+    const int slot = slot_of(j), st = int(j % kStages), prev = int((j + kStages - 1) % kStages);
     const bool e5m2 = slot ? p.e5m2[1] : p.e5m2[0];
-    cp_async_wait<0>();
-    wg::fence_async_smem();
-    __syncthreads();  // tile j's K, V and scales are visible to every warp
-    const bool folded = k_folded && q_folded[slot][wgi];
-
-    float s[BN / 2];
+    const bool folded = (slot ? p.kuni[1] : p.kuni[0])[kv_tile0 / BN + j] != 0 && q_folded[slot][wgi];
     const uint8_t* sq = sQ + slot * S::kQK + wgi * 64 * D;
     const float* sqs = sQs + (slot * BM + wgi * 64 + warp * 16 + g) * NB;
-    const float rscale[2] = {p.scale * (folded ? sqs[0] : 1.0f), p.scale * (folded ? sqs[8 * NB] : 1.0f)};
-    if (e5m2)
-      tile_scores<D, true>(s, folded, sq, sqs, sK(st), sKr(st), sKb(st), rscale, t);
-    else
-      tile_scores<D, false>(s, folded, sq, sqs, sK(st), sKr(st), sKb(st), rscale, t);
-    wg::pin(o);  // P_{j-1}.V_{j-1} has retired (the wait in tile_scores)
-    wg::pin(a);  // ... so its A registers (P_{j-1}) were live until here
-    __syncthreads();  // ... in both warpgroups: stage st^1 is free for tile j+1
-    if (j + 1 < tiles) {
-      issue(j + 1, st ^ 1);
-      k_folded = k_uniform(j + 1);
+    tma::wait(&full[st], uint32_t(j / kStages) & 1);
+
+    float s[BN / 2];
+    wg::bar_sync(me, kConsumers);
+    if (folded) {  // S_j, then P_{j-1}.V_{j-1}; S_j's softmax runs while the latter executes
+      wg::fence();
+      if (e5m2)
+        issue_chain<D, true>(s, sq, sK(st));
+      else
+        issue_chain<D, false>(s, sq, sK(st));
+      if (j > 0) issue_pv<D>(o, a, sVt(prev));
+      wg::commit();  // (an empty group at j = 0) so that one wait<1> retires S_j on every path
+      if (wgi == 0 || j + 1 < tiles) wg::bar_arrive(other, kConsumers);
+      wg::wait<1>();
+      wg::pin(s);
+      const float rscale[2] = {p.scale * sqs[0], p.scale * sqs[8 * NB]};
+      scale_by_keys(s, sKr(st), rscale, t);
+    } else {
+      if (j > 0) {
+        wg::fence();
+        issue_pv<D>(o, a, sVt(prev));
+        wg::commit();
+      }
+      if (wgi == 0 || j + 1 < tiles) wg::bar_arrive(other, kConsumers);
+      if (e5m2)
+        scores_per_block<D, true>(s, sq, sqs, sK(st), sKb(st), p.scale, t);
+      else
+        scores_per_block<D, false>(s, sq, sqs, sK(st), sKb(st), p.scale, t);
     }
 
     // Mask (tiles every row of the warp sees whole skip it), online softmax (fp32).
@@ -256,10 +284,13 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
       s[i] = exp2_approx((s[i] - mref[(i / 2) % 2]) * kLog2e);  // the difference first: exact near the max
       l[(i / 2) % 2] += s[i];
     }
+
+    wg::wait<0>();  // P_{j-1}.V_{j-1} has retired ...
+    wg::pin(o);
+    wg::pin(a);  // ... so its A registers (P_{j-1}) were live until here
+    if (j > 0) tma::arrive(&empty[prev]);  // this warpgroup is done with tile j-1's stage
 #pragma unroll
     for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) % 2];
-
-    // O += bf16(P) . V, 16 keys per wgmma; P's accumulator layout is the A-fragment layout.
 #pragma unroll
     for (int kc = 0; kc < BN / 16; ++kc) {
       const float* q0 = s + 8 * kc;  // registers of columns 16kc..16kc+7 (4) and 16kc+8.. (4)
@@ -268,14 +299,14 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
       a[kc][2] = bf16x2_rn(q0[4], q0[5]);
       a[kc][3] = bf16x2_rn(q0[6], q0[7]);
     }
-    wg::fence();
-#pragma unroll
-    for (int kc = 0; kc < BN / 16; ++kc)
-      wg::mma_bf16_rs<D>(o, a[kc], wg::desc<128>(sVt(st) + (kc / 4) * S::kVHalf, (kc % 4) * 32));
-    wg::commit();  // retired by the next tile's S (or below)
   }
-  wg::wait<0>();
-  wg::pin(o);
+  if (tiles > 0) {  // the last tile's P.V
+    wg::fence();
+    issue_pv<D>(o, a, sVt(int((tiles - 1) % kStages)));
+    wg::commit();
+    wg::wait<0>();
+    wg::pin(o);
+  }
 
   // out = O / l, lse = m + log l; rows that saw no key write zeros and -inf.
 #pragma unroll
@@ -291,7 +322,16 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const PrefillParam
 }
 
 template <int D, class TOut>
-void launch(const PrefillParams& p, int64_t blocks, int batch, cudaStream_t stream) {
+void launch(PrefillParams p, int64_t blocks, int batch, cudaStream_t stream) {
+  // TMA maps: K bytes [B*Hkv][Nk][D] in boxes of one tile (zeros past Nk), swizzled like wg::swizzled<D>;
+  // V^T bf16 [B*Hkv][D][ldv] in boxes of 64 keys x D (128-byte rows).
+  const uint64_t bh = uint64_t(batch) * uint64_t(p.Hkv), nk = uint64_t(p.Nk), ldv = uint64_t(p.ldv);
+  for (int s = 0; s < 2; ++s)
+    if (p.k8[s])
+      p.kmap[s] = tensor_map_3d(p.k8[s], CU_TENSOR_MAP_DATA_TYPE_UINT8, {D, nk, bh}, {D, nk * D}, {D, BN, 1},
+                                D == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B);
+  p.vmap = tensor_map_3d(p.vt, CU_TENSOR_MAP_DATA_TYPE_UINT16, {ldv, D, bh}, {ldv * 2, D * ldv * 2}, {BN / 2, D, 1},
+                         CU_TENSOR_MAP_SWIZZLE_128B);
   constexpr int bytes = Smem<D>::kBytes;
   auto kernel = prefill_kernel<D, TOut>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);

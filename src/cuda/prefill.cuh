@@ -2,6 +2,7 @@
 // tensor-core form of each format (FP8 bytes + E8M0 scales, one set per slot: 0 = high, 1 = low;
 // scales folded into the codes where exact), V as bf16, transposed.
 #pragma once
+#include <cuda.h>
 #include <cuda_runtime.h>
 
 #include "dmattn/policy.hpp"
@@ -10,6 +11,8 @@
 namespace dmattn::cuda {
 
 struct PrefillParams {
+  // TMA maps (filled by launch_prefill): K bytes per slot [B*Hkv][Nk][d] (zeros past Nk), V^T [B*Hkv][d][ldv].
+  CUtensorMap kmap[2], vmap;
   const uint8_t* q8[2];  // [B*Hq*Nq, d] FP8 bytes
   const uint8_t* qs[2];  // [B*Hq*Nq, d/32] E8M0
   const uint8_t* k8[2];  // [B*Hkv*Nk, d]

@@ -42,6 +42,23 @@ __device__ __forceinline__ void wait() {
 }
 // Generic-proxy shared-memory writes (st.shared, cp.async) made visible to wgmma's async proxy.
 __device__ __forceinline__ void fence_async_smem() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Warp specialisation: a warpgroup gives registers back (producer) or takes them (consumers).
+template <int R>
+__device__ __forceinline__ void regs_dec() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+template <int R>
+__device__ __forceinline__ void regs_inc() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(R));
+}
+// Named CTA barriers between some warps (id 0 is __syncthreads): sync waits for `threads` arrivals
+// including its own warps'; arrive counts without waiting.
+__device__ __forceinline__ void bar_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void bar_arrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
 // Keeps the compiler from moving accumulator reads/writes across an in-flight wgmma.
 template <int R>
 __device__ __forceinline__ void pin(float (&acc)[R]) {
