@@ -60,6 +60,11 @@ if [ "${QUICK:-0}" = 1 ]; then  # correctness of the GPU tests + the main benchm
     ncu --kernel-name regex:prefill_kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight --section WarpStateStats \
       --section SchedulerStats --section Occupancy $B/bench/bench_prefill_cuda 8192 128 1 >"$OUT/ncu_prefill.txt" 2>&1
     grep -E "Throughput|Duration|Occupancy|Registers|Stall|Issued|Eligible|No Eligible|cycles being stalled" "$OUT/ncu_prefill.txt" | head -40
+    # Stall reasons per issued instruction and the tensor / MUFU pipes' activity (a separate call: metric names vary).
+    ncu --kernel-name regex:prefill_kernel --launch-skip 1 --launch-count 1 --metrics \
+      'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active' \
+      $B/bench/bench_prefill_cuda 8192 128 1 >"$OUT/ncu_prefill_stalls.txt" 2>&1
+    grep -E "gmma|pipe_xu|stalled" "$OUT/ncu_prefill_stalls.txt" | awk '$NF+0 > 0.05 || /pipe/' | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | head -24
   fi
   exit 0
 fi

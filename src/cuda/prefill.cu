@@ -53,21 +53,22 @@ struct Smem {
 // The accumulator register i of a m64nN tile holds column 8*(i/4) + 2t + (i%2) of row half (i/2)%2.
 __device__ __forceinline__ int acc_col(int i, int t) { return 8 * (i / 4) + 2 * t + (i % 2); }
 
-// Multiplies S (rows r = (i/2)%2 by rscale[r]) by the keys' row scales (smem, adjacent pairs).
-__device__ __forceinline__ void scale_by_keys(float (&s)[BN / 2], const float* sks, const float (&rscale)[2], int t) {
+// Multiplies S by the keys' row scales (smem, adjacent pairs); the rows' factors are applied later,
+// inside the softmax's exponent (one FFMA).
+__device__ __forceinline__ void scale_by_keys(float (&s)[BN / 2], const float* sks, int t) {
 #pragma unroll
   for (int nt = 0; nt < BN / 8; ++nt) {
     const float2 k = *reinterpret_cast<const float2*>(sks + acc_col(4 * nt, t));
-    s[4 * nt] *= rscale[0] * k.x;
-    s[4 * nt + 1] *= rscale[0] * k.y;
-    s[4 * nt + 2] *= rscale[1] * k.x;
-    s[4 * nt + 3] *= rscale[1] * k.y;
+    s[4 * nt] *= k.x;
+    s[4 * nt + 1] *= k.y;
+    s[4 * nt + 2] *= k.x;
+    s[4 * nt + 3] *= k.y;
   }
 }
 
 // S for this warpgroup's 64 rows x the tile's 128 keys (DESIGN §5):
 //  - folded tile: all of d as one wgmma chain (issued and committed here, awaited by the caller),
-//    then the row and key scales once;
+//    then the key scales (scale_by_keys) and the row scales (in the softmax) once;
 //  - otherwise one wgmma per (64-key half, 32-wide block) into a fresh accumulator, promoted with
 //    the block scales sq * sk on the CUDA cores (this retires every wgmma in flight).
 // Precision (GpuMma.WgmmaFp8DotPrecision): Hopper's FP8 wgmma keeps about 13 bits of its sum, so
@@ -233,6 +234,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     tma::wait(&full[st], uint32_t(j / kStages) & 1);
 
     float s[BN / 2];
+    // After the scores, logit * log2(e) = s * c[r]: c holds the softmax scale, log2(e) and (folded
+    // tiles) the row's Q scale; rows outside the output get 1 so their masked -inf stay -inf.
+    float c[2] = {kLog2e, kLog2e};
     wg::bar_sync(me, kConsumers);
     if (folded) {  // S_j, then P_{j-1}.V_{j-1}; S_j's softmax runs while the latter executes
       wg::fence();
@@ -245,8 +249,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       if (wgi == 0 || j + 1 < tiles) wg::bar_arrive(other, kConsumers);
       wg::wait<1>();
       wg::pin(s);
-      const float rscale[2] = {p.scale * sqs[0], p.scale * sqs[8 * NB]};
-      scale_by_keys(s, sKr(st), rscale, t);
+      c[0] = valid[0] ? p.scale * kLog2e * sqs[0] : 1.0f;
+      c[1] = valid[1] ? p.scale * kLog2e * sqs[8 * NB] : 1.0f;
+      scale_by_keys(s, sKr(st), t);
     } else {
       if (j > 0) {
         wg::fence();
@@ -257,7 +262,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       if (e5m2)
         scores_per_block<D, true>(s, sq, sqs, sK(st), sKb(st), p.scale, t);
       else
-        scores_per_block<D, false>(s, sq, sqs, sK(st), sKb(st), p.scale, t);
+        scores_per_block<D, false>(s, sq, sqs, sK(st), sKb(st), p.scale, t);  // s: scaled logits
     }
 
     // Mask (tiles every row of the warp sees whole skip it), online softmax (fp32).
@@ -269,19 +274,20 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       if (!whole && key0 + acc_col(i, t) > kmax[(i / 2) % 2]) s[i] = -INFINITY;
       mx[(i / 2) % 2] = fmaxf(mx[(i / 2) % 2], s[i]);
     }
+    // m is the row's running maximum of logit * log2(e); c > 0, so max(s) * c is the maximum.
     float alpha[2], mref[2];
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
-      const float mnew = fmaxf(m[r], quad_max(mx[r]));
+      const float mnew = fmaxf(m[r], quad_max(mx[r]) * c[r]);
       // A row that has seen no key yet keeps its state (as if the tile were skipped).
-      alpha[r] = mnew == -INFINITY ? 1.0f : exp2_approx((m[r] - mnew) * kLog2e);
+      alpha[r] = mnew == -INFINITY ? 1.0f : exp2_approx(m[r] - mnew);
       mref[r] = mnew == -INFINITY ? 0.0f : mnew;
       m[r] = mnew;
       l[r] *= alpha[r];
     }
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) {
-      s[i] = exp2_approx((s[i] - mref[(i / 2) % 2]) * kLog2e);  // the difference first: exact near the max
+      s[i] = exp2_approx(fmaf(s[i], c[(i / 2) % 2], -mref[(i / 2) % 2]));  // one rounding: exact near the max
       l[(i / 2) % 2] += s[i];
     }
 
@@ -289,8 +295,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     wg::pin(o);
     wg::pin(a);  // ... so its A registers (P_{j-1}) were live until here
     if (j > 0) tma::arrive(&empty[prev]);  // this warpgroup is done with tile j-1's stage
+    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f))  // late tiles rarely raise a row's max
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) % 2];
+      for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) % 2];
 #pragma unroll
     for (int kc = 0; kc < BN / 16; ++kc) {
       const float* q0 = s + 8 * kc;  // registers of columns 16kc..16kc+7 (4) and 16kc+8.. (4)
@@ -317,7 +324,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
 #pragma unroll
     for (int i = 0; i < D / 2; ++i)
       if ((i / 2) % 2 == r) orow[acc_col(i, t)] = from_float<TOut>(lr > 0.0f ? o[i] / lr : 0.0f);
-    if (p.lse && t == 0) p.lse[(int64_t(b) * p.Hq + h) * p.Nq + row[r]] = lr > 0.0f ? m[r] + logf(lr) : -INFINITY;
+    if (p.lse && t == 0) p.lse[(int64_t(b) * p.Hq + h) * p.Nq + row[r]] = lr > 0.0f ? m[r] / kLog2e + logf(lr) : -INFINITY;
   }
 }
 
