@@ -78,6 +78,7 @@ __device__ __forceinline__ void scale_by_keys(float (&s)[BN / 2], const float* s
 // flight) ran 3x slower than this serial one on the H200.
 template <int D, bool kE5M2>
 __device__ __forceinline__ void issue_chain(float (&s)[BN / 2], const uint8_t* sq, const uint8_t* sk) {
+  wg::fence();  // in the wgmmas' basic block: ptxas serialises every wgmma when it must insert one itself
 #pragma unroll
   for (int c = 0; c < D / 32; ++c) wg::mma_fp8<BN, kE5M2>(s, wg::desc<D>(sq, c * 32), wg::desc<D>(sk, c * 32), c > 0);
   wg::commit();
@@ -115,6 +116,7 @@ __device__ __forceinline__ void scores_per_block(float (&s)[BN / 2], const uint8
 // layout. Issued; the caller commits and awaits it.
 template <int D>
 __device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&a)[BN / 16][4], const uint8_t* svt) {
+  wg::fence();  // as in issue_chain
 #pragma unroll
   for (int kc = 0; kc < BN / 16; ++kc)
     wg::mma_bf16_rs<D>(o, a[kc], wg::desc<128>(svt + (kc / 4) * Smem<D>::kVHalf, (kc % 4) * 32));
@@ -183,7 +185,10 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   wg::fence_async_smem();  // Q bytes written by st.shared are read by wgmma
   __syncthreads();         // Q, its scales and flags, and the barriers are ready
 
-  if (threadIdx.x >= kConsumers) {  // producer warpgroup: one thread issues every copy
+  // The warpgroup's role, through a shuffle so the compiler knows it is uniform across the warp (ptxas
+  // serialises wgmmas it believes sit on a divergent path).
+  const int wgi = __shfl_sync(0xffffffffu, int(threadIdx.x) / 128, 0);
+  if (wgi == 2) {  // producer warpgroup: one thread issues every copy
     wg::regs_dec<24>();
     if (threadIdx.x == kConsumers) {
       const int bh = b * p.Hkv + hk;
@@ -202,7 +207,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   }
   wg::regs_inc<240>();
 
-  const int wgi = threadIdx.x / 128, warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4,
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4,
             t = lane % 4;
   const int row_in_cta = wgi * 64 + warp * 16 + g;  // and +8
   const int64_t pos[2] = {pos0 + row_in_cta, pos0 + row_in_cta + 8};
@@ -239,7 +244,6 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     float c[2] = {kLog2e, kLog2e};
     wg::bar_sync(me, kConsumers);
     if (folded) {  // S_j, then P_{j-1}.V_{j-1}; S_j's softmax runs while the latter executes
-      wg::fence();
       if (e5m2)
         issue_chain<D, true>(s, sq, sK(st));
       else
@@ -254,7 +258,6 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       scale_by_keys(s, sKr(st), t);
     } else {
       if (j > 0) {
-        wg::fence();
         issue_pv<D>(o, a, sVt(prev));
         wg::commit();
       }
@@ -308,7 +311,6 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     }
   }
   if (tiles > 0) {  // the last tile's P.V
-    wg::fence();
     issue_pv<D>(o, a, sVt(int((tiles - 1) % kStages)));
     wg::commit();
     wg::wait<0>();
