@@ -230,10 +230,16 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   // see as many arrivals as waits.
   const int me = 1 + wgi, other = 2 - wgi;
   if (wgi == 1 && tiles > 0) wg::bar_arrive(1, kConsumers);
+  // Whether every key of tile j has one scale for all of d: read a tile ahead (a global load's latency
+  // on the loop's critical path cost as much as the tile's softmax).
+  auto k_uniform = [&](int64_t j) { return (slot_of(j) ? p.kuni[1] : p.kuni[0])[kv_tile0 / BN + j]; };
+  int kuni_next = tiles > 0 ? k_uniform(0) : 0;
   for (int64_t j = 0; j < tiles; ++j) {
     const int slot = slot_of(j), st = int(j % kStages), prev = int((j + kStages - 1) % kStages);
+    const int kuni_j = kuni_next;
+    if (j + 1 < tiles) kuni_next = k_uniform(j + 1);
     const bool e5m2 = slot ? p.e5m2[1] : p.e5m2[0];
-    const bool folded = (slot ? p.kuni[1] : p.kuni[0])[kv_tile0 / BN + j] != 0 && q_folded[slot][wgi];
+    const bool folded = kuni_j != 0 && q_folded[slot][wgi];
     const uint8_t* sq = sQ + slot * S::kQK + wgi * 64 * D;
     const float* sqs = sQs + (slot * BM + wgi * 64 + warp * 16 + g) * NB;
     tma::wait(&full[st], uint32_t(j / kStages) & 1);
@@ -272,11 +278,12 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     float mx[2] = {-INFINITY, -INFINITY};
     const int key0 = int(j) * BN;
     const bool whole = __all_sync(0xffffffffu, key0 + BN - 1 <= min(kmax[0], kmax[1]));
+    if (!whole)  // a branch of its own: if-converted into the max loop it costs every tile 128 instructions
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) {
-      if (!whole && key0 + acc_col(i, t) > kmax[(i / 2) % 2]) s[i] = -INFINITY;
-      mx[(i / 2) % 2] = fmaxf(mx[(i / 2) % 2], s[i]);
-    }
+      for (int i = 0; i < BN / 2; ++i)
+        if (key0 + acc_col(i, t) > kmax[(i / 2) % 2]) s[i] = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) mx[(i / 2) % 2] = fmaxf(mx[(i / 2) % 2], s[i]);
     // m is the row's running maximum of logit * log2(e); c > 0, so max(s) * c is the maximum.
     float alpha[2], mref[2];
 #pragma unroll
