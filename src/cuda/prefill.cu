@@ -282,15 +282,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
 #pragma unroll
       for (int i = 0; i < BN / 2; ++i)
         if (key0 + acc_col(i, t) > kmax[(i / 2) % 2]) s[i] = -INFINITY;
-    // Reductions as four independent chains per row (part[row][(i/4)%4], started by its first
-    // element, i < 16 and even): with two warps per scheduler, a 32-long chain of dependent
-    // FMNMX/FADD is latency the scheduler cannot hide.
-    float part[2][4];
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i)
-      part[(i / 2) % 2][(i / 4) % 4] = i < 16 && i % 2 == 0 ? s[i] : fmaxf(part[(i / 2) % 2][(i / 4) % 4], s[i]);
-#pragma unroll
-    for (int r = 0; r < 2; ++r) mx[r] = fmaxf(fmaxf(part[r][0], part[r][1]), fmaxf(part[r][2], part[r][3]));
+    for (int i = 0; i < BN / 2; ++i) mx[(i / 2) % 2] = fmaxf(mx[(i / 2) % 2], s[i]);
     // m is the row's running maximum of logit * log2(e); c > 0, so max(s) * c is the maximum.
     float alpha[2], mref[2];
 #pragma unroll
@@ -305,10 +298,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
 #pragma unroll
     for (int i = 0; i < BN / 2; ++i) {
       s[i] = exp2_approx(fmaf(s[i], c[(i / 2) % 2], -mref[(i / 2) % 2]));  // one rounding: exact near the max
-      part[(i / 2) % 2][(i / 4) % 4] = i < 16 && i % 2 == 0 ? s[i] : part[(i / 2) % 2][(i / 4) % 4] + s[i];
+      l[(i / 2) % 2] += s[i];
     }
-#pragma unroll
-    for (int r = 0; r < 2; ++r) l[r] += (part[r][0] + part[r][1]) + (part[r][2] + part[r][3]);
 
     wg::wait<0>();  // P_{j-1}.V_{j-1} has retired ...
     wg::pin(o);
