@@ -16,6 +16,7 @@
 
 #include "cuda/mma.cuh"
 #include "cuda/prefill.cuh"
+#include "cuda/quantize_block.cuh"
 #include "cuda/tma.cuh"
 #include "cuda/wgmma.cuh"
 #include "dmattn/error.hpp"
@@ -122,6 +123,66 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&a)[
     wg::mma_bf16_rs<D>(o, a[kc], wg::desc<128>(svt + (kc / 4) * Smem<D>::kVHalf, (kc % 4) * 32));
 }
 
+// Eight consecutive elements of a Q row as floats (zeros for rows outside Q).
+template <class T>
+__device__ __forceinline__ void load8(const void* base, int64_t at, bool vec, float (&v)[kPerLane]) {
+  const T* x = static_cast<const T*>(base) + at;
+  alignas(16) T raw[kPerLane];
+  if (vec) {
+#pragma unroll
+    for (int i = 0; i < int(sizeof(raw) / 16); ++i) reinterpret_cast<uint4*>(raw)[i] = reinterpret_cast<const uint4*>(x)[i];
+  } else {
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) raw[i] = x[i];
+  }
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) v[i] = to_float(raw[i]);
+}
+
+// The CTA's BM Q rows in both slots' tensor-core form, quantized here exactly as quantize_rows does
+// for the pre-pass (FP8 bytes, scales folded where exact; encode_lane): codes into swizzled shared
+// memory, block scales as floats, and q_folded[slot][warpgroup] cleared where a row keeps several
+// scales. Rows outside [0, Nq) are zeros with scale 0. Run by the consumer threads (kConsumers), a
+// row's D/8 lanes inside one warp (the fold's shuffles).
+template <int D>
+__device__ __forceinline__ void quantize_q(const PrefillParams& p, int b, int h, int64_t pos0, int64_t off,
+                                           uint8_t* sQ, float* sQs, int (*q_folded)[2]) {
+  constexpr int NB = D / 32, kRowLanes = D / kPerLane;
+  static_assert((BM * kRowLanes) % kConsumers == 0 && 32 % kRowLanes == 0);
+  for (int u = threadIdx.x; u < BM * kRowLanes; u += kConsumers) {
+    const int r = u / kRowLanes, c = (u % kRowLanes) / 4, part = u % 4;
+    const int64_t qrow = pos0 + r - off;
+    float v[kPerLane] = {};
+    if (qrow >= 0 && qrow < p.Nq) {
+      const int64_t at = b * p.q_sb + h * p.q_sh + qrow * p.q_sn + c * 32 + part * kPerLane;
+      if (p.q_dtype == DType::bf16)
+        load8<bf16>(p.q, at, p.q_vec, v);
+      else if (p.q_dtype == DType::f16)
+        load8<fp16>(p.q, at, p.q_vec, v);
+      else
+        load8<float>(p.q, at, p.q_vec, v);
+    }
+    float amax;
+    bool bad;
+    block_stats(v, amax, bad);
+    if (bad && part == 0) atomicOr(p.q_nonfinite, 1);
+    for (int s = 0; s < p.nslots; ++s) {
+      uint8_t codes[kPerLane], sc = 0;
+      with_elem(p.qelem[s], [&](auto e) {
+        sc = encode_lane<decltype(e)::value>(p.policy.scale_rule, v, amax, bad, true, true, kRowLanes, codes);
+      });
+      *reinterpret_cast<uint2*>(sQ + s * Smem<D>::kQK + wg::swizzled<D>(r, c * 32 + part * kPerLane)) = pack8(codes);
+      if (part == 0) sQs[(s * BM + r) * NB + c] = qrow >= 0 && qrow < p.Nq ? decode_e8m0(sc) : 0.0f;
+      int smin = sc, smax = sc;
+      for (int k = 4; k < kRowLanes; k <<= 1) {
+        smin = min(smin, __shfl_xor_sync(0xffffffffu, smin, k));
+        smax = max(smax, __shfl_xor_sync(0xffffffffu, smax, k));
+      }
+      if (u % kRowLanes == 0 && smin != smax) q_folded[s][r / 64] = 0;
+    }
+  }
+}
+
 template <int D, class TOut>
 __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_constant__ PrefillParams p) {
   using S = Smem<D>;
@@ -143,13 +204,12 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   const int64_t off = int64_t(p.Nk) - p.Nq;
   const int64_t pos0 = (p.first_block + (p.blocks - 1 - blockIdx.x)) * BM;  // late tiles first
   const int64_t qtile = hd::floor_div(pos0, kTile);
-  const int nslots = p.q8[1] ? 2 : 1;
+  const int nslots = p.nslots;
   const int64_t kend = p.causal ? min(int64_t(p.Nk), max(int64_t(0), pos0 + BM)) : int64_t(p.Nk);
   const int64_t tiles = (kend + BN - 1) / BN;
   const int64_t kv_tile0 = (int64_t(b) * p.Hkv + hk) * p.ldv;  // this head's row scales
   auto slot_of = [&](int64_t j) { return (nslots == 2 && !p.policy.is_high(qtile, j)) ? 1 : 0; };
 
-  // Q rows of this CTA in both slots (zeros for rows outside [0, Nq)) and their scales.
   if (threadIdx.x < 4) q_folded[threadIdx.x / 2][threadIdx.x % 2] = 1;
   if (threadIdx.x == 0) {
     for (int st = 0; st < kStages; ++st) {
@@ -158,32 +218,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     }
     tma::fence_init();
   }
-  for (int i = threadIdx.x; i < 2 * BM * D / 16; i += kThreads) {
-    const int s = i / (BM * D / 16), r = (i / (D / 16)) % BM, chunk = i % (D / 16);
-    const int64_t qrow = pos0 + r - off;
-    uint4 w = make_uint4(0, 0, 0, 0);
-    if (s < nslots && qrow >= 0 && qrow < p.Nq)
-      w = *reinterpret_cast<const uint4*>(p.q8[s] + ((int64_t(b) * p.Hq + h) * p.Nq + qrow) * D + chunk * 16);
-    *reinterpret_cast<uint4*>(sQ + s * S::kQK + wg::swizzled<D>(r, chunk * 16)) = w;
-  }
-  __syncthreads();  // q_folded initialised
-  if (threadIdx.x < 2 * BM) {  // one (slot, row) each
-    const int s = threadIdx.x / BM, r = threadIdx.x % BM;
-    const int64_t qrow = pos0 + r - off;
-    const bool ok = s < nslots && qrow >= 0 && qrow < p.Nq;
-    bool uniform = true;
-    float first = 0.0f;
-#pragma unroll
-    for (int c = 0; c < NB; ++c) {
-      const float v = ok ? decode_e8m0(p.qs[s][((int64_t(b) * p.Hq + h) * p.Nq + qrow) * NB + c]) : 0.0f;
-      sQs[(s * BM + r) * NB + c] = v;
-      first = c == 0 ? v : first;
-      uniform &= v == first;
-    }
-    if (!uniform) q_folded[s][r / 64] = 0;
-  }
-  wg::fence_async_smem();  // Q bytes written by st.shared are read by wgmma
-  __syncthreads();         // Q, its scales and flags, and the barriers are ready
+  __syncthreads();  // barriers and fold flags initialised
 
   // The warpgroup's role, through a shuffle so the compiler knows it is uniform across the warp (ptxas
   // serialises wgmmas it believes sit on a divergent path).
@@ -206,6 +241,10 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     return;
   }
   wg::regs_inc<240>();
+  // Q is quantized while the producer's first copies are in flight.
+  quantize_q<D>(p, b, h, pos0, off, sQ, sQs, q_folded);
+  wg::fence_async_smem();           // Q bytes written by st.shared are read by wgmma
+  wg::bar_sync(3, kConsumers);      // Q, its scales and fold flags are ready
 
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4,
             t = lane % 4;

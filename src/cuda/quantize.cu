@@ -3,7 +3,7 @@
 #include <string>
 #include <type_traits>
 
-#include "cuda/fp8.cuh"
+#include "cuda/quantize_block.cuh"
 #include "dmattn/error.hpp"
 #include "dmattn/mx_codec.hpp"
 #include "dmattn/numeric.hpp"
@@ -18,38 +18,8 @@ struct Geometry {
   int64_t sb, sh, sn;            // element strides of b, h, n
 };
 
-// Four lanes share one 32-block, eight consecutive elements each, so a warp reads and writes
-// contiguous memory (coalesced); the block's amax and NaN flag are combined with quad shuffles.
-constexpr int kPerLane = 8;
-
-// The storage code of a scaled value (the codec's encode_elem: FP8 by the hardware conversion,
-// E2M1 by its midpoint count, FP6 by the generic rounding), and the FP8 byte holding a code's value
-// (E5M2 for E5M2, E4M3 for every other element). Compile-time element types keep the per-element
-// work to a few instructions: the runtime spec of the generic codec cost ~5x the memory time.
-template <Elem E>
-__device__ __forceinline__ uint8_t elem_code(float s) {
-  if constexpr (E == Elem::e4m3 || E == Elem::e5m2)
-    return fp8_encode<E == Elem::e5m2>(s);
-  else if constexpr (E == Elem::e2m1)
-    return encode_e2m1(s);
-  else
-    return encode_elem(elem_spec(E), s);
-}
-
-template <Elem E>
-__device__ __forceinline__ uint8_t fp8_byte(uint8_t code) {
-  if constexpr (E == Elem::e4m3 || E == Elem::e5m2) {
-    return code;
-  } else if constexpr (E == Elem::e2m1) {
-    // E2M1 magnitudes 0, 0.5, then 2^((m>>1)-1) * (1 + (m&1)/2): E4M3 exponent field (m>>1)+6,
-    // mantissa (m&1)<<2.
-    const int m = code & 7;
-    const int mag = m == 0 ? 0 : m == 1 ? 0x30 : (((m >> 1) + 6) << 3) | ((m & 1) << 2);
-    return uint8_t(((code & 8) << 4) | mag);
-  } else {
-    return fp8_encode<false>(decode_elem(E, code));
-  }
-}
+// Four lanes share one 32-block (kPerLane elements each), so a warp reads and writes contiguous
+// memory (coalesced); the block's amax and NaN flag are combined with quad shuffles.
 
 struct Lanes {  // where this lane's eight elements sit
   uint32_t row, c, n, bh;
@@ -63,39 +33,8 @@ struct Lanes {  // where this lane's eight elements sit
 template <Elem E>
 __device__ __forceinline__ void emit(const QuantTarget& q, ScaleRule rule, const float (&v)[kPerLane], float amax,
                                      bool bad, const Lanes& l) {
-  constexpr bool kE5M2 = E == Elem::e5m2;
-  uint8_t sc = bad ? kE8M0NaN : choose_e8m0(amax, E, rule);
-  // 2^-X as one factor (2^-127 is subnormal but exact): a product by a power of two rounds once,
-  // exactly like the codec's ldexp.
-  const float inv = hd::ldexp2(1.0f, 127 - int(sc));
   uint8_t codes[kPerLane];
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    codes[i] = sc == kE8M0NaN ? uint8_t(0) : elem_code<E>(v[i] * inv);
-    if (q.fp8_bytes) codes[i] = fp8_byte<E>(codes[i]);
-  }
-  if (q.fold) {  // uniform across the grid: every lane takes part in the shuffles
-    int smax = sc;
-    for (int s = 4; s < l.row_lanes; s <<= 1) smax = max(smax, __shfl_xor_sync(0xffffffffu, smax, s));
-    const int k = int(sc) - smax;  // <= 0: this block's values shift down by 2^k
-    // FP8 values are >= 2^-16 in magnitude, so a shift below 2^-24 cannot stay representable.
-    const float shift = k >= -24 ? hd::ldexp2(1.0f, k) : 0.0f;
-    uint8_t folded[kPerLane];
-    bool exact = !bad && smax != kE8M0NaN;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const float value = fp8_decode<kE5M2>(codes[i]);
-      const float shifted = value * shift;
-      folded[i] = fp8_encode<kE5M2>(shifted);
-      exact &= value == 0.0f || (k >= -24 && fp8_decode<kE5M2>(folded[i]) == shifted);
-    }
-    for (int s = 1; s < l.row_lanes; s <<= 1) exact &= __shfl_xor_sync(0xffffffffu, int(exact), s) != 0;
-    if (exact) {
-#pragma unroll
-      for (int i = 0; i < kPerLane; ++i) codes[i] = folded[i];
-      sc = uint8_t(smax);
-    }
-  }
+  const uint8_t sc = encode_lane<E>(rule, v, amax, bad, q.fp8_bytes, q.fold, l.row_lanes, codes);
   if (l.active) {
     const int64_t d = l.nblk * kBlock;
     const int64_t first = int64_t(l.row) * d + int64_t(l.c) * kBlock + l.part * kPerLane;  // element index of codes[0]
@@ -105,10 +44,7 @@ __device__ __forceinline__ void emit(const QuantTarget& q, ScaleRule rule, const
       for (int i = 0; i < kPerLane; ++i) w |= uint32_t(codes[i]) << (4 * i);
       *reinterpret_cast<uint32_t*>(q.codes + first / 2) = w;
     } else {
-      uint2 w;
-      w.x = uint32_t(codes[0]) | uint32_t(codes[1]) << 8 | uint32_t(codes[2]) << 16 | uint32_t(codes[3]) << 24;
-      w.y = uint32_t(codes[4]) | uint32_t(codes[5]) << 8 | uint32_t(codes[6]) << 16 | uint32_t(codes[7]) << 24;
-      *reinterpret_cast<uint2*>(q.codes + first) = w;
+      *reinterpret_cast<uint2*>(q.codes + first) = pack8(codes);
     }
     // With row scales, the block scales take the same padded row layout: [B*H][row_pad][d/32].
     if (l.part == 0)
@@ -125,17 +61,6 @@ __device__ __forceinline__ void emit(const QuantTarget& q, ScaleRule rule, const
       q.row_scale[int64_t(l.bh) * q.row_pad + l.n] = uniform ? decode_e8m0(uint8_t(smax)) : -1.0f;
       if (!uniform) atomicAnd(q.tile_uniform + int64_t(l.bh) * (q.row_pad / 128) + l.n / 128, 0);
     }
-  }
-}
-
-template <class F>
-__device__ __forceinline__ void with_elem(Elem e, F&& f) {
-  switch (e) {
-    case Elem::e4m3: f(std::integral_constant<Elem, Elem::e4m3>{}); break;
-    case Elem::e5m2: f(std::integral_constant<Elem, Elem::e5m2>{}); break;
-    case Elem::e3m2: f(std::integral_constant<Elem, Elem::e3m2>{}); break;
-    case Elem::e2m3: f(std::integral_constant<Elem, Elem::e2m3>{}); break;
-    case Elem::e2m1: f(std::integral_constant<Elem, Elem::e2m1>{}); break;
   }
 }
 
@@ -180,19 +105,11 @@ __global__ void __launch_bounds__(256) quantize_rows_kernel(const T* __restrict_
 #pragma unroll
   for (int u = 0; u < kUnits; ++u) {
     float v[kPerLane];
-    float amax = 0.0f;
-    bool bad = false;
 #pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      v[i] = to_float(raw[u][i]);
-      bad |= !hd::is_finite(v[i]);
-      amax = fmaxf(amax, hd::abs_f(v[i]));
-    }
-#pragma unroll
-    for (int s = 1; s < 4; s <<= 1) {
-      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
-      bad |= __shfl_xor_sync(0xffffffffu, int(bad), s) != 0;
-    }
+    for (int i = 0; i < kPerLane; ++i) v[i] = to_float(raw[u][i]);
+    float amax;
+    bool bad;
+    block_stats(v, amax, bad);
     if (bad && nonfinite && l[u].part == 0) atomicOr(nonfinite, 1);
     with_elem(e0, [&](auto e) { emit<decltype(e)::value>(t0, rule, v, amax, bad, l[u]); });
     if (targets == 2) with_elem(e1, [&](auto e) { emit<decltype(e)::value>(t1, rule, v, amax, bad, l[u]); });
