@@ -13,9 +13,21 @@ namespace {
 
 constexpr int kBlock = 32;
 
+// x / d for 32-bit x by one 64-bit high product: m = ceil(2^64 / d) makes the product's error below
+// 1/d for every x < 2^32 (x = q d + r: x m / 2^64 = q + r/d + x eps/(d 2^64), eps < d), so the
+// floor is exact. A runtime 32-bit division costs ~20 instructions; the pass did three per lane.
+struct FastDiv {
+  uint32_t d = 1;
+  uint64_t m = 0;
+  FastDiv() = default;
+  explicit FastDiv(uint32_t divisor) : d(divisor), m(divisor > 1 ? ~uint64_t(0) / divisor + 1 : 0) {}
+  __device__ __forceinline__ uint32_t div(uint32_t x) const { return d > 1 ? uint32_t(__umul64hi(x, m)) : x; }
+};
+
 struct Geometry {
   int64_t H, N, nblk;            // heads, rows per head, 32-blocks per row
   int64_t sb, sh, sn;            // element strides of b, h, n
+  FastDiv by_H, by_N, by_nblk;
 };
 
 // Four lanes share one 32-block (kPerLane elements each), so a warp reads and writes contiguous
@@ -73,7 +85,7 @@ template <class T, bool kVector>
 __global__ void __launch_bounds__(256) quantize_rows_kernel(const T* __restrict__ x, Geometry g, uint32_t nblocks,
                                                             ScaleRule rule, QuantTarget t0, QuantTarget t1, Elem e0,
                                                             Elem e1, int targets, int* nonfinite) {
-  const uint32_t nblk = uint32_t(g.nblk), N = uint32_t(g.N), H = uint32_t(g.H);
+  const uint32_t nblk = uint32_t(g.nblk), N = uint32_t(g.N), H = uint32_t(g.H);  // as FastDiv in g
   Lanes l[kUnits];
   alignas(16) T raw[kUnits][kPerLane];
 #pragma unroll
@@ -84,11 +96,11 @@ __global__ void __launch_bounds__(256) quantize_rows_kernel(const T* __restrict_
     l[u].active = blk < nblocks;  // inactive lanes still take part in the shuffles
     l[u].nblk = g.nblk;
     l[u].row_lanes = int(g.nblk) * 4;
-    l[u].row = l[u].active ? blk / nblk : 0;
-    l[u].c = l[u].active ? blk % nblk : 0;
-    l[u].n = l[u].row % N;
-    l[u].bh = l[u].row / N;
-    const uint32_t h = l[u].bh % H, b = l[u].bh / H;
+    l[u].row = l[u].active ? g.by_nblk.div(blk) : 0;
+    l[u].c = l[u].active ? blk - l[u].row * nblk : 0;
+    l[u].bh = g.by_N.div(l[u].row);
+    l[u].n = l[u].row - l[u].bh * N;
+    const uint32_t b = g.by_H.div(l[u].bh), h = l[u].bh - b * H;
     const T* src =
         x + int64_t(b) * g.sb + int64_t(h) * g.sh + int64_t(l[u].n) * g.sn + int64_t(l[u].c) * kBlock + l[u].part * kPerLane;
     if constexpr (kVector) {  // 16-byte loads where the rows are 16-byte aligned
@@ -138,7 +150,8 @@ void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first
     if (t->fold && (!t->fp8_bytes || !row_in_lanes))
       throw Error("quantize_rows: folding needs the FP8-byte form and d/32 a power of two <= 8");
   }
-  Geometry g{x.shape[1], x.shape[2], nblk, x.stride[0], x.stride[1], x.stride[2]};
+  Geometry g{x.shape[1], x.shape[2], nblk, x.stride[0], x.stride[1], x.stride[2], FastDiv(uint32_t(x.shape[1])),
+             FastDiv(uint32_t(x.shape[2])), FastDiv(uint32_t(nblk))};
   const int64_t nblocks = x.shape[0] * x.shape[1] * x.shape[2] * g.nblk;
   if (nblocks == 0) return;
   const int threads = 256;
