@@ -12,12 +12,13 @@ std::string Policy::describe() const {
          (smooth_k ? " smooth_k" : "");
 }
 
-std::string_view pv_name(PV p) { return p == PV::bf16 ? "bf16" : "mxfp8"; }
+std::string_view pv_name(PV p) { return p == PV::bf16 ? "bf16" : p == PV::mxfp8 ? "mxfp8" : "mxfp4"; }
 
 PV parse_pv(std::string_view name) {
   if (name == "bf16") return PV::bf16;
   if (name == "mxfp8") return PV::mxfp8;
-  throw Error("unknown pv mode '" + std::string(name) + "' (choose bf16|mxfp8)");
+  if (name == "mxfp4") return PV::mxfp4;
+  throw Error("unknown pv mode '" + std::string(name) + "' (choose bf16|mxfp8|mxfp4)");
 }
 
 std::string_view backend_name(Backend b) {

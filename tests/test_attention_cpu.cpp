@@ -108,7 +108,7 @@ TEST(AttentionCpu, ExactMatchesNaiveFp64) {
 
 TEST(AttentionCpu, HugeDiagIsAllHighAndZeroIsAllLow) {
   for (bool causal : {false, true}) {
-    for (PV pv : {PV::bf16, PV::mxfp8}) {
+    for (PV pv : {PV::bf16, PV::mxfp8, PV::mxfp4}) {
       const QKV x = random_qkv({1, 2, 1, 300, 520, 64}, 2);
       Policy dma;
       dma.pv = pv;
@@ -143,8 +143,29 @@ TEST(AttentionCpu, Bf16PolicyIsCloseToExactAndMxfp8WithinBound) {
   EXPECT_GT(e4, 2 * e8);
 }
 
+// pv = mxfp4 (V in MXFP4, P in MXFP8): V's 3 fewer mantissa bits must show in the output, and only
+// through V: with Q and K in bf16 tiles its error vs exact is well above pv = mxfp8's, and of the size
+// of V's own quantization error (E2M1 on N(0,1) values: ~0.1 rel. L2 per element, averaged by P).
+TEST(AttentionCpu, Mxfp4ValuesCostMoreThanMxfp8) {
+  const QKV x = random_qkv({1, 2, 1, 256, 256, 64}, 12);
+  AttentionOptions ex = opts({}, true);
+  ex.exact = true;
+  const std::vector<float> ref = run(x, ex).out;
+  double err[3];
+  for (PV pv : {PV::bf16, PV::mxfp8, PV::mxfp4}) {
+    Policy pol = Policy::all(Format::bf16);
+    pol.pv = pv;
+    err[int(pv)] = rel_l2(run(x, opts(pol, true)).out, ref);
+  }
+  std::printf("pv bf16 %.3e, mxfp8 %.3e, mxfp4 %.3e (rel. L2 vs exact, Q and K in bf16)\n", err[0], err[1], err[2]);
+  EXPECT_LT(err[0], err[1]);
+  EXPECT_GT(err[2], 3 * err[1]);
+  EXPECT_LT(err[2], 0.2);
+  EXPECT_EQ(parse_pv(pv_name(PV::mxfp4)), PV::mxfp4);
+}
+
 TEST(AttentionCpu, CausalRowsIgnoreMaskedKeys) {
-  for (PV pv : {PV::bf16, PV::mxfp8}) {
+  for (PV pv : {PV::bf16, PV::mxfp8, PV::mxfp4}) {
     for (auto [nq, nk] : {std::pair<int64_t, int64_t>{300, 300}, {100, 300}}) {
       QKV x = random_qkv({1, 2, 1, nq, nk, 64}, 5);
       Policy pol;

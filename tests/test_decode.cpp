@@ -202,6 +202,9 @@ TEST(Decode, RejectsWhatItCannotDo) {
   sk.smooth_k = true;
   EXPECT_THROW(KVCache(2, 64, sk), Error);
   EXPECT_THROW(KVCache(2, 48, Policy{}), Error);
+  Policy pv4;
+  pv4.pv = PV::mxfp4;  // a prefill experiment: the cache stores V in bf16 or MXFP8
+  EXPECT_THROW(KVCache(2, 64, pv4), Error);
   const QKV x = random_qkv({1, 4, 2, 17, 300, 64}, 3);
   KVCache cache(2, 64, Policy{});
   const int s = fill(cache, x, {});

@@ -6,9 +6,12 @@
 
 namespace dmattn {
 
-// How P.V is computed: P rounded to bf16 with V in bf16, or both in MXFP8 E4M3 with 32-blocks
-// along the key dimension. Accumulation is fp32 either way.
-enum class PV : uint8_t { bf16, mxfp8 };
+// P.V precision (DESIGN §3): bf16 (P rounded to bf16, V in bf16), mxfp8 (P and V in MXFP8 E4M3,
+// 32-blocks along the key dimension) and mxfp4, an experiment beyond DESIGN (P in MXFP8 E4M3, V in
+// MXFP4, the same blocks): the V bytes a 4-bit decode would read, to measure its quality cost first.
+// Accumulation is fp32 in every mode. The CPU backend computes all three; the KV cache and the
+// CUDA kernels take bf16 and mxfp8.
+enum class PV : uint8_t { bf16, mxfp8, mxfp4 };
 
 inline constexpr int kTile = 128;  // query rows and key rows per tile
 

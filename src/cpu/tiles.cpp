@@ -91,6 +91,7 @@ ValueRows prepare_values(const std::vector<float>& vf, int64_t nk, int d, PV pv,
   }
   const int64_t blocks = tiles * T / kPVBlock;
   V.s.assign(size_t(blocks * d), 0.0f);
+  const Format vfmt = pv == PV::mxfp4 ? Format::mxfp4 : Format::mxfp8_e4m3;  // P stays MXFP8 E4M3 in both
   parallel_for(blocks, threads, [&](int64_t kb) {
     float col[kPVBlock], e[kPVBlock], s;
     for (int i = 0; i < d; ++i) {
@@ -98,7 +99,7 @@ ValueRows prepare_values(const std::vector<float>& vf, int64_t nk, int d, PV pv,
         const int64_t n = kb * kPVBlock + t;
         col[t] = n < nk ? vf[size_t(n * d + i)] : 0.0f;
       }
-      quantize_row_values(col, kPVBlock, Format::mxfp8_e4m3, rule, 1.0f, e, &s);
+      quantize_row_values(col, kPVBlock, vfmt, rule, 1.0f, e, &s);
       for (int t = 0; t < kPVBlock; ++t) V.v[size_t((kb * kPVBlock + t) * d + i)] = e[t];
       V.s[size_t(kb * d + i)] = s;
     }

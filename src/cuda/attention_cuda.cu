@@ -63,7 +63,7 @@ void require_supported(const Problem& p) {
       throw Error("the CUDA backend computes MX 32-block formats (mxfp8-e4m3, mxfp8-e5m2, mxfp6-*, mxfp4); " +
                   std::string(fi.name) + " tiles run on --backend cpu for now");
   }
-  if (p.policy.pv != PV::bf16) throw Error("the CUDA backend supports pv=bf16 for now; pv=mxfp8 runs on --backend cpu");
+  if (p.policy.pv != PV::bf16) throw Error("the CUDA backend supports pv=bf16 for now; pv=" + std::string(pv_name(p.policy.pv)) + " runs on --backend cpu");
   if (p.policy.smooth_k) throw Error("smooth_k runs on --backend cpu for now");
   if (p.d != 64 && p.d != 128) throw Error("the CUDA backend supports head dims 64 and 128 (got " + std::to_string(p.d) + ")");
   for (const TensorView* t : {&p.q, &p.k, &p.v, &p.out})

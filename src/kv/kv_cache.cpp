@@ -26,6 +26,7 @@ KVCache::KVCache(int64_t kv_heads, int64_t head_dim, const Policy& policy)
     if (!fi.has_codes || fi.block != 32)
       throw Error("KVCache: stores MX 32-block formats (mxfp8-*, mxfp6-*, mxfp4), not " + std::string(fi.name));
   }
+  if (policy.pv == PV::mxfp4) throw Error("KVCache: pv=mxfp4 is a prefill experiment for now (V in bf16 or MXFP8 here)");
   if (policy.smooth_k) throw Error("KVCache: smooth_k is not supported (K's mean changes with every token)");
   if (policy.diag_tiles < 0 || policy.sink_tiles < 0) throw Error("KVCache: diag_tiles and sink_tiles must be >= 0");
 }
