@@ -55,6 +55,9 @@ std::vector<EvalConfig> default_eval_configs() {
   Policy pv4;  // V in 4 bits: what a decode reading ~3.7x fewer bytes than bf16 would cost in quality
   pv4.pv = PV::mxfp4;
   c.push_back({"DMA diag=1 sinks=0 pv=mxfp4", pv4});
+  Policy v4only = Policy::all(Format::bf16);  // V's cost alone: Q and K in bf16
+  v4only.pv = PV::mxfp4;
+  c.push_back({"all-bf16 pv=mxfp4", v4only});
   // K smoothing (not in the paper): the same policies with K's channel mean removed first.
   for (EvalConfig e : {EvalConfig{"all-MXFP8 E4M3", Policy::all(Format::mxfp8_e4m3)},
                        EvalConfig{"all-MXFP4", Policy::all(Format::mxfp4)}, EvalConfig{"DMA diag=1 sinks=0", Policy{}},
