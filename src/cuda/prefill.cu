@@ -5,11 +5,12 @@
 // 3-stage ring with TMA, signalled through mbarriers; two consumer warpgroups of 64 query rows each
 // take turns on the tensor cores (named barriers): while one runs its softmax, the other's S_j and
 // P_{j-1}.V_{j-1} execute (FA3's ping-pong), and within a warpgroup P_{j-1}.V_{j-1} runs under
-// S_j's softmax. Heavy (late) causal tiles are scheduled first.
+// S_j's softmax. The consumers quantize the CTA's Q rows themselves (both formats, the quantize
+// pass's encoder) while the first copies are in flight. Heavy (late) causal tiles are scheduled first.
 //
 // S = Q.K^T per tile with MX scaling (DESIGN §3, §5). Where every row of the warpgroup's Q and every
-// key of the tile carries one scale for all of d (the quantize pass folds block scales into the FP8
-// codes where that is exact), all of d runs as one wgmma chain and the row x key scales multiply S
+// key of the tile carries one scale for all of d (block scales are folded into the FP8 codes where
+// that is exact, for Q here and for K by the quantize pass), all of d runs as one wgmma chain and the row x key scales multiply S
 // once; otherwise one wgmma per 32-wide block, promoted with the block scales on the CUDA cores.
 // Online softmax in fp32; P rounded to bf16 (registers) times bf16 V (shared memory).
 #include <cmath>
