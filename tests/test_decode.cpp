@@ -69,8 +69,10 @@ TEST(Decode, EqualsPrefillLastRowsBitForBit) {
   const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
   Policy pv8{e4, f4, 1, 1};
   pv8.pv = PV::mxfp8;  // V in 32-key MXFP8 blocks: the open block is re-quantized as tokens arrive
+  Policy pv4 = pv8;
+  pv4.pv = PV::mxfp4;  // V in 32-key MXFP4 blocks, two channels a byte
   const Policy pols[] = {Policy{}, Policy{e4, f4, 2, 1}, Policy{e4, f4, 0, 0},
-                         Policy{Format::mxfp6_e2m3, Format::mxfp8_e5m2, 1, 0}, pv8};
+                         Policy{Format::mxfp6_e2m3, Format::mxfp8_e5m2, 1, 0}, pv8, pv4};
   int checked = 0;
   for (int64_t L : {1, 77, 128, 129, 300, 1000})
     for (int64_t nq : {1, 4, 16}) {
@@ -183,6 +185,13 @@ TEST(Decode, MemoryAndReencoding) {
   EXPECT_EQ(small_v.bytes(s8), want - size_t(8) * rows * d * 2 + size_t(8) * rows * (d + d / 32));
   std::printf("with pv = mxfp8: %zu bytes = %.3f of a bf16 K+V cache\n", small_v.bytes(s8),
               double(small_v.bytes(s8)) / bf16_kv);
+  // pv = mxfp4: V at 4 bits (two channels a byte) + the same scales.
+  Policy pv4;
+  pv4.pv = PV::mxfp4;
+  KVCache v4(H, d, pv4);
+  const int s4 = fill(v4, x, {});
+  EXPECT_EQ(v4.bytes(s4), want - size_t(8) * rows * d * 2 + size_t(8) * rows * (d / 2 + d / 32));
+  std::printf("with pv = mxfp4: %zu bytes = %.3f of a bf16 K+V cache\n", v4.bytes(s4), double(v4.bytes(s4)) / bf16_kv);
   // Re-encoding from retained originals reproduces prefill; from the MXFP8 values it rounds twice.
   KVCache twice(H, d, Policy{});
   twice.reencode_from_high = true;
@@ -202,9 +211,6 @@ TEST(Decode, RejectsWhatItCannotDo) {
   sk.smooth_k = true;
   EXPECT_THROW(KVCache(2, 64, sk), Error);
   EXPECT_THROW(KVCache(2, 48, Policy{}), Error);
-  Policy pv4;
-  pv4.pv = PV::mxfp4;  // a prefill experiment: the cache stores V in bf16 or MXFP8
-  EXPECT_THROW(KVCache(2, 64, pv4), Error);
   const QKV x = random_qkv({1, 4, 2, 17, 300, 64}, 3);
   KVCache cache(2, 64, Policy{});
   const int s = fill(cache, x, {});

@@ -2,9 +2,10 @@
 //
 // Storage: pages of 128 tokens (one key tile) x all KV heads. K lives in the page's format: the
 // policy's high format for the most recent `diag_tiles` pages and the first `sink_tiles` pages,
-// the low format otherwise; V in bf16 (pv = bf16) or MXFP8 E4M3 in 32-key blocks per channel
-// (pv = mxfp8: the open block at the end is re-quantized from its retained originals on every
-// append, zero-padded as prefill pads past Nk, so its codes are prefill's). A page that leaves the recent window is
+// the low format otherwise; V in bf16 (pv = bf16) or MX in 32-key blocks per channel, MXFP8 E4M3
+// (pv = mxfp8) or MXFP4 (pv = mxfp4, an experiment beyond DESIGN; CPU decode only); the open block
+// at the end is re-quantized from its retained originals on every append, zero-padded as prefill
+// pads past Nk, so its codes are prefill's. A page that leaves the recent window is
 // re-encoded to the low format from the original K values, which the cache retains (as fp32) only
 // while a page is in the window and not a sink; so every page holds exactly the codes the prefill
 // path computes for that tile from the same inputs (re-encoding from the high format's values
@@ -54,8 +55,9 @@ class KVCache {
     std::vector<uint8_t> codes;     // [heads][128][code bytes of one row]
     std::vector<uint8_t> scales;    // [heads][128][d / 32]
     std::vector<uint16_t> v;        // pv = bf16: [heads][128][d], bf16 bits
-    std::vector<uint8_t> v8;        // pv = mxfp8: [heads][128][d] E4M3 codes
-    std::vector<uint8_t> vs;        // pv = mxfp8: [heads][128 / 32][d] E8M0 scales of 32-key blocks
+    std::vector<uint8_t> v8;        // pv = mxfp8: [heads][128][d] E4M3 codes; mxfp4: [heads][128][d / 2] E2M1
+                                    // codes, two channels a byte (low nibble first)
+    std::vector<uint8_t> vs;        // pv != bf16: [heads][128 / 32][d] E8M0 scales of 32-key blocks
     std::vector<float> kept;        // [heads][128][d] original K while re-encoding is ahead; else empty
     uint64_t version = 0;           // bumped whenever codes, scales or V change (device copies sync by it)
   };

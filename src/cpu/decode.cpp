@@ -27,7 +27,7 @@ struct PageTiles {
   cpu::ValueRows values;
 };
 
-PageTiles unpack(const KVCache::Page& pg, int64_t h, int64_t d) {
+PageTiles unpack(const KVCache::Page& pg, int64_t h, int64_t d, PV pv) {
   PageTiles t;
   t.format = pg.format;
   const FormatInfo fi = format_info(pg.format);
@@ -47,8 +47,13 @@ PageTiles unpack(const KVCache::Page& pg, int64_t h, int64_t d) {
     for (int64_t i = 0; i < T * d; ++i) t.values.v[size_t(i)] = to_float(bf16{pg.v[size_t(h * T * d + i)]});
     return t;
   }
-  // pv = mxfp8: element values and the scales of each 32-key block per channel.
-  for (int64_t i = 0; i < T * d; ++i) t.values.v[size_t(i)] = decode_elem(Elem::e4m3, pg.v8[size_t(h * T * d + i)]);
+  // pv = mxfp8 / mxfp4: element values and the scales of each 32-key block per channel.
+  if (pv == PV::mxfp4)
+    for (int64_t n = 0; n < T; ++n)
+      for (int64_t c = 0; c < d; ++c)
+        t.values.v[size_t(n * d + c)] = decode_elem(Elem::e2m1, element_code(pg.v8.data() + (h * T + n) * (d / 2), c, true));
+  else
+    for (int64_t i = 0; i < T * d; ++i) t.values.v[size_t(i)] = decode_elem(Elem::e4m3, pg.v8[size_t(h * T * d + i)]);
   t.values.s.resize(size_t(T / 32 * d));
   for (int64_t i = 0; i < T / 32 * d; ++i) t.values.s[size_t(i)] = decode_e8m0(pg.vs[size_t(h * (T / 32) * d + i)]);
   return t;
@@ -88,7 +93,7 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
     const std::vector<int32_t>& table = cache.page_table(seqs[size_t(si)]);
     std::vector<PageTiles> pages;
     pages.reserve(table.size());
-    for (int32_t p : table) pages.push_back(unpack(cache.page(p), hk, d));
+    for (int32_t p : table) pages.push_back(unpack(cache.page(p), hk, d, cache.policy().pv));
     const int64_t np = int64_t(pages.size());
     const int64_t splits = std::min<int64_t>(std::max(opts.splits, 1), np);
     std::vector<float> qf(static_cast<size_t>(d)), qe[2], qs[2];

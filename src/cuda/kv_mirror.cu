@@ -127,6 +127,8 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   if (!is_device_pointer(q.data) || !is_device_pointer(out.data) || (lse && !is_device_pointer(lse)))
     throw Error("decode_attention: q, out and lse must be device memory when q is a CUDA tensor");
+  if (cache.policy().pv == PV::mxfp4)
+    throw Error("decode_attention: the CUDA decode reads V in bf16 or MXFP8; pv=mxfp4 decodes on the CPU for now");
   const int64_t d = cache.head_dim(), Hkv = cache.kv_heads();
   int dev = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");

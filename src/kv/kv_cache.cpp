@@ -26,7 +26,6 @@ KVCache::KVCache(int64_t kv_heads, int64_t head_dim, const Policy& policy)
     if (!fi.has_codes || fi.block != 32)
       throw Error("KVCache: stores MX 32-block formats (mxfp8-*, mxfp6-*, mxfp4), not " + std::string(fi.name));
   }
-  if (policy.pv == PV::mxfp4) throw Error("KVCache: pv=mxfp4 is a prefill experiment for now (V in bf16 or MXFP8 here)");
   if (policy.smooth_k) throw Error("KVCache: smooth_k is not supported (K's mean changes with every token)");
   if (policy.diag_tiles < 0 || policy.sink_tiles < 0) throw Error("KVCache: diag_tiles and sink_tiles must be >= 0");
 }
@@ -118,7 +117,7 @@ void KVCache::settle(Sequence& s) {
   }
 }
 
-// pv = mxfp8: tokens off..off+take-1 of page pg arrive (v: [heads][n][d], rows of this chunk first);
+// pv = mxfp8 / mxfp4: tokens off..off+take-1 of page pg arrive (v: [heads][n][d], rows of this chunk first);
 // every 32-key block they touch is quantized again per channel from its originals (the open block's
 // earlier tokens from s.v_tail), zero-padded past the last token as prefill pads past Nk.
 void KVCache::encode_values(Sequence& s, Page& pg, int64_t off, int64_t take, const float* v, int64_t n) const {
@@ -127,6 +126,7 @@ void KVCache::encode_values(Sequence& s, Page& pg, int64_t off, int64_t take, co
   if (s.v_tail.empty()) s.v_tail.assign(size_t(heads_ * kB * d_), 0.0f);
   float col[kB];
   uint8_t codes[kB];
+  const bool e4 = policy_.pv == PV::mxfp4;
   for (int64_t b = off / kB; b * kB < end; ++b) {
     // The block's originals, [heads][32][d]: the tail holds its tokens before off.
     std::vector<float> blk(size_t(heads_ * kB * d_), 0.0f);
@@ -138,8 +138,16 @@ void KVCache::encode_values(Sequence& s, Page& pg, int64_t off, int64_t take, co
     for (int64_t h = 0; h < heads_; ++h)
       for (int64_t c = 0; c < d_; ++c) {
         for (int64_t t = 0; t < kB; ++t) col[t] = blk[size_t((h * kB + t) * d_ + c)];
-        const uint8_t sc = quantize_mx_block(col, int(kB), Elem::e4m3, policy_.scale_rule, codes);
-        for (int64_t t = 0; t < kB; ++t) pg.v8[size_t((h * T + b * kB + t) * d_ + c)] = codes[t];
+        const uint8_t sc = quantize_mx_block(col, int(kB), e4 ? Elem::e2m1 : Elem::e4m3, policy_.scale_rule, codes);
+        for (int64_t t = 0; t < kB; ++t) {
+          if (!e4) {
+            pg.v8[size_t((h * T + b * kB + t) * d_ + c)] = codes[t];
+            continue;
+          }
+          // E2M1: two channels a byte, low nibble first (element_code's packing).
+          uint8_t& byte = pg.v8[size_t((h * T + b * kB + t) * (d_ / 2) + c / 2)];
+          byte = uint8_t((byte & (c % 2 ? 0x0F : 0xF0)) | (codes[t] << (4 * (c % 2))));
+        }
         pg.vs[size_t((h * (T / kB) + b) * d_ + c)] = sc;
       }
     s.v_tail = blk;  // the last block touched is the open one (or complete: then it is not read again)
@@ -183,7 +191,7 @@ void KVCache::append(int id, const TensorView& k, const TensorView& v) {
       if (policy_.pv == PV::bf16) {
         pg.v.assign(size_t(heads_ * T * d_), 0);
       } else {
-        pg.v8.assign(size_t(heads_ * T * d_), 0);
+        pg.v8.assign(size_t(heads_ * T * (policy_.pv == PV::mxfp4 ? d_ / 2 : d_)), 0);
         pg.vs.assign(size_t(heads_ * (T / 32) * d_), 0);
       }
       // Originals are kept only where a later re-encoding will need them.
@@ -199,7 +207,7 @@ void KVCache::append(int id, const TensorView& k, const TensorView& v) {
       encode_rows(pg, h, off, take, kr);
       if (!pg.kept.empty()) std::copy(kr, kr + take * d_, pg.kept.begin() + (h * T + off) * d_);
     }
-    if (policy_.pv == PV::mxfp8) encode_values(s, pg, off, take, vall.data() + t0 * d_, n);
+    if (policy_.pv != PV::bf16) encode_values(s, pg, off, take, vall.data() + t0 * d_, n);
     ++pg.version;
     s.length += take;
     t0 += take;

@@ -156,6 +156,12 @@ TEST(GpuDecode, Errors) {
   const QKV qw = random_qkv({1, Hq, Hkv, 1, 1, 256}, 8, DType::f32, 1.0f);
   DeviceCopy dqw(qw.q, false), doutw(qw.q, true);
   EXPECT_THROW(decode_attention(wide, {iw}, dqw.view, doutw.view, nullptr), Error);
+  Policy pv4;  // V in MXFP4 decodes on the CPU only: a clear error, never a wrong answer
+  pv4.pv = PV::mxfp4;
+  KVCache v4(Hkv, d, pv4);
+  const int i4 = v4.new_sequence();
+  append_all(v4, i4, x, 0, 300);
+  EXPECT_THROW(decode_attention(v4, {i4}, good.view, dout.view, nullptr), Error);
 }
 
 // decode_on_device (host q/out staged to the GPU; what `dmattn decode --backend cuda` calls) against
