@@ -62,8 +62,9 @@ __global__ void read_all(const uint4* p, size_t n, uint32_t* sink) {
 
 int main(int argc, char** argv) {
   const int Hq = 32, Hkv = 8, d = 128, T = 128;
-  // usage: bench_decode_cuda [bf16|mxfp8 (V's format, pv)] [B] [ctx]
-  const bool pv8 = argc > 1 && std::string(argv[1]) == "mxfp8";
+  // usage: bench_decode_cuda [bf16|mxfp8|mxfp4 (V's format, pv)] [B] [ctx]
+  const std::string pv_arg = argc > 1 ? argv[1] : "bf16";
+  const bool pv8 = pv_arg == "mxfp8" || pv_arg == "mxfp4", pv4 = pv_arg == "mxfp4";  // pv8: V in MX codes
   std::vector<int> Bs = {1, 16, 64}, ctxs = {8192, 32768, 131072};
   if (argc > 2) Bs = {std::atoi(argv[2])};
   if (argc > 3) ctxs = {std::atoi(argv[3])};
@@ -80,10 +81,10 @@ int main(int argc, char** argv) {
   CK(cudaMalloc(&slot, pages));
   fill<<<4096, 256>>>(codes, pages * code_bytes, 0);
   fill<<<4096, 256>>>(scales, pages * scale_bytes, 1);
-  if (pv8) {  // V^T E4M3 codes (the K code rule keeps them off NaN) and E8M0 block scales
-    CK(cudaMalloc(&v8, pages * v_elems));
+  if (pv8) {  // V^T E4M3 codes (the K code rule keeps them off NaN) or E2M1 nibbles, and E8M0 block scales
+    CK(cudaMalloc(&v8, pages * v_elems / (pv4 ? 2 : 1)));
     CK(cudaMalloc(&vs, pages * vs_bytes));
-    fill<<<4096, 256>>>(v8, pages * v_elems, 0);
+    fill<<<4096, 256>>>(v8, pages * v_elems / (pv4 ? 2 : 1), 0);
     fill<<<4096, 256>>>(vs, pages * vs_bytes, 1);
   } else {
     CK(cudaMalloc(&v, pages * v_elems * 2));
@@ -122,7 +123,7 @@ int main(int argc, char** argv) {
   }
 
   Policy pol;  // default: mxfp8-e4m3 diag 1, mxfp4 elsewhere
-  pol.pv = pv8 ? PV::mxfp8 : PV::bf16;
+  pol.pv = parse_pv(pv_arg);
   for (int B : Bs)
     for (int ctx : ctxs) {
       const int np = ctx / T;
@@ -135,7 +136,7 @@ int main(int argc, char** argv) {
           table[size_t(pid)] = pid;
           const bool high = j == np - 1;  // the newest page: the diagonal tile
           slots[size_t(pid)] = high ? 0 : 1;
-          bytes += double(Hkv) * T * ((high ? d : d / 2) + d / 32 + (pv8 ? d + d / 32 : 2 * d));
+          bytes += double(Hkv) * T * ((high ? d : d / 2) + d / 32 + (pv4 ? d / 2 + d / 32 : pv8 ? d + d / 32 : 2 * d));
         }
       bytes += 2.0 * B * Hq * d * 2;  // q in, out
       int32_t *dtable, *dlen;
@@ -175,7 +176,7 @@ int main(int argc, char** argv) {
       int bad_host = 0;
       CK(cudaMemcpy(&bad_host, bad, 4, cudaMemcpyDeviceToHost));
       if (bad_host) std::printf("warning: q flagged non-finite\n");
-      std::printf("dmattn-%s %d %d %.2f %.2f %.1f %.0f\n", pv8 ? "mxfp8" : "bf16", B, ctx, us, us_sync, bytes / (us * 1e3), bytes);
+      std::printf("dmattn-%s %d %d %.2f %.2f %.1f %.0f\n", pv_arg.c_str(), B, ctx, us, us_sync, bytes / (us * 1e3), bytes);
       std::fflush(stdout);
       cudaFree(dtable);
       cudaFree(dlen);

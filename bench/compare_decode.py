@@ -4,7 +4,8 @@ run (issue 6). B sequences x ctx tokens, Hq=32, Hkv=8, d=128, one new query per 
 SDPA: q [B,32,1,128], k/v [B,8,ctx,128] bf16, enable_gqa=True, each backend that accepts it (flash,
 efficient, cuDNN), CUDA events over 20 steps; bytes = K + V + q + out. dmattn: bench_decode_cuda
 (the GPU decode's enqueue: q quantization + kernel + split merge; and the synchronous call with its
-NaN check), V in bf16 (pv = bf16) and in MXFP8 (pv = mxfp8). The copy ceiling comes from the same binary. Prints one table last.
+NaN check), V in bf16 (pv = bf16), MXFP8 (pv = mxfp8) and MXFP4 (pv = mxfp4, beyond DESIGN). The copy
+ceiling comes from the same binary. Prints one table last.
 
 usage: python3 bench/compare_decode.py BUILD_DIR OUT_DIR [B ...]
 """
@@ -59,7 +60,7 @@ for B in Bs:
         torch.cuda.empty_cache()
 
 out_txt, rows, copy, read = "", [], None, None
-for pv in ("bf16", "mxfp8"):
+for pv in ("bf16", "mxfp8", "mxfp4"):
     res = subprocess.run([f"{build}/bench/bench_decode_cuda", pv] + ([str(Bs[0])] if len(Bs) == 1 else []),
                          capture_output=True, text=True)
     out_txt += res.stdout + res.stderr

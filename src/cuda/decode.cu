@@ -51,16 +51,18 @@ struct Params {
 // Shared memory. Each warp streams its own 32 keys of every page through its own kStages buffers
 // (so it waits for its own copies only); the warps meet once a page, to agree on the rows' maximum.
 // kNR: query rows per CTA in tiles of 8 (the N of mma.sync; more rows take more CTAs).
-template <int D, bool kPV8, int kNR>
+template <int D, int kVB, int kNR>
 struct Smem {  // byte offsets into dynamic shared memory
-  static constexpr int NB = D / 32, kRows = 8 * kNR;
+  static constexpr bool kPV8 = kVB != 16;  // V in MX codes (8 or 4 bits)
+  static constexpr int NB = D / 32, kRows = 8 * kNR, kVRow = kVB == 4 ? 16 : 32;  // V^T row bytes
+
   // Per warp and stage: K rows of 128 bytes (E2M1 and d = 64 use the first half or less), the
-  // keys' E8M0 scales [32][NB], then V: bf16 rows [32 keys][d], or (pv = mxfp8) V^T [d][32 keys]
-  // E4M3 (keys in fragment order, see vt_position) and the block's E8M0 scales [d]. K and bf16 V
-  // rows have their 16-byte chunks XOR-swizzled (swz) so the fragment loads of a warp fall in
-  // distinct banks without padding; V^T's 32-byte rows need no swizzle for 8-byte loads.
+  // keys' E8M0 scales [32][NB], then V: bf16 rows [32 keys][d], or (pv = mxfp8 / mxfp4) V^T
+  // [d][32 keys] E4M3 bytes / E2M1 nibbles (keys in fragment order, see vt_position) and the block's
+  // E8M0 scales [d]. K and bf16 V rows have their 16-byte chunks XOR-swizzled (swz) so the fragment
+  // loads of a warp fall in distinct banks without padding; V^T's 32- or 16-byte rows need none.
   static constexpr int kKRow = 128;
-  static constexpr int kK = 32 * kKRow, kS = 32 * NB, kV = kPV8 ? D * 32 + D : 32 * 2 * D;
+  static constexpr int kK = 32 * kKRow, kS = 32 * NB, kV = kPV8 ? D * kVRow + D : 32 * 2 * D;
   static constexpr int kWarpStage = kK + kS + kV;
   static constexpr int kQbBytes = 2 * NB * kNR * 2 * 32 * 4;
   static constexpr int kMisc = 128 + 2 * kWarps * kRows * 4 + kQbBytes + 2 * NB * kRows * 4;
@@ -229,10 +231,11 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
 // on the tensor cores into the warp's own accumulator of all d columns (P^T's B fragments come from
 // S^T's accumulators by movmatrix). Every warp rescales by the same factors, so the warps'
 // accumulators and sums add up at the end.
-template <int D, bool kPV8, int kNR>
+template <int D, int kVB, int kNR>
 __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   constexpr int NB = D / 32, MD = D / 16;  // MD tiles of 16 columns of d in O^T
-  using S_ = Smem<D, kPV8, kNR>;
+  using S_ = Smem<D, kVB, kNR>;
+  constexpr bool kPV8 = S_::kPV8;
   constexpr int kStages = S_::kStages, kRows = S_::kRows;
   extern __shared__ __align__(128) uint8_t smem[];
   const int split = blockIdx.x, hk = blockIdx.y / p.chunks, chunk = blockIdx.y % p.chunks, s = blockIdx.z;
@@ -297,14 +300,23 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
       if (lane < S_::kS / 16) cp_async16(st + S_::kK + lane * 16, gs + lane * 16);
       uint8_t* sv = st + S_::kK + S_::kS;
       if constexpr (kPV8) {  // V^T: each column's 32 keys (two chunks), then the block's scales
-        const uint8_t* gv = p.kv.v8 + head * T * D + key0;
+        if constexpr (kVB == 8) {
+          const uint8_t* gv = p.kv.v8 + head * T * D + key0;
 #pragma unroll
-        for (int k = 0; k < D / 16; ++k) {
-          const int i = lane + 32 * k;
-          cp_async16(sv + i * 16, gv + (i / 2) * T + (i % 2) * 16);
+          for (int k = 0; k < D / 16; ++k) {
+            const int i = lane + 32 * k;
+            cp_async16(sv + i * 16, gv + (i / 2) * T + (i % 2) * 16);
+          }
+        } else {  // E2M1: a column's 32 keys are 16 bytes, device rows T / 2 bytes
+          const uint8_t* gv = p.kv.v8 + head * (T / 2) * D + key0 / 2;
+#pragma unroll
+          for (int k = 0; k < D / 32; ++k) {
+            const int i = lane + 32 * k;
+            cp_async16(sv + i * 16, gv + i * (T / 2));
+          }
         }
         const uint8_t* gvs = p.kv.vs + head * 4 * D + warp * D;
-        if (lane < D / 16) cp_async16(sv + 32 * D + lane * 16, gvs + lane * 16);
+        if (lane < D / 16) cp_async16(sv + S_::kVRow * D + lane * 16, gvs + lane * 16);
       } else {  // zeros past the sequence: P = 0 there must not meet a stale NaN
         const uint8_t* gv = reinterpret_cast<const uint8_t*>(p.kv.v + (head * T + key0) * D);
 #pragma unroll
@@ -485,13 +497,21 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
         bq[nr][0] = grp[0] | grp[1] << 16;
         bq[nr][1] = grp[2] | grp[3] << 16;
       }
-      const uint8_t* vsc = V + 32 * D;  // this block's scale per column
+      const uint8_t* vsc = V + S_::kVRow * D;  // this block's scale per column
 #pragma unroll
       for (int md = 0; md < MD; ++md) {
-        // A fragments of V^T: rows 16md + g (+8), slots 4t.. and 16+4t.. = bytes 8t..8t+7 of the row
-        // (fragment order); 4 rows of 32 bytes a half warp: no bank conflicts.
-        const uint2 lo = *reinterpret_cast<const uint2*>(V + (16 * md + g) * 32 + 8 * t);
-        const uint2 hi = *reinterpret_cast<const uint2*>(V + (16 * md + g + 8) * 32 + 8 * t);
+        // A fragments of V^T: rows 16md + g (+8), slots 4t.. and 16+4t.. = codes 8t..8t+7 of the row
+        // (fragment order); 4 rows of 32 bytes a half warp (E2M1: 8 rows of 16): no bank conflicts.
+        uint2 lo, hi;
+        if constexpr (kVB == 8) {
+          lo = *reinterpret_cast<const uint2*>(V + (16 * md + g) * 32 + 8 * t);
+          hi = *reinterpret_cast<const uint2*>(V + (16 * md + g + 8) * 32 + 8 * t);
+        } else {  // E2M1 nibbles widened to E4M3 bytes (exact), as for K
+          const uint32_t wl = *reinterpret_cast<const uint32_t*>(V + (16 * md + g) * 16 + 4 * t);
+          const uint32_t wh = *reinterpret_cast<const uint32_t*>(V + (16 * md + g + 8) * 16 + 4 * t);
+          lo = make_uint2(e2m1x4_to_e4m3x4(wl), e2m1x4_to_e4m3x4(wl >> 16));
+          hi = make_uint2(e2m1x4_to_e4m3x4(wh), e2m1x4_to_e4m3x4(wh >> 16));
+        }
         const uint32_t a[4] = {lo.x, hi.x, lo.y, hi.y};
         const float v0 = e8m0_of_byte(vsc[16 * md + g], 0), v1 = e8m0_of_byte(vsc[16 * md + g + 8], 0);
 #pragma unroll
@@ -594,30 +614,35 @@ __global__ void merge_splits(const float* part, int64_t rows, int splits, int d,
 
 // Two CTAs an SM (Smem sizes the stages for it): run 19 measured the earlier block-synchronous kernel
 // faster at two CTAs than at one CTA with twice the stages (bench/RESULTS.md).
-template <int D, bool kPV8, int kNR>
+template <int D, int kVB, int kNR>
 void launch(const Params& p, dim3 grid, cudaStream_t stream) {
-  constexpr int bytes = Smem<D, kPV8, kNR>::kBytes;
-  check(cudaFuncSetAttribute(decode_kernel<D, kPV8, kNR>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+  constexpr int bytes = Smem<D, kVB, kNR>::kBytes;
+  check(cudaFuncSetAttribute(decode_kernel<D, kVB, kNR>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
         "decode kernel attribute");
-  decode_kernel<D, kPV8, kNR><<<grid, kThreads, bytes, stream>>>(p);
+  decode_kernel<D, kVB, kNR><<<grid, kThreads, bytes, stream>>>(p);
 }
 
-// One dispatch point for the kernel's instances: head dim x pv mode x rows per CTA (8 or 16).
-void launch(const Params& p, dim3 grid, int d, bool pv8, int nr, cudaStream_t stream) {
-  auto go = [&](auto dc, auto pvc) {
-    constexpr int D = decltype(dc)::value;
-    constexpr bool kPV8 = decltype(pvc)::value;
+// One dispatch point for the kernel's instances: head dim x V's bits (16, 8, 4) x rows per CTA (8 or 16).
+void launch(const Params& p, dim3 grid, int d, int vbits, int nr, cudaStream_t stream) {
+  auto go = [&](auto dc, auto vc) {
+    constexpr int D = decltype(dc)::value, kVB = decltype(vc)::value;
     if (nr == 1)
-      launch<D, kPV8, 1>(p, grid, stream);
+      launch<D, kVB, 1>(p, grid, stream);
     else
-      launch<D, kPV8, 2>(p, grid, stream);
+      launch<D, kVB, 2>(p, grid, stream);
   };
-  using I64 = std::integral_constant<int, 64>;
-  using I128 = std::integral_constant<int, 128>;
+  auto with_v = [&](auto dc) {
+    if (vbits == 16)
+      go(dc, std::integral_constant<int, 16>{});
+    else if (vbits == 8)
+      go(dc, std::integral_constant<int, 8>{});
+    else
+      go(dc, std::integral_constant<int, 4>{});
+  };
   if (d == 64)
-    pv8 ? go(I64{}, std::true_type{}) : go(I64{}, std::false_type{});
+    with_v(std::integral_constant<int, 64>{});
   else
-    pv8 ? go(I128{}, std::true_type{}) : go(I128{}, std::false_type{});
+    with_v(std::integral_constant<int, 128>{});
 }
 
 }  // namespace
@@ -630,8 +655,8 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   if (q.stride[3] != 1 || out.stride[3] != 1) throw Error("the CUDA decode needs unit stride on the head dimension");
   if (q.shape[0] != S || q.shape[3] != d || Hq % Hkv != 0 || out.shape != q.shape)
     throw Error("decode: q and out must be [S, a multiple of Hkv, Nq, d]");
-  const bool pv8 = policy.pv == PV::mxfp8;
-  if (pv8 ? !(kv.v8 && kv.vs) : !kv.v) throw Error("decode: the pages' V is missing for the policy's pv mode");
+  const int vbits = policy.pv == PV::bf16 ? 16 : policy.pv == PV::mxfp8 ? 8 : 4;
+  if (vbits != 16 ? !(kv.v8 && kv.vs) : !kv.v) throw Error("decode: the pages' V is missing for the policy's pv mode");
   const Format fmt[2] = {policy.high, policy.low};
   for (Format f : fmt)
     if (f == Format::nvfp4 || f == Format::bf16)
@@ -661,7 +686,7 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   for (int sl = 0; sl < 2; ++sl) p.kelem[sl] = format_info(fmt[sl]).elem;
   p.part = buf.alloc<float>(size_t(rows * p.splits * (d + 2)) * sizeof(float));
   const dim3 grid(unsigned(p.splits), unsigned(Hkv * p.chunks), unsigned(S));
-  launch(p, grid, int(d), pv8, nr, stream);
+  launch(p, grid, int(d), vbits, nr, stream);
   check(cudaGetLastError(), "decode kernel");
   const unsigned mblocks = unsigned((rows * (d / 32) + 7) / 8);  // 8 warps a block, a warp per 32 columns of a row
   with_typed(out, [&](auto* typed) {

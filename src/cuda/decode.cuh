@@ -26,7 +26,9 @@ struct PagedKV {
   // pv = mxfp8 (instead of v): page p, head h's V as V^T, [d][128] E4M3 codes at
   // v8 + (p*Hkv + h)*128*d (columns contiguous over keys: the FP8 mma's B operand; within each
   // 32-key block the keys in the order vt_position gives), and the E8M0 scales of its 32-key
-  // blocks, [4][d], at vs + (p*Hkv + h)*4*d (the host page's layout).
+  // blocks, [4][d], at vs + (p*Hkv + h)*4*d (the host page's layout). pv = mxfp4: the same with
+  // E2M1 codes, [d][64] bytes at v8 + (p*Hkv + h)*64*d, positions 2b and 2b+1 in byte b (low nibble
+  // first).
   const uint8_t* v8 = nullptr;
   const uint8_t* vs = nullptr;
 };

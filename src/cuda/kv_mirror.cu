@@ -14,6 +14,7 @@
 #include "cuda/decode.cuh"
 #include "dmattn/error.hpp"
 #include "dmattn/kv_cache.hpp"
+#include "dmattn/quantize.hpp"
 #include "problem.hpp"
 
 namespace dmattn::cuda {
@@ -39,6 +40,7 @@ struct Mirror {
   int64_t d = 0;
   int64_t capacity = 0;            // pages the pools hold
   int64_t code_bytes = 0, scale_bytes = 0, v_bytes = 0, v8_bytes = 0, vs_bytes = 0;  // per page
+  bool v4 = false;  // pv = mxfp4: v8 holds E2M1 nibbles
   uint8_t* codes = nullptr;
   uint8_t* scales = nullptr;
   uint16_t* v = nullptr;   // pv = bf16
@@ -104,10 +106,21 @@ struct Mirror {
       if (v) put(v + id * (v_bytes / 2), pg.v.data(), pg.v.size() * sizeof(uint16_t));
       if (v8) {  // V^T per head: the FP8 mma wants each column's keys contiguous (in fragment order)
         uint8_t* dst = vt.data() + i * size_t(v8_bytes);
-        const int64_t heads = v8_bytes / (T * d);
-        for (int64_t h = 0; h < heads; ++h)
-          for (int64_t k = 0; k < T; ++k)
-            for (int64_t c = 0; c < d; ++c) dst[(h * d + c) * T + vt_position(int(k))] = pg.v8[size_t((h * T + k) * d + c)];
+        const int64_t heads = v8_bytes / (T * d) * (v4 ? 2 : 1);
+        if (v4) {  // E2M1: the host packs two channels a byte, the device two keys (positions 2b, 2b+1)
+          std::fill(dst, dst + v8_bytes, uint8_t(0));
+          for (int64_t h = 0; h < heads; ++h)
+            for (int64_t k = 0; k < T; ++k)
+              for (int64_t c = 0; c < d; ++c) {
+                const int pos = vt_position(int(k));
+                const uint8_t code = element_code(pg.v8.data() + (h * T + k) * (d / 2), c, true);
+                dst[(h * d + c) * (T / 2) + pos / 2] |= uint8_t(code << (4 * (pos % 2)));
+              }
+        } else {
+          for (int64_t h = 0; h < heads; ++h)
+            for (int64_t k = 0; k < T; ++k)
+              for (int64_t c = 0; c < d; ++c) dst[(h * d + c) * T + vt_position(int(k))] = pg.v8[size_t((h * T + k) * d + c)];
+        }
         put(v8 + id * v8_bytes, dst, size_t(v8_bytes));
         put(vs + id * vs_bytes, pg.vs.data(), pg.vs.size());
       }
@@ -127,8 +140,6 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
   if (!is_device_pointer(q.data) || !is_device_pointer(out.data) || (lse && !is_device_pointer(lse)))
     throw Error("decode_attention: q, out and lse must be device memory when q is a CUDA tensor");
-  if (cache.policy().pv == PV::mxfp4)
-    throw Error("decode_attention: the CUDA decode reads V in bf16 or MXFP8; pv=mxfp4 decodes on the CPU for now");
   const int64_t d = cache.head_dim(), Hkv = cache.kv_heads();
   int dev = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
@@ -138,10 +149,11 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
     m->device = dev;
     m->code_bytes = Hkv * T * d;  // 8-bit rows; E2M1 pages use the first half
     m->scale_bytes = Hkv * T * (d / 32);
-    const bool pv8 = cache.policy().pv == PV::mxfp8;
-    m->v_bytes = pv8 ? 0 : Hkv * T * d * 2;
-    m->v8_bytes = pv8 ? Hkv * T * d : 0;
-    m->vs_bytes = pv8 ? Hkv * (T / 32) * d : 0;
+    const PV pv = cache.policy().pv;
+    m->v_bytes = pv == PV::bf16 ? Hkv * T * d * 2 : 0;
+    m->v8_bytes = pv == PV::mxfp8 ? Hkv * T * d : pv == PV::mxfp4 ? Hkv * T * d / 2 : 0;
+    m->vs_bytes = pv == PV::bf16 ? 0 : Hkv * (T / 32) * d;
+    m->v4 = pv == PV::mxfp4;
     m->d = d;
     state = m;
   }
