@@ -106,7 +106,7 @@ struct Mirror {
       if (v) put(v + id * (v_bytes / 2), pg.v.data(), pg.v.size() * sizeof(uint16_t));
       if (v8) {  // V^T per head: the FP8 mma wants each column's keys contiguous (in fragment order)
         uint8_t* dst = vt.data() + i * size_t(v8_bytes);
-        const int64_t heads = v8_bytes / (T * d) * (v4 ? 2 : 1);
+        const int64_t heads = (v4 ? 2 * v8_bytes : v8_bytes) / (T * d);  // (E2M1: half a byte a code)
         if (v4) {  // E2M1: the host packs two channels a byte, the device two keys (positions 2b, 2b+1)
           std::fill(dst, dst + v8_bytes, uint8_t(0));
           for (int64_t h = 0; h < heads; ++h)
