@@ -114,23 +114,26 @@ TEST(GpuDecode, MatchesCpuDecode) {
 }
 
 // MQA with 16 new queries: 128 rows per KV head, two row chunks per CTA group. A sequence freed and
-// its pages reused by another leaves holes in the page tables.
+// its pages reused by another leaves holes in the page tables. Every V format (the sanitizer's case:
+// bench/device.sh), with one KV head (an odd count: the E2M1 V^T upload's head arithmetic).
 TEST(GpuDecode, RowChunksAndReusedPages) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const int64_t d = 128, Hq = 8, Hkv = 1;
-  KVCache cache(Hkv, d, Policy{});
-  const QKV a = llm_like_qkv({1, Hq, Hkv, 900, 900, d}, 1), b = llm_like_qkv({1, Hq, Hkv, 600, 600, d}, 2);
-  const int ia = cache.new_sequence(), ib = cache.new_sequence();
-  append_all(cache, ia, a, 0, 500);
-  append_all(cache, ib, b, 0, 300);
-  const QKV q0 = random_qkv({2, Hq, Hkv, 16, 16, d}, 3, DType::f32, 2.0f);
-  check_decode(cache, {ia, ib}, q0.q, 1, 1e-5, "MQA Nq=16");
-  cache.free_sequence(ia);
-  const int ic = cache.new_sequence();
-  append_all(cache, ic, a, 0, 900);  // reuses ia's pages, then takes new ones
-  append_all(cache, ib, b, 300, 300);
-  const QKV q1 = random_qkv({2, Hq, Hkv, 16, 16, d}, 4, DType::f32, 2.0f);
-  check_decode(cache, {ib, ic}, q1.q, 3, 1e-5, "reused pages");
+  for (PV pv : {PV::bf16, PV::mxfp8, PV::mxfp4}) {
+    KVCache cache(Hkv, d, with_pv(Policy{}, pv));
+    const QKV a = llm_like_qkv({1, Hq, Hkv, 900, 900, d}, 1), b = llm_like_qkv({1, Hq, Hkv, 600, 600, d}, 2);
+    const int ia = cache.new_sequence(), ib = cache.new_sequence();
+    append_all(cache, ia, a, 0, 500);
+    append_all(cache, ib, b, 0, 300);
+    const QKV q0 = random_qkv({2, Hq, Hkv, 16, 16, d}, 3, DType::f32, 2.0f);
+    check_decode(cache, {ia, ib}, q0.q, 1, 1e-5, "MQA Nq=16");
+    cache.free_sequence(ia);
+    const int ic = cache.new_sequence();
+    append_all(cache, ic, a, 0, 900);  // reuses ia's pages, then takes new ones
+    append_all(cache, ib, b, 300, 300);
+    const QKV q1 = random_qkv({2, Hq, Hkv, 16, 16, d}, 4, DType::f32, 2.0f);
+    check_decode(cache, {ib, ic}, q1.q, 3, 1e-5, "reused pages");
+  }
 }
 
 TEST(GpuDecode, Errors) {
