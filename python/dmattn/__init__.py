@@ -65,7 +65,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, high
       diag_tiles: key tiles nearest the diagonal of each 128-row query tile that run in `high`
         (the diagonal tile included; 0 = none; a large value = all high).
       sink_tiles: leading key tiles (attention sinks) that run in `high`.
-      pv: precision of P.V: "bf16" (P rounded to bf16) or "mxfp8" (P and V in MXFP8 E4M3).
+      pv: precision of P.V: "bf16" (P rounded to bf16), "mxfp8" (P and V in MXFP8 E4M3) or "mxfp4"
+          (P in MXFP8, V in MXFP4; an experiment beyond DESIGN, CPU only for prefill).
       scale_rule: E8M0 block-scale rule, "ocp" (the OCP spec's floor rule) or "ceil".
       return_lse: also return the row log-sum-exp, float32 [B, Hq, Nq] (for merging partial results).
       layout: "bhnd" or "bnhd" (how the four axes of q, k, v and the output are ordered).
@@ -141,7 +142,7 @@ def decode(cache: KVCache, seqs, q, *, scale: float | None = None, splits: int =
       seqs: the sequence ids, one per row of q's first axis.
       q: [len(seqs), Hq, Nq, d] numpy array or torch tensor, 1 <= Nq <= 16; the queries of each
         sequence's last Nq positions (causal, bottom-right). A CUDA tensor runs the GPU decode
-        (d 64/128, pv "bf16" or "mxfp8") over a device copy of the cache's pages that follows the cache
+        (d 64/128, every pv mode) over a device copy of the cache's pages that follows the cache
         (only pages changed since the last call are uploaded); torch's current stream.
       scale: softmax scale; default 1/sqrt(d).
       splits: split-KV ranges per sequence, merged by LSE. 0 = automatic (1 on the CPU, which

@@ -77,6 +77,18 @@ def test_policy_value_type():
                           dmattn.attention(q, k, v, diag_tiles=3))
 
 
+def test_pv_modes():
+    q, k, v = qkv(seed=7, Nq=256, Nk=256)
+    exact = dmattn.attention(q, k, v, causal=True, high="bf16", low="bf16")
+    err = lambda o: np.linalg.norm(o - exact) / np.linalg.norm(exact)  # noqa: E731
+    e8 = err(dmattn.attention(q, k, v, causal=True, high="bf16", low="bf16", pv="mxfp8"))
+    e4 = err(dmattn.attention(q, k, v, causal=True, high="bf16", low="bf16", pv="mxfp4"))
+    assert 0 < e8 < e4 < 0.2  # V's 4-bit codes cost more than 8-bit ones, and only V is quantized here
+    assert dmattn.Policy(pv="mxfp4").pv == "mxfp4"
+    with pytest.raises(ValueError, match="pv"):
+        dmattn.Policy(pv="mxfp2")
+
+
 def test_bad_inputs_raise_clear_errors():
     q, k, v = qkv(seed=7)
     with pytest.raises(dmattn.DmattnError, match="4 dimensions"):
