@@ -6,10 +6,11 @@
 // S^T per 32-wide block of d (E2M1 and FP6 pages widened to E4M3 bytes, exactly), scaled by the
 // two E8M0 scales and summed over blocks in order as the CPU oracle does; the
 // softmax stays in registers (the page's row maxima are the only thing the warps exchange);
-// P (rounded to bf16, as the oracle) times V in bf16 with fp32 accumulation, or with pv = mxfp8 P
-// quantized to MXFP8 per 32 keys (a warp's block) times V's MXFP8 codes on the FP8 tensor cores,
-// scaled by P's and V's block scales. A second kernel merges the splits by LSE. At Nq = 1 the
-// work per byte is tiny: the page bytes (K at 4.25 or 8.25 bits, V at 16 or 8.25) set the time,
+// P (rounded to bf16, as the oracle) times V in bf16 with fp32 accumulation, or with pv = mxfp8 /
+// mxfp4 P quantized to MXFP8 per 32 keys (a warp's block) times V's MXFP8 codes (or MXFP4 codes
+// widened to E4M3) on the FP8 tensor cores, scaled by P's and V's block scales. A second kernel
+// merges the splits by LSE. At Nq = 1 the work per byte is tiny: the page bytes (K at 4.25 or 8.25
+// bits, V at 16, 8.25 or 4.25) set the time,
 // so the kernel's job is to keep enough of them in flight with few instructions per byte.
 #include "cuda/decode.cuh"
 
@@ -45,7 +46,7 @@ struct Params {
   float* part;           // [rows][splits][d + 2]: unnormalised acc, m, l
   int Hq, Nq, G, splits, chunks;
   float scale;
-  ScaleRule rule;        // pv = mxfp8: P's 32-key blocks take their scales by this rule
+  ScaleRule rule;        // pv != bf16: P's 32-key blocks take their scales by this rule
 };
 
 // Shared memory. Each warp streams its own 32 keys of every page through its own kStages buffers
