@@ -109,20 +109,17 @@ void dma_attention(const Problem& p) {
     pp.kuni[s] = kuni;
     pp.k8[s] = k8;
     pp.ks[s] = ks;
-    pp.e5m2[s] = mma_elem(fmt[s]) == Elem::e5m2;
-    pp.qelem[s] = format_info(fmt[s]).elem;
+    pp.elem[s] = format_info(fmt[s]).elem;
   }
   // The quantize pass reads every element of K once and flags NaN/Inf on the way; Q is quantized
   // (and checked) inside the prefill kernel, the same encoder on the same rows (quantize_block.cuh).
   quantize_rows(p.k, p.policy.scale_rule, kt[0], nslots == 2 ? kt[1] : QuantTarget{}, stream, flags + 1);
-  const size_t qes = dtype_size(p.q.dtype);
   pp.q = p.q.data;
   pp.q_dtype = p.q.dtype;
   pp.q_sb = p.q.stride[0];
   pp.q_sh = p.q.stride[1];
   pp.q_sn = p.q.stride[2];
-  pp.q_vec = reinterpret_cast<uintptr_t>(p.q.data) % 16 == 0 && (p.q.stride[0] * qes) % 16 == 0 &&
-             (p.q.stride[1] * qes) % 16 == 0 && (p.q.stride[2] * qes) % 16 == 0;
+  pp.q_vec = rows_16byte_aligned(p.q);
   pp.q_nonfinite = flags;
   pp.nslots = nslots;
 

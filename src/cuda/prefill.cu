@@ -10,8 +10,9 @@
 //
 // S = Q.K^T per tile with MX scaling (DESIGN §3, §5). Where every row of the warpgroup's Q and every
 // key of the tile carries one scale for all of d (block scales are folded into the FP8 codes where
-// that is exact, for Q here and for K by the quantize pass), all of d runs as one wgmma chain and the row x key scales multiply S
-// once; otherwise one wgmma per 32-wide block, promoted with the block scales on the CUDA cores.
+// that is exact, for Q here and for K by the quantize pass), all of d runs as one wgmma chain and
+// the row x key scales multiply S once; otherwise one wgmma per 32-wide block, promoted with the
+// block scales on the CUDA cores.
 // Online softmax in fp32; P rounded to bf16 (registers) times bf16 V (shared memory).
 #include <cmath>
 
@@ -153,8 +154,9 @@ __device__ __forceinline__ void quantize_q(const PrefillParams& p, int b, int h,
   for (int u = threadIdx.x; u < BM * kRowLanes; u += kConsumers) {
     const int r = u / kRowLanes, c = (u % kRowLanes) / 4, part = u % 4;
     const int64_t qrow = pos0 + r - off;
+    const bool ok = qrow >= 0 && qrow < p.Nq;
     float v[kPerLane] = {};
-    if (qrow >= 0 && qrow < p.Nq) {
+    if (ok) {
       const int64_t at = b * p.q_sb + h * p.q_sh + qrow * p.q_sn + c * 32 + part * kPerLane;
       if (p.q_dtype == DType::bf16)
         load8<bf16>(p.q, at, p.q_vec, v);
@@ -169,17 +171,13 @@ __device__ __forceinline__ void quantize_q(const PrefillParams& p, int b, int h,
     if (bad && part == 0) atomicOr(p.q_nonfinite, 1);
     for (int s = 0; s < p.nslots; ++s) {
       uint8_t codes[kPerLane], sc = 0;
-      with_elem(p.qelem[s], [&](auto e) {
+      with_elem(p.elem[s], [&](auto e) {
         sc = encode_lane<decltype(e)::value>(p.policy.scale_rule, v, amax, bad, true, true, kRowLanes, codes);
       });
       *reinterpret_cast<uint2*>(sQ + s * Smem<D>::kQK + wg::swizzled<D>(r, c * 32 + part * kPerLane)) = pack8(codes);
-      if (part == 0) sQs[(s * BM + r) * NB + c] = qrow >= 0 && qrow < p.Nq ? decode_e8m0(sc) : 0.0f;
-      int smin = sc, smax = sc;
-      for (int k = 4; k < kRowLanes; k <<= 1) {
-        smin = min(smin, __shfl_xor_sync(0xffffffffu, smin, k));
-        smax = max(smax, __shfl_xor_sync(0xffffffffu, smax, k));
-      }
-      if (u % kRowLanes == 0 && smin != smax) q_folded[s][r / 64] = 0;
+      if (part == 0) sQs[(s * BM + r) * NB + c] = ok ? decode_e8m0(sc) : 0.0f;
+      const bool equal = row_scales_equal(sc, kRowLanes);  // every lane: shuffles
+      if (!equal && u % kRowLanes == 0) q_folded[s][r / 64] = 0;
     }
   }
 }
@@ -278,7 +276,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     const int slot = slot_of(j), st = int(j % kStages), prev = int((j + kStages - 1) % kStages);
     const int kuni_j = kuni_next;
     if (j + 1 < tiles) kuni_next = k_uniform(j + 1);
-    const bool e5m2 = slot ? p.e5m2[1] : p.e5m2[0];
+    const bool e5m2 = p.elem[slot] == Elem::e5m2;
     const bool folded = kuni_j != 0 && q_folded[slot][wgi];
     const uint8_t* sq = sQ + slot * S::kQK + wgi * 64 * D;
     const float* sqs = sQs + (slot * BM + wgi * 64 + warp * 16 + g) * NB;

@@ -19,13 +19,12 @@ struct PrefillParams {
   int64_t q_sb, q_sh, q_sn;       // element strides
   bool q_vec;                     // rows 16-byte aligned: vector loads
   int* q_nonfinite;               // set to 1 where Q holds NaN/Inf
-  Elem qelem[2];                  // each slot's element type
+  Elem elem[2];                   // each slot's element type (E5M2 bytes for e5m2, else E4M3 bytes)
   int nslots;                     // 1 when high == low
   const uint8_t* k8[2];  // [B*Hkv*Nk, d]
   const uint8_t* ks[2];  // [B*Hkv, ldv, d/32] (rows padded like krs)
   const float* krs[2];   // [B*Hkv, ldv]: a key's one scale when its blocks share it (else < 0)
   const int* kuni[2];    // [B*Hkv, ldv/128]: nonzero where every key of the tile has one scale
-  bool e5m2[2];          // slot's FP8 type is E5M2 (else E4M3)
   const uint16_t* vt;    // bf16 bits, [B*Hkv, d, ldv]: V transposed, zeros past Nk
   int64_t ldv;           // a multiple of 128 (the key tile)
   void* out;             // [B,Hq,Nq,d], unit stride on d

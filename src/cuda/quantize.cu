@@ -30,10 +30,9 @@ struct Geometry {
   FastDiv by_H, by_N, by_nblk;
 };
 
-// Four lanes share one 32-block (kPerLane elements each), so a warp reads and writes contiguous
-// memory (coalesced); the block's amax and NaN flag are combined with quad shuffles.
-
-struct Lanes {  // where this lane's eight elements sit
+// Where a lane's kPerLane elements sit. Four lanes share one 32-block, so a warp reads and writes
+// contiguous memory (coalesced); the block's amax and NaN flag are combined with quad shuffles.
+struct Lanes {
   uint32_t row, c, n, bh;
   int part;
   bool active;
@@ -63,14 +62,10 @@ __device__ __forceinline__ void emit(const QuantTarget& q, ScaleRule rule, const
       q.scales[q.row_scale ? (int64_t(l.bh) * q.row_pad + l.n) * l.nblk + l.c : int64_t(l.row) * l.nblk + l.c] = sc;
   }
   if (q.row_scale) {  // uniform across the grid, like q.fold
-    int smin = sc, smax = sc;
-    for (int s = 4; s < l.row_lanes; s <<= 1) {
-      smin = min(smin, __shfl_xor_sync(0xffffffffu, smin, s));
-      smax = max(smax, __shfl_xor_sync(0xffffffffu, smax, s));
-    }
+    const bool equal = row_scales_equal(sc, l.row_lanes);
     if (l.active && l.part == 0 && l.c == 0) {
-      const bool uniform = smin == smax && smax != kE8M0NaN;
-      q.row_scale[int64_t(l.bh) * q.row_pad + l.n] = uniform ? decode_e8m0(uint8_t(smax)) : -1.0f;
+      const bool uniform = equal && sc != kE8M0NaN;
+      q.row_scale[int64_t(l.bh) * q.row_pad + l.n] = uniform ? decode_e8m0(sc) : -1.0f;
       if (!uniform) atomicAnd(q.tile_uniform + int64_t(l.bh) * (q.row_pad / 128) + l.n / 128, 0);
     }
   }
@@ -157,9 +152,7 @@ void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first
   const int threads = 256;
   const unsigned grid = unsigned((nblocks * 4 + threads * kUnits - 1) / (threads * kUnits));
   const Elem e0 = format_info(first.format).elem, e1 = targets == 2 ? format_info(second.format).elem : e0;
-  const size_t es = dtype_size(x.dtype);
-  const bool vec = reinterpret_cast<uintptr_t>(x.data) % 16 == 0 && (g.sb * es) % 16 == 0 && (g.sh * es) % 16 == 0 &&
-                   (g.sn * es) % 16 == 0;
+  const bool vec = rows_16byte_aligned(x);
   // A tensor this large (2^35 elements) cannot sit on one GPU next to its quantized copies.
   if (nblocks * 4 + threads * kUnits >= (int64_t(1) << 32)) throw Error("quantize_rows: tensor too large (2^35 elements or more)");
   with_typed(x, [&](auto* typed) {

@@ -32,6 +32,13 @@ struct QuantTarget {
   int* tile_uniform = nullptr;
 };
 
+// Whether every row start of x ([B,H,N,d], unit stride on d) is 16-byte aligned: vector loads.
+inline bool rows_16byte_aligned(const TensorView& x) {
+  const int64_t es = int64_t(dtype_size(x.dtype));
+  return reinterpret_cast<uintptr_t>(x.data) % 16 == 0 && (x.stride[0] * es) % 16 == 0 &&
+         (x.stride[1] * es) % 16 == 0 && (x.stride[2] * es) % 16 == 0;
+}
+
 // The FP8 element type a format's values take in the tensor-core form.
 inline Elem mma_elem(Format f) { return f == Format::mxfp8_e5m2 ? Elem::e5m2 : Elem::e4m3; }
 

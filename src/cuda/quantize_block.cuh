@@ -55,7 +55,7 @@ __device__ __forceinline__ uint8_t encode_lane(ScaleRule rule, const float (&v)[
   // 2^-X as one factor (2^-127 is subnormal but exact): a product by a power of two rounds once,
   // exactly like the codec's ldexp.
   const float inv = hd::ldexp2(1.0f, 127 - int(sc));
-  #pragma unroll
+#pragma unroll
   for (int i = 0; i < kPerLane; ++i) {
     codes[i] = sc == kE8M0NaN ? uint8_t(0) : elem_code<E>(v[i] * inv);
     if (fp8_bytes) codes[i] = fp8_byte<E>(codes[i]);
@@ -107,6 +107,17 @@ __device__ __forceinline__ void block_stats(const float (&v)[kPerLane], float& a
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
     bad |= __shfl_xor_sync(0xffffffffu, int(bad), s) != 0;
   }
+}
+
+// Whether every block of the row (its row_lanes lanes, 4 a block) has the scale code sc (every lane
+// of the warp calls it).
+__device__ __forceinline__ bool row_scales_equal(int sc, int row_lanes) {
+  int smin = sc, smax = sc;
+  for (int s = 4; s < row_lanes; s <<= 1) {
+    smin = min(smin, __shfl_xor_sync(0xffffffffu, smin, s));
+    smax = max(smax, __shfl_xor_sync(0xffffffffu, smax, s));
+  }
+  return smin == smax;
 }
 
 template <class F>
