@@ -82,9 +82,10 @@ int main(int argc, char** argv) {
   fill<<<4096, 256>>>(codes, pages * code_bytes, 0);
   fill<<<4096, 256>>>(scales, pages * scale_bytes, 1);
   if (pv8) {  // V^T E4M3 codes (the K code rule keeps them off NaN) or E2M1 nibbles, and E8M0 block scales
-    CK(cudaMalloc(&v8, pages * v_elems / (pv4 ? 2 : 1)));
+    const size_t v8_bytes = pages * v_elems / (pv4 ? 2 : 1);
+    CK(cudaMalloc(&v8, v8_bytes));
     CK(cudaMalloc(&vs, pages * vs_bytes));
-    fill<<<4096, 256>>>(v8, pages * v_elems / (pv4 ? 2 : 1), 0);
+    fill<<<4096, 256>>>(v8, v8_bytes, 0);
     fill<<<4096, 256>>>(vs, pages * vs_bytes, 1);
   } else {
     CK(cudaMalloc(&v, pages * v_elems * 2));

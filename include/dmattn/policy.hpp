@@ -13,6 +13,11 @@ namespace dmattn {
 // CUDA kernels take bf16 and mxfp8.
 enum class PV : uint8_t { bf16, mxfp8, mxfp4 };
 
+// The format V takes in P.V (P is MXFP8 E4M3 whenever V is MX; MX blocks run along the keys).
+inline Format pv_values_format(PV pv) {
+  return pv == PV::bf16 ? Format::bf16 : pv == PV::mxfp8 ? Format::mxfp8_e4m3 : Format::mxfp4;
+}
+
 inline constexpr int kTile = 128;  // query rows and key rows per tile
 
 struct Policy {

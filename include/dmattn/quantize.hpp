@@ -29,6 +29,13 @@ Quantized quantize(const float* x, int64_t rows, int64_t cols, Format f, ScaleRu
 inline uint8_t element_code(const uint8_t* row, int64_t c, bool packed) {
   return packed ? uint8_t((row[c / 2] >> (4 * (c % 2))) & 0xF) : row[c];
 }
+// Sets element c of one row's codes, packed as element_code reads them.
+inline void set_element_code(uint8_t* row, int64_t c, bool packed, uint8_t code) {
+  if (packed)
+    row[c / 2] = uint8_t((row[c / 2] & (c % 2 ? 0x0F : 0xF0)) | (code << (4 * (c % 2))));
+  else
+    row[c] = code;
+}
 std::vector<float> dequantize(const Quantized& q);
 
 // Largest |x| over n values (the NVFP4 tensor scale's input).

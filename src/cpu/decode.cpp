@@ -48,12 +48,12 @@ PageTiles unpack(const KVCache::Page& pg, int64_t h, int64_t d, PV pv) {
     return t;
   }
   // pv = mxfp8 / mxfp4: element values and the scales of each 32-key block per channel.
-  if (pv == PV::mxfp4)
-    for (int64_t n = 0; n < T; ++n)
-      for (int64_t c = 0; c < d; ++c)
-        t.values.v[size_t(n * d + c)] = decode_elem(Elem::e2m1, element_code(pg.v8.data() + (h * T + n) * (d / 2), c, true));
-  else
-    for (int64_t i = 0; i < T * d; ++i) t.values.v[size_t(i)] = decode_elem(Elem::e4m3, pg.v8[size_t(h * T * d + i)]);
+  const Elem ve = format_info(pv_values_format(pv)).elem;
+  const bool vpacked = ve == Elem::e2m1;
+  for (int64_t n = 0; n < T; ++n) {
+    const uint8_t* codes = pg.v8.data() + (h * T + n) * (vpacked ? d / 2 : d);
+    for (int64_t c = 0; c < d; ++c) t.values.v[size_t(n * d + c)] = decode_elem(ve, element_code(codes, c, vpacked));
+  }
   t.values.s.resize(size_t(T / 32 * d));
   for (int64_t i = 0; i < T / 32 * d; ++i) t.values.s[size_t(i)] = decode_e8m0(pg.vs[size_t(h * (T / 32) * d + i)]);
   return t;

@@ -91,7 +91,7 @@ ValueRows prepare_values(const std::vector<float>& vf, int64_t nk, int d, PV pv,
   }
   const int64_t blocks = tiles * T / kPVBlock;
   V.s.assign(size_t(blocks * d), 0.0f);
-  const Format vfmt = pv == PV::mxfp4 ? Format::mxfp4 : Format::mxfp8_e4m3;  // P stays MXFP8 E4M3 in both
+  const Format vfmt = pv_values_format(pv);
   parallel_for(blocks, threads, [&](int64_t kb) {
     float col[kPVBlock], e[kPVBlock], s;
     for (int i = 0; i < d; ++i) {

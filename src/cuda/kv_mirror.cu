@@ -1,7 +1,8 @@
 // The KV cache on the device: a mirror of a KVCache's pages in device pools (K codes, K scales, and
-// V: bf16, or MXFP8 codes transposed plus their scales), kept with the cache (KVCache::device_state) and refreshed page by page by version, so a
-// decode step uploads only what changed since the last one (the page the new tokens went into and
-// any page re-encoded on leaving the window), then runs decode_paged over it.
+// V: bf16, or MX codes transposed plus their scales), kept with the cache (KVCache::device_state)
+// and refreshed page by page by version, so a decode step uploads only what changed since the last
+// one (the page the new tokens went into and any page re-encoded on leaving the window), then runs
+// decode_paged over it.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -44,10 +45,10 @@ struct Mirror {
   uint8_t* codes = nullptr;
   uint8_t* scales = nullptr;
   uint16_t* v = nullptr;   // pv = bf16
-  uint8_t* v8 = nullptr;   // pv = mxfp8: V^T codes per page and head, [d][128]
-  uint8_t* vs = nullptr;   // pv = mxfp8: V's block scales, [heads][4][d] as the host page
+  uint8_t* v8 = nullptr;   // pv = mxfp8 / mxfp4: V^T codes per page and head, [d][128] (E2M1: [d][64] bytes)
+  uint8_t* vs = nullptr;   // pv != bf16: V's block scales, [heads][4][d] as the host page
   uint8_t* slot = nullptr;
-  std::vector<uint8_t> vt;  // pv = mxfp8: the changed pages' V^T, staged for upload
+  std::vector<uint8_t> vt;  // pv != bf16: the changed pages' V^T, staged for upload
   std::vector<uint64_t> synced;    // page version on the device (0: never uploaded)
   std::vector<uint8_t> slot_host;
 
@@ -97,7 +98,7 @@ struct Mirror {
     for (int64_t id = 0; id < n; ++id)
       if (cache.page(int32_t(id)).version != synced[size_t(id)]) changed.push_back(id);
     if (changed.empty()) return;
-    vt.resize(size_t(v8_bytes) * changed.size());  // empty unless pv = mxfp8
+    vt.resize(size_t(v8_bytes) * changed.size());  // empty for pv = bf16
     for (size_t i = 0; i < changed.size(); ++i) {
       const int64_t id = changed[i];
       const KVCache::Page& pg = cache.page(int32_t(id));
@@ -106,21 +107,14 @@ struct Mirror {
       if (v) put(v + id * (v_bytes / 2), pg.v.data(), pg.v.size() * sizeof(uint16_t));
       if (v8) {  // V^T per head: the FP8 mma wants each column's keys contiguous (in fragment order)
         uint8_t* dst = vt.data() + i * size_t(v8_bytes);
-        const int64_t heads = (v4 ? 2 * v8_bytes : v8_bytes) / (T * d);  // (E2M1: half a byte a code)
-        if (v4) {  // E2M1: the host packs two channels a byte, the device two keys (positions 2b, 2b+1)
-          std::fill(dst, dst + v8_bytes, uint8_t(0));
-          for (int64_t h = 0; h < heads; ++h)
-            for (int64_t k = 0; k < T; ++k)
-              for (int64_t c = 0; c < d; ++c) {
-                const int pos = vt_position(int(k));
-                const uint8_t code = element_code(pg.v8.data() + (h * T + k) * (d / 2), c, true);
-                dst[(h * d + c) * (T / 2) + pos / 2] |= uint8_t(code << (4 * (pos % 2)));
-              }
-        } else {
-          for (int64_t h = 0; h < heads; ++h)
-            for (int64_t k = 0; k < T; ++k)
-              for (int64_t c = 0; c < d; ++c) dst[(h * d + c) * T + vt_position(int(k))] = pg.v8[size_t((h * T + k) * d + c)];
-        }
+        // E2M1 (v4): the host packs two channels a byte, the device two keys (positions 2b, 2b+1).
+        const int64_t key_row = v4 ? d / 2 : d, col_row = v4 ? T / 2 : T;  // host / device row bytes
+        const int64_t heads = v8_bytes / (col_row * d);
+        for (int64_t h = 0; h < heads; ++h)
+          for (int64_t k = 0; k < T; ++k)
+            for (int64_t c = 0; c < d; ++c)
+              set_element_code(dst + (h * d + c) * col_row, vt_position(int(k)), v4,
+                               element_code(pg.v8.data() + (h * T + k) * key_row, c, v4));
         put(v8 + id * v8_bytes, dst, size_t(v8_bytes));
         put(vs + id * vs_bytes, pg.vs.data(), pg.vs.size());
       }

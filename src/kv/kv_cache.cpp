@@ -126,7 +126,9 @@ void KVCache::encode_values(Sequence& s, Page& pg, int64_t off, int64_t take, co
   if (s.v_tail.empty()) s.v_tail.assign(size_t(heads_ * kB * d_), 0.0f);
   float col[kB];
   uint8_t codes[kB];
-  const bool e4 = policy_.pv == PV::mxfp4;
+  const Format vf = pv_values_format(policy_.pv);
+  const Elem ve = format_info(vf).elem;
+  const int64_t vb = code_bytes(vf, d_);  // a key's V code bytes
   for (int64_t b = off / kB; b * kB < end; ++b) {
     // The block's originals, [heads][32][d]: the tail holds its tokens before off.
     std::vector<float> blk(size_t(heads_ * kB * d_), 0.0f);
@@ -138,16 +140,9 @@ void KVCache::encode_values(Sequence& s, Page& pg, int64_t off, int64_t take, co
     for (int64_t h = 0; h < heads_; ++h)
       for (int64_t c = 0; c < d_; ++c) {
         for (int64_t t = 0; t < kB; ++t) col[t] = blk[size_t((h * kB + t) * d_ + c)];
-        const uint8_t sc = quantize_mx_block(col, int(kB), e4 ? Elem::e2m1 : Elem::e4m3, policy_.scale_rule, codes);
-        for (int64_t t = 0; t < kB; ++t) {
-          if (!e4) {
-            pg.v8[size_t((h * T + b * kB + t) * d_ + c)] = codes[t];
-            continue;
-          }
-          // E2M1: two channels a byte, low nibble first (element_code's packing).
-          uint8_t& byte = pg.v8[size_t((h * T + b * kB + t) * (d_ / 2) + c / 2)];
-          byte = uint8_t((byte & (c % 2 ? 0x0F : 0xF0)) | (codes[t] << (4 * (c % 2))));
-        }
+        const uint8_t sc = quantize_mx_block(col, int(kB), ve, policy_.scale_rule, codes);
+        for (int64_t t = 0; t < kB; ++t)
+          set_element_code(pg.v8.data() + (h * T + b * kB + t) * vb, c, ve == Elem::e2m1, codes[t]);
         pg.vs[size_t((h * (T / kB) + b) * d_ + c)] = sc;
       }
     s.v_tail = blk;  // the last block touched is the open one (or complete: then it is not read again)
@@ -191,7 +186,7 @@ void KVCache::append(int id, const TensorView& k, const TensorView& v) {
       if (policy_.pv == PV::bf16) {
         pg.v.assign(size_t(heads_ * T * d_), 0);
       } else {
-        pg.v8.assign(size_t(heads_ * T * (policy_.pv == PV::mxfp4 ? d_ / 2 : d_)), 0);
+        pg.v8.assign(size_t(heads_ * T * code_bytes(pv_values_format(policy_.pv), d_)), 0);
         pg.vs.assign(size_t(heads_ * (T / 32) * d_), 0);
       }
       // Originals are kept only where a later re-encoding will need them.

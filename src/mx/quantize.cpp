@@ -100,12 +100,7 @@ Quantized quantize(const float* x, int64_t rows, int64_t cols, Format f, ScaleRu
       q.scales[size_t(r * sc + b)] = quantize_block(xr + c0, n, f, rule, q.tensor_scale, codes.data() + c0);
     }
     uint8_t* out = q.codes.data() + r * cc;
-    for (int64_t c = 0; c < cols; ++c) {
-      if (pack)
-        out[c / 2] |= uint8_t(codes[size_t(c)] << (4 * (c % 2)));
-      else
-        out[c] = codes[size_t(c)];
-    }
+    for (int64_t c = 0; c < cols; ++c) set_element_code(out, c, pack, codes[size_t(c)]);
   }
   return q;
 }
