@@ -68,6 +68,21 @@ if [ "${QUICK:-0}" = 1 ]; then  # correctness of the GPU tests + the main benchm
       $B/bench/bench_prefill_cuda 8192 128 1 >"$OUT/ncu_prefill_stalls.txt" 2>&1
     grep -E "gmma|pipe_xu|stalled" "$OUT/ncu_prefill_stalls.txt" | awk '$NF+0 > 0.05 || /pipe/' | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | head -24
   fi
+  if [ "${SOURCE:-0}" = 1 ]; then  # per-SASS-instruction stall samples (CSV in logs.tgz) + the quantize pass's memory view
+    src_csv() {  # name, kernel regex, skip, command...
+      local name=$1 kern=$2 skip=$3; shift 3
+      ncu --kernel-name regex:$kern --launch-skip $skip --launch-count 1 --section WarpStateStats --section SourceCounters \
+        -o "$OUT/$name" "$@" >"$OUT/$name.log" 2>&1
+      ncu -i "$OUT/$name.ncu-rep" --page source --csv --print-source sass >"$OUT/$name.csv" 2>&1
+      ncu -i "$OUT/$name.ncu-rep" --page details >"$OUT/$name.txt" 2>&1; rm -f "$OUT/$name.ncu-rep"
+      echo "$name: $(wc -l <"$OUT/$name.csv") SASS rows"
+    }
+    src_csv src_decode_mxfp4 decode_kernel 3 $B/bench/bench_decode_cuda mxfp4 16 32768
+    src_csv src_prefill prefill_kernel 1 $B/bench/bench_prefill_cuda 8192 128 1
+    ncu --kernel-name regex:quantize_rows --launch-skip 1 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+      --section WarpStateStats --section Occupancy $B/bench/bench_quantize_cuda >"$OUT/ncu_quantize.txt" 2>&1
+    grep -E "Throughput|Duration|Occupancy|Registers|Stall|Issued|cycles being stalled" "$OUT/ncu_quantize.txt" | head -20
+  fi
   exit 0
 fi
 

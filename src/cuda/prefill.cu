@@ -5,7 +5,7 @@
 // 3-stage ring with TMA, signalled through mbarriers; two consumer warpgroups of 64 query rows each
 // take turns on the tensor cores (named barriers): while one runs its softmax, the other's S_j and
 // P_{j-1}.V_{j-1} execute (FA3's ping-pong), and within a warpgroup P_{j-1}.V_{j-1} runs under
-// S_j's softmax. The consumers quantize the CTA's Q rows themselves (both formats, the quantize
+// S_j's softmax. Each consumer warpgroup quantizes its own Q rows (both formats, the quantize
 // pass's encoder) while the first copies are in flight. Heavy (late) causal tiles are scheduled first.
 //
 // S = Q.K^T per tile with MX scaling (DESIGN §3, §5). Where every row of the warpgroup's Q and every
@@ -141,43 +141,53 @@ __device__ __forceinline__ void load8(const void* base, int64_t at, bool vec, fl
   for (int i = 0; i < kPerLane; ++i) v[i] = to_float(raw[i]);
 }
 
-// The CTA's BM Q rows in both slots' tensor-core form, quantized here exactly as quantize_rows does
-// for the pre-pass (FP8 bytes, scales folded where exact; encode_lane): codes into swizzled shared
-// memory, block scales as floats, and q_folded[slot][warpgroup] cleared where a row keeps several
-// scales. Rows outside [0, Nq) are zeros with scale 0. Run by the consumer threads (kConsumers), a
-// row's D/8 lanes inside one warp (the fold's shuffles).
+// This warpgroup's 64 Q rows in both slots' tensor-core form, quantized here exactly as quantize_rows
+// does for the pre-pass (FP8 bytes, scales folded where exact; encode_lane): codes into swizzled
+// shared memory, block scales as floats, and q_folded[slot][wgi] cleared where a row keeps several
+// scales. Rows outside [0, Nq) are zeros with scale 0. Each warpgroup does its own rows, so warpgroup
+// 1's work runs under warpgroup 0's first tile; a row's D/8 lanes sit inside one warp (the fold's
+// shuffles). Every load is issued before any encoding: one global latency, not one per unit.
 template <int D>
-__device__ __forceinline__ void quantize_q(const PrefillParams& p, int b, int h, int64_t pos0, int64_t off,
+__device__ __forceinline__ void quantize_q(const PrefillParams& p, int b, int h, int64_t pos0, int64_t off, int wgi,
                                            uint8_t* sQ, float* sQs, int (*q_folded)[2]) {
-  constexpr int NB = D / 32, kRowLanes = D / kPerLane;
-  static_assert((BM * kRowLanes) % kConsumers == 0 && 32 % kRowLanes == 0);
-  for (int u = threadIdx.x; u < BM * kRowLanes; u += kConsumers) {
-    const int r = u / kRowLanes, c = (u % kRowLanes) / 4, part = u % 4;
+  constexpr int NB = D / 32, kRowLanes = D / kPerLane, kUnits = 64 * kRowLanes / 128;
+  static_assert(32 % kRowLanes == 0);
+  const int tid = threadIdx.x % 128;
+  float v[kUnits][kPerLane];
+#pragma unroll
+  for (int k = 0; k < kUnits; ++k) {
+    const int u = tid + 128 * k, r = wgi * 64 + u / kRowLanes, c = (u % kRowLanes) / 4, part = u % 4;
     const int64_t qrow = pos0 + r - off;
-    const bool ok = qrow >= 0 && qrow < p.Nq;
-    float v[kPerLane] = {};
-    if (ok) {
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) v[k][i] = 0.0f;
+    if (qrow >= 0 && qrow < p.Nq) {
       const int64_t at = b * p.q_sb + h * p.q_sh + qrow * p.q_sn + c * 32 + part * kPerLane;
       if (p.q_dtype == DType::bf16)
-        load8<bf16>(p.q, at, p.q_vec, v);
+        load8<bf16>(p.q, at, p.q_vec, v[k]);
       else if (p.q_dtype == DType::f16)
-        load8<fp16>(p.q, at, p.q_vec, v);
+        load8<fp16>(p.q, at, p.q_vec, v[k]);
       else
-        load8<float>(p.q, at, p.q_vec, v);
+        load8<float>(p.q, at, p.q_vec, v[k]);
     }
+  }
+#pragma unroll
+  for (int k = 0; k < kUnits; ++k) {
+    const int u = tid + 128 * k, r = wgi * 64 + u / kRowLanes, c = (u % kRowLanes) / 4, part = u % 4;
+    const int64_t qrow = pos0 + r - off;
+    const bool ok = qrow >= 0 && qrow < p.Nq;
     float amax;
     bool bad;
-    block_stats(v, amax, bad);
+    block_stats(v[k], amax, bad);
     if (bad && part == 0) atomicOr(p.q_nonfinite, 1);
     for (int s = 0; s < p.nslots; ++s) {
       uint8_t codes[kPerLane], sc = 0;
       with_elem(p.elem[s], [&](auto e) {
-        sc = encode_lane<decltype(e)::value>(p.policy.scale_rule, v, amax, bad, true, true, kRowLanes, codes);
+        sc = encode_lane<decltype(e)::value>(p.policy.scale_rule, v[k], amax, bad, true, true, kRowLanes, codes);
       });
       *reinterpret_cast<uint2*>(sQ + s * Smem<D>::kQK + wg::swizzled<D>(r, c * 32 + part * kPerLane)) = pack8(codes);
       if (part == 0) sQs[(s * BM + r) * NB + c] = ok ? decode_e8m0(sc) : 0.0f;
       const bool equal = row_scales_equal(sc, kRowLanes);  // every lane: shuffles
-      if (!equal && u % kRowLanes == 0) q_folded[s][r / 64] = 0;
+      if (!equal && u % kRowLanes == 0) q_folded[s][wgi] = 0;
     }
   }
 }
@@ -240,10 +250,15 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     return;
   }
   wg::regs_inc<240>();
-  // Q is quantized while the producer's first copies are in flight.
-  quantize_q<D>(p, b, h, pos0, off, sQ, sQs, q_folded);
-  wg::fence_async_smem();           // Q bytes written by st.shared are read by wgmma
-  wg::bar_sync(3, kConsumers);      // Q, its scales and fold flags are ready
+  // Turns on the tensor cores: warpgroup w issues its GEMMs after barrier 1 + w, then lets the other
+  // go. Warpgroup 1 opens warpgroup 0's first turn (before its own Q, which then runs under warpgroup
+  // 0's first tile) and skips its last hand-over, so both barriers see as many arrivals as waits.
+  const int me = 1 + wgi, other = 2 - wgi;
+  if (wgi == 1 && tiles > 0) wg::bar_arrive(1, kConsumers);
+  // Each warpgroup quantizes its Q rows while the producer's first copies are in flight.
+  quantize_q<D>(p, b, h, pos0, off, wgi, sQ, sQs, q_folded);
+  wg::fence_async_smem();       // Q bytes written by st.shared are read by wgmma
+  wg::bar_sync(3 + wgi, 128);   // the warpgroup's Q rows, scales and fold flag are ready
 
   const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32, g = lane / 4,
             t = lane % 4;
@@ -263,11 +278,6 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   uint32_t a[BN / 16][4];  // bf16 P of the previous tile (a wgmma operand until it retires)
 
-  // Turns on the tensor cores: warpgroup w issues its GEMMs after barrier 1 + w, then lets the other
-  // go. Warpgroup 1 opens warpgroup 0's first turn and skips its last hand-over, so both barriers
-  // see as many arrivals as waits.
-  const int me = 1 + wgi, other = 2 - wgi;
-  if (wgi == 1 && tiles > 0) wg::bar_arrive(1, kConsumers);
   // Whether every key of tile j has one scale for all of d: read a tile ahead (a global load's latency
   // on the loop's critical path cost as much as the tile's softmax).
   auto k_uniform = [&](int64_t j) { return (slot_of(j) ? p.kuni[1] : p.kuni[0])[kv_tile0 / BN + j]; };
