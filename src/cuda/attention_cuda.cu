@@ -94,10 +94,15 @@ void dma_attention(const Problem& p) {
   const int nslots = p.policy.high == p.policy.low ? 1 : 2;
   const Format fmt[2] = {p.policy.high, p.policy.low};
   PrefillParams pp{};
-  const int64_t k_rows = p.B * p.Hkv * p.Nk;
-  QuantTarget kt[2];
+  const int64_t q_rows = p.B * p.Hq * p.Nq, k_rows = p.B * p.Hkv * p.Nk;
+  QuantTarget qt[2], kt[2];
   const int64_t k_tiles = p.B * p.Hkv * (ldv / kTile);
   for (int s = 0; s < nslots; ++s) {
+    uint8_t* q8 = buf.alloc<uint8_t>(size_t(q_rows * d));
+    uint8_t* qs = buf.alloc<uint8_t>(size_t(q_rows * nb));
+    qt[s] = {fmt[s], q8, qs, true, true};
+    pp.q8[s] = q8;
+    pp.qs[s] = qs;
     uint8_t* k8 = buf.alloc<uint8_t>(size_t(k_rows * d));
     uint8_t* ks = buf.alloc<uint8_t>(size_t(p.B * p.Hkv * ldv * nb));  // padded rows (see QuantTarget)
     float* krs = buf.alloc<float>(size_t(p.B * p.Hkv * ldv) * sizeof(float));
@@ -111,16 +116,10 @@ void dma_attention(const Problem& p) {
     pp.ks[s] = ks;
     pp.elem[s] = format_info(fmt[s]).elem;
   }
-  // The quantize pass reads every element of K once and flags NaN/Inf on the way; Q is quantized
-  // (and checked) inside the prefill kernel, the same encoder on the same rows (quantize_block.cuh).
+  // The quantize pass reads every element of Q and K once and flags NaN/Inf on the way. (Q quantized
+  // inside the prefill kernel instead was 7% slower at N = 16384: bench/RESULTS.md, session 8.)
+  quantize_rows(p.q, p.policy.scale_rule, qt[0], nslots == 2 ? qt[1] : QuantTarget{}, stream, flags);
   quantize_rows(p.k, p.policy.scale_rule, kt[0], nslots == 2 ? kt[1] : QuantTarget{}, stream, flags + 1);
-  pp.q = p.q.data;
-  pp.q_dtype = p.q.dtype;
-  pp.q_sb = p.q.stride[0];
-  pp.q_sh = p.q.stride[1];
-  pp.q_sn = p.q.stride[2];
-  pp.q_vec = rows_16byte_aligned(p.q);
-  pp.q_nonfinite = flags;
   pp.nslots = nslots;
 
   pp.vt = vt;

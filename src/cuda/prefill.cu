@@ -5,8 +5,8 @@
 // 3-stage ring with TMA, signalled through mbarriers; two consumer warpgroups of 64 query rows each
 // take turns on the tensor cores (named barriers): while one runs its softmax, the other's S_j and
 // P_{j-1}.V_{j-1} execute (FA3's ping-pong), and within a warpgroup P_{j-1}.V_{j-1} runs under
-// S_j's softmax. Each consumer warpgroup quantizes its own Q rows (both formats, the quantize
-// pass's encoder) while the first copies are in flight. Heavy (late) causal tiles are scheduled first.
+// S_j's softmax. Each consumer warpgroup loads its own Q rows (both formats, from the quantize
+// pass) while the first copies are in flight. Heavy (late) causal tiles are scheduled first.
 //
 // S = Q.K^T per tile with MX scaling (DESIGN §3, §5). Where every row of the warpgroup's Q and every
 // key of the tile carries one scale for all of d (block scales are folded into the FP8 codes where
@@ -18,7 +18,6 @@
 
 #include "cuda/mma.cuh"
 #include "cuda/prefill.cuh"
-#include "cuda/quantize_block.cuh"
 #include "cuda/tma.cuh"
 #include "cuda/wgmma.cuh"
 #include "dmattn/error.hpp"
@@ -125,71 +124,44 @@ __device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&a)[
     wg::mma_bf16_rs<D>(o, a[kc], wg::desc<128>(svt + (kc / 4) * Smem<D>::kVHalf, (kc % 4) * 32));
 }
 
-// Eight consecutive elements of a Q row as floats (zeros for rows outside Q).
-template <class T>
-__device__ __forceinline__ void load8(const void* base, int64_t at, bool vec, float (&v)[kPerLane]) {
-  const T* x = static_cast<const T*>(base) + at;
-  alignas(16) T raw[kPerLane];
-  if (vec) {
-#pragma unroll
-    for (int i = 0; i < int(sizeof(raw) / 16); ++i) reinterpret_cast<uint4*>(raw)[i] = reinterpret_cast<const uint4*>(x)[i];
-  } else {
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) raw[i] = x[i];
-  }
-#pragma unroll
-  for (int i = 0; i < kPerLane; ++i) v[i] = to_float(raw[i]);
-}
-
-// This warpgroup's 64 Q rows in both slots' tensor-core form, quantized here exactly as quantize_rows
-// does for the pre-pass (FP8 bytes, scales folded where exact; encode_lane): codes into swizzled
-// shared memory, block scales as floats, and q_folded[slot][wgi] cleared where a row keeps several
-// scales. Rows outside [0, Nq) are zeros with scale 0. Each warpgroup does its own rows, so warpgroup
-// 1's work runs under warpgroup 0's first tile; a row's D/8 lanes sit inside one warp (the fold's
-// shuffles). Every load is issued before any encoding: one global latency, not one per unit.
+// This warpgroup's 64 Q rows of both slots from the quantize pass's tensor-core form: FP8 bytes into
+// swizzled shared memory (every load issued before any store), block scales as floats, and
+// q_folded[slot][wgi] cleared where a row keeps several scales. Rows outside [0, Nq) are zeros with
+// scale 0. Each warpgroup loads its own rows, so warpgroup 1's run under warpgroup 0's first tile.
 template <int D>
-__device__ __forceinline__ void quantize_q(const PrefillParams& p, int b, int h, int64_t pos0, int64_t off, int wgi,
-                                           uint8_t* sQ, float* sQs, int (*q_folded)[2]) {
-  constexpr int NB = D / 32, kRowLanes = D / kPerLane, kUnits = 64 * kRowLanes / 128;
-  static_assert(32 % kRowLanes == 0);
+__device__ __forceinline__ void load_q(const PrefillParams& p, int b, int h, int64_t pos0, int64_t off, int wgi,
+                                       uint8_t* sQ, float* sQs, int (*q_folded)[2]) {
+  constexpr int NB = D / 32, kChunks = D / 16, kLoads = 2 * 64 * kChunks / 128;
   const int tid = threadIdx.x % 128;
-  float v[kUnits][kPerLane];
+  const int64_t row0 = (int64_t(b) * p.Hq + h) * p.Nq;
+  uint4 w[kLoads];
 #pragma unroll
-  for (int k = 0; k < kUnits; ++k) {
-    const int u = tid + 128 * k, r = wgi * 64 + u / kRowLanes, c = (u % kRowLanes) / 4, part = u % 4;
+  for (int k = 0; k < kLoads; ++k) {
+    const int i = tid + 128 * k, s = i / (64 * kChunks), r = wgi * 64 + i / kChunks % 64, chunk = i % kChunks;
     const int64_t qrow = pos0 + r - off;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) v[k][i] = 0.0f;
-    if (qrow >= 0 && qrow < p.Nq) {
-      const int64_t at = b * p.q_sb + h * p.q_sh + qrow * p.q_sn + c * 32 + part * kPerLane;
-      if (p.q_dtype == DType::bf16)
-        load8<bf16>(p.q, at, p.q_vec, v[k]);
-      else if (p.q_dtype == DType::f16)
-        load8<fp16>(p.q, at, p.q_vec, v[k]);
-      else
-        load8<float>(p.q, at, p.q_vec, v[k]);
-    }
+    w[k] = s < p.nslots && qrow >= 0 && qrow < p.Nq
+               ? *reinterpret_cast<const uint4*>(p.q8[s] + (row0 + qrow) * D + chunk * 16)
+               : make_uint4(0, 0, 0, 0);
   }
 #pragma unroll
-  for (int k = 0; k < kUnits; ++k) {
-    const int u = tid + 128 * k, r = wgi * 64 + u / kRowLanes, c = (u % kRowLanes) / 4, part = u % 4;
-    const int64_t qrow = pos0 + r - off;
-    const bool ok = qrow >= 0 && qrow < p.Nq;
-    float amax;
-    bool bad;
-    block_stats(v[k], amax, bad);
-    if (bad && part == 0) atomicOr(p.q_nonfinite, 1);
-    for (int s = 0; s < p.nslots; ++s) {
-      uint8_t codes[kPerLane], sc = 0;
-      with_elem(p.elem[s], [&](auto e) {
-        sc = encode_lane<decltype(e)::value>(p.policy.scale_rule, v[k], amax, bad, true, true, kRowLanes, codes);
-      });
-      *reinterpret_cast<uint2*>(sQ + s * Smem<D>::kQK + wg::swizzled<D>(r, c * 32 + part * kPerLane)) = pack8(codes);
-      if (part == 0) sQs[(s * BM + r) * NB + c] = ok ? decode_e8m0(sc) : 0.0f;
-      const bool equal = row_scales_equal(sc, kRowLanes);  // every lane: shuffles
-      if (!equal && u % kRowLanes == 0) q_folded[s][wgi] = 0;
-    }
+  for (int k = 0; k < kLoads; ++k) {
+    const int i = tid + 128 * k, s = i / (64 * kChunks), r = wgi * 64 + i / kChunks % 64, chunk = i % kChunks;
+    *reinterpret_cast<uint4*>(sQ + s * Smem<D>::kQK + wg::swizzled<D>(r, chunk * 16)) = w[k];
   }
+  // One (slot, row) a thread: its scales, and whether they agree.
+  const int s = tid / 64, r = wgi * 64 + tid % 64;
+  const int64_t qrow = pos0 + r - off;
+  const bool ok = s < p.nslots && qrow >= 0 && qrow < p.Nq;
+  bool uniform = true;
+  float first = 0.0f;
+#pragma unroll
+  for (int c = 0; c < NB; ++c) {
+    const float v = ok ? decode_e8m0(p.qs[s][(row0 + qrow) * NB + c]) : 0.0f;
+    sQs[(s * BM + r) * NB + c] = v;
+    first = c == 0 ? v : first;
+    uniform &= v == first;
+  }
+  if (!uniform) q_folded[s][wgi] = 0;
 }
 
 template <int D, class TOut>
@@ -255,8 +227,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   // 0's first tile) and skips its last hand-over, so both barriers see as many arrivals as waits.
   const int me = 1 + wgi, other = 2 - wgi;
   if (wgi == 1 && tiles > 0) wg::bar_arrive(1, kConsumers);
-  // Each warpgroup quantizes its Q rows while the producer's first copies are in flight.
-  quantize_q<D>(p, b, h, pos0, off, wgi, sQ, sQs, q_folded);
+  // Each warpgroup brings in its Q rows while the producer's first copies are in flight.
+  load_q<D>(p, b, h, pos0, off, wgi, sQ, sQs, q_folded);
   wg::fence_async_smem();       // Q bytes written by st.shared are read by wgmma
   wg::bar_sync(3 + wgi, 128);   // the warpgroup's Q rows, scales and fold flag are ready
 
@@ -282,11 +254,13 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   // on the loop's critical path cost as much as the tile's softmax).
   auto k_uniform = [&](int64_t j) { return (slot_of(j) ? p.kuni[1] : p.kuni[0])[kv_tile0 / BN + j]; };
   int kuni_next = tiles > 0 ? k_uniform(0) : 0;
+  // Each slot's element type in registers: indexing the parameter by slot cost a stalled constant load per tile (ncu).
+  const bool e5m2_high = p.elem[0] == Elem::e5m2, e5m2_low = p.elem[1] == Elem::e5m2;
   for (int64_t j = 0; j < tiles; ++j) {
     const int slot = slot_of(j), st = int(j % kStages), prev = int((j + kStages - 1) % kStages);
     const int kuni_j = kuni_next;
     if (j + 1 < tiles) kuni_next = k_uniform(j + 1);
-    const bool e5m2 = p.elem[slot] == Elem::e5m2;
+    const bool e5m2 = slot ? e5m2_low : e5m2_high;
     const bool folded = kuni_j != 0 && q_folded[slot][wgi];
     const uint8_t* sq = sQ + slot * S::kQK + wgi * 64 * D;
     const float* sqs = sQs + (slot * BM + wgi * 64 + warp * 16 + g) * NB;

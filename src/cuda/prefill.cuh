@@ -1,6 +1,6 @@
-// The DMA prefill kernel's parameters. Q is read as given and quantized inside the kernel; K is
-// prepared by attention_cuda.cu in the tensor-core form of each format (FP8 bytes + E8M0 scales, one
-// set per slot: 0 = high, 1 = low; scales folded into the codes where exact), V as bf16, transposed.
+// The DMA prefill kernel's parameters. Inputs are prepared by attention_cuda.cu: Q and K rows in the
+// tensor-core form of each format (FP8 bytes + E8M0 scales, one set per slot: 0 = high, 1 = low;
+// scales folded into the codes where exact), V as bf16, transposed.
 #pragma once
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -14,11 +14,8 @@ namespace dmattn::cuda {
 struct PrefillParams {
   // TMA maps (filled by launch_prefill): K bytes per slot [B*Hkv][Nk][d] (zeros past Nk), V^T [B*Hkv][d][ldv].
   CUtensorMap kmap[2], vmap;
-  const void* q;                  // Q [B,Hq,Nq,d], unit stride on d
-  DType q_dtype;
-  int64_t q_sb, q_sh, q_sn;       // element strides
-  bool q_vec;                     // rows 16-byte aligned: vector loads
-  int* q_nonfinite;               // set to 1 where Q holds NaN/Inf
+  const uint8_t* q8[2];           // [B*Hq*Nq, d] FP8 bytes
+  const uint8_t* qs[2];           // [B*Hq*Nq, d/32] E8M0
   Elem elem[2];                   // each slot's element type (E5M2 bytes for e5m2, else E4M3 bytes)
   int nslots;                     // 1 when high == low
   const uint8_t* k8[2];  // [B*Hkv*Nk, d]
