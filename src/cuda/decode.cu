@@ -2,14 +2,15 @@
 // runs 8 or 16 query rows of one KV head (of the G = Hq/Hkv query heads x Nq new queries: GQA
 // packing, so a page is read once per KV head, not once per query head). Each of the CTA's four
 // warps owns one 32-key block of every page and streams it through its own cp.async stages. Both
-// products run on the tensor cores with mma.sync, transposed so the query rows are the mma's N:
-// S^T per 32-wide block of d (E2M1 and FP6 pages widened to E4M3 bytes, exactly; on sm_90 every FP8
-// operand is widened on to f16, which holds it exactly: mma_fp8_block), scaled by the
+// products run on the tensor cores with FP8 mma.sync (sm_90 has no FP8 path behind mma.sync: ptxas
+// widens both operands to f16, exactly, and issues two f16 mmas; widening q once per CTA instead
+// saved 1.5% of the instructions and no time, session 8), transposed so the query rows are the mma's N:
+// S^T per 32-wide block of d (E2M1 and FP6 pages widened to E4M3 bytes, exactly), scaled by the
 // two E8M0 scales and summed over blocks in order as the CPU oracle does; the
 // softmax stays in registers (the page's row maxima are the only thing the warps exchange);
 // P (rounded to bf16, as the oracle) times V in bf16 with fp32 accumulation, or with pv = mxfp8 /
 // mxfp4 P quantized to MXFP8 per 32 keys (a warp's block) times V's MXFP8 codes (or MXFP4 codes
-// widened to E4M3), scaled by P's and V's block scales. A second kernel
+// widened to E4M3) with FP8 mma.sync, scaled by P's and V's block scales. A second kernel
 // merges the splits by LSE. At Nq = 1 the work per byte is tiny: the page bytes (K at 4.25 or 8.25
 // bits, V at 16, 8.25 or 4.25) set the time,
 // so the kernel's job is to keep enough of them in flight with few instructions per byte.
@@ -66,13 +67,13 @@ struct Smem {  // byte offsets into dynamic shared memory
   static constexpr int kKRow = 128;
   static constexpr int kK = 32 * kKRow, kS = 32 * NB, kV = kPV8 ? D * kVRow + D : 32 * 2 * D;
   static constexpr int kWarpStage = kK + kS + kV;
-  static constexpr int kQbBytes = 2 * NB * kNR * 4 * 32 * 4;
+  static constexpr int kQbBytes = 2 * NB * kNR * 2 * 32 * 4;
   static constexpr int kMisc = 128 + 2 * kWarps * kRows * 4 + kQbBytes + 2 * NB * kRows * 4;
   // As many stages as leave two CTAs an SM (~113 KB each): more bytes in flight per warp.
   static constexpr int kStages = std::min(4, (113 * 1024 - kMisc) / (kWarps * kWarpStage));
   static constexpr int kLut = kStages * kWarps * kWarpStage;  // [2][64] FP6 code -> E4M3 byte
   static constexpr int kMax = kLut + 128;                       // [2][kWarps][kRows] floats: row maxima
-  static constexpr int kQb = kMax + 2 * kWarps * kRows * 4;     // q's widened B fragments [2][NB][kNR][32 lanes][4] uint32
+  static constexpr int kQb = kMax + 2 * kWarps * kRows * 4;     // q's B fragments [2][NB][kNR][2][32 lanes] uint32
   static constexpr int kSq = kQb + kQbBytes;                    // q's block scales [2][NB][kRows] floats
   static constexpr int kBytes = kSq + 2 * NB * kRows * 4;
   static_assert(kStages >= 2 && kWarpStage % 16 == 0 && kBytes - kLut == kMisc);
@@ -140,13 +141,6 @@ __device__ __forceinline__ void k_words(const uint8_t* row, int key, int c, int 
   }
 }
 
-// Four words from shared memory, reloaded where used: kept in registers over the page loop, q's
-// widened fragments made ptxas spill in the 16-row instances.
-__device__ __forceinline__ void lds128(uint32_t (&r)[4], const uint32_t* p) {
-  asm("ld.shared.v4.u32 {%0,%1,%2,%3}, [%4];" : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(uint32_t(__cvta_generic_to_shared(p))));
-}
-
 // The key's E8M0 block scales as one word (byte c = block c).
 template <int NB>
 __device__ __forceinline__ uint32_t scale_word(const uint8_t* ks, int key) {
@@ -174,15 +168,14 @@ __device__ __forceinline__ void block_scores(const uint8_t* K, const uint8_t* ks
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[mt][nr][i] = 0.0f;
   }
-  // With two row tiles, every block's widened q fragments in flight at once made ptxas spill: one at a time there.
-#pragma unroll(kNR == 1 ? NB : 1)
+#pragma unroll
   for (int c = 0; c < NB; ++c) {
-    uint32_t b[kNR][4];
+    uint32_t b[kNR][2];
     float2 sqr[kNR];  // rows 8nr + 2t, +1
 #pragma unroll
     for (int nr = 0; nr < kNR; ++nr) {
-#pragma unroll
-      lds128(b[nr], qb + ((c * kNR + nr) * 32 + lane) * 4);
+      b[nr][0] = qb[((c * kNR + nr) * 2) * 32 + lane];
+      b[nr][1] = qb[((c * kNR + nr) * 2 + 1) * 32 + lane];
       sqr[nr] = *reinterpret_cast<const float2*>(sq + c * kRows + 8 * nr + 2 * t);
     }
 #pragma unroll
@@ -195,7 +188,7 @@ __device__ __forceinline__ void block_scores(const uint8_t* K, const uint8_t* ks
 #pragma unroll
       for (int nr = 0; nr < kNR; ++nr) {
         float d[4];
-        mma_fp8_block<E == Elem::e5m2>(d, a, b[nr]);
+        mma_fp8_block<E == Elem::e5m2>(d, a, b[nr][0], b[nr][1]);
         s[mt][nr][0] += (sk0 * sqr[nr].x) * d[0];
         s[mt][nr][1] += (sk0 * sqr[nr].y) * d[1];
         s[mt][nr][2] += (sk1 * sqr[nr].x) * d[2];
@@ -371,15 +364,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
     if (lane == 0 && bad && p.nonfinite) *p.nonfinite = 1;
   }
   __syncthreads();
-  // q^T as B fragments (row 8nr + g; contraction slots ordered by d_of_slot), per slot, widened to
-  // f16 pairs once here rather than at every mma.
+  // q^T as B fragments (row 8nr + g; contraction slots ordered by d_of_slot), per slot.
   for (int i = tid; i < 2 * NB * kNR * 2 * 32; i += kThreads) {
     const int sl = i / (NB * kNR * 64), c = i / (kNR * 64) % NB, nr = i / 64 % kNR, h = i / 32 % 2, ln = i % 32;
-    const uint32_t w = *reinterpret_cast<const uint32_t*>(q8 + (sl * kRows + 8 * nr + ln / 4) * D + c * 32 + d_of_slot(16 * h + 4 * (ln % 4)));
-    const uint2 f = p.kelem[sl] == Elem::e5m2 ? widen_fp8x4<true>(w) : widen_fp8x4<false>(w);
-    uint32_t* dst = qb + (((sl * NB + c) * kNR + nr) * 32 + ln) * 4 + 2 * h;  // a lane's 4 words together
-    dst[0] = f.x;
-    dst[1] = f.y;
+    qb[i] = *reinterpret_cast<const uint32_t*>(q8 + (sl * kRows + 8 * nr + ln / 4) * D + c * 32 + d_of_slot(16 * h + 4 * (ln % 4)));
   }
   for (int i = tid; i < 128; i += kThreads) {  // FP6 codes widened to E4M3 bytes (exact)
     const Elem e = p.kelem[i / 64];
@@ -416,7 +404,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
     const int sl = (ring >> stage) & 1;
     float sc[2][kNR][4];
     {
-      const uint32_t* qs = qb + sl * NB * kNR * 128;
+      const uint32_t* qs = qb + sl * NB * kNR * 64;
       const float* sqs = sq + sl * NB * kRows;
       const uint8_t* lt = lut + 64 * sl;
       switch (p.kelem[sl]) {
@@ -484,12 +472,12 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
     }
     const uint8_t* V = st + S_::kK + S_::kS;
     if constexpr (kPV8) {
-      // P in MXFP8 E4M3, one scale per row over the warp's 32 keys (one MX block). The codes' f16
-      // values of (key, rows 2t, 2t+1) go to P^T's widened B fragments (row g, keys 2t, 2t+1 of each
-      // 8-key group) by movmatrix; slot 4t+i of the block's fragment then holds key 2t, 2t+1, 8+2t,
+      // P in MXFP8 E4M3, one scale per row over the warp's 32 keys (one MX block). The codes of
+      // (key, rows 2t, 2t+1) go to P^T's B fragments (row g, keys 2t, 2t+1 of each 8-key group) by
+      // movmatrix on their f16 values; slot 4t+i of the fragment then holds key 2t, 2t+1, 8+2t,
       // 9+2t (and +16 in slots 16+4t..), the order the device V^T keeps its keys in (vt_position).
       float ps[kNR][2];
-      uint32_t bq[kNR][4];
+      uint32_t bq[kNR][2];
 #pragma unroll
       for (int nr = 0; nr < kNR; ++nr) {
         float inv[2];
@@ -502,11 +490,15 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
           inv[r] = hd::ldexp2(1.0f, 127 - int(e));
           ps[nr][r] = decode_e8m0(e);
         }
+        uint32_t grp[4];  // key groups 0..3 (keys 8q..8q+7): (mt, half) = (q / 2, q % 2)
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {  // key groups 0..3 (keys 8q..8q+7): (mt, half) = (q / 2, q % 2)
+        for (int q = 0; q < 4; ++q) {
           const float* x = sc[q / 2][nr] + 2 * (q % 2);
-          bq[nr][q] = movmatrix_trans(fp8x2_to_f16x2<false>(fp8x2_encode<false>(x[0] * inv[0], x[1] * inv[1])));
+          const uint32_t codes = fp8x2_encode<false>(x[0] * inv[0], x[1] * inv[1]);
+          grp[q] = f16x2_to_fp8x2<false>(movmatrix_trans(fp8x2_to_f16x2<false>(codes)));
         }
+        bq[nr][0] = grp[0] | grp[1] << 16;
+        bq[nr][1] = grp[2] | grp[3] << 16;
       }
       const uint8_t* vsc = V + S_::kVRow * D;  // this block's scale per column
 #pragma unroll
@@ -528,7 +520,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
 #pragma unroll
         for (int nr = 0; nr < kNR; ++nr) {
           float d[4];
-          mma_fp8_block<false>(d, a, bq[nr]);
+          mma_fp8_block<false>(d, a, bq[nr][0], bq[nr][1]);
           acc[md][nr][0] += (v0 * ps[nr][0]) * d[0];
           acc[md][nr][1] += (v0 * ps[nr][1]) * d[1];
           acc[md][nr][2] += (v1 * ps[nr][0]) * d[2];

@@ -1,4 +1,5 @@
-// Warp-level helpers: the FP8 block dot on mma.sync (as f16 on sm_90; GpuMma measures its precision), the
+// Warp-level helpers: the mma.sync FP8 block dot (sm_89+; on sm_90 ptxas runs it as two f16 mmas on
+// operands widened exactly to f16; GpuMma measures its precision), the
 // fragment layouts the wgmma kernel's registers follow, and per-element intrinsics.
 // Fragment layouts (PTX ISA, m16n8k32 8-bit and m16n8k16 16-bit): g = lane / 4, t = lane % 4;
 //   A 16x32 fp8: a[0] = (row g, k 4t..4t+3), a[1] = (row g+8, same k), a[2] = (row g, k 16+4t..),
@@ -9,51 +10,24 @@
 #pragma once
 #include <cstdint>
 
-#include "cuda/fp8.cuh"
-
 namespace dmattn::cuda {
 
-// d += A.B for a 16x8 tile over 16 k in f16, fp32 accumulate.
-__device__ __forceinline__ void mma_f16_16816(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-  asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Hopper has no FP8 datapath behind mma.sync: ptxas expands an FP8 m16n8k32 mma.sync into F2FP
-// widenings of both operands to f16 and two f16 m16n8k16 mmas (seen in the decode kernel's SASS).
-// So the kernel widens itself, once per operand: B (q, P) where it is made, not at every mma.
-// Every FP8 value (and so every FP6/FP4 value) is an f16 value: exact.
-// An FP8x4 word -> f16 pairs of its bytes (0, 1) and (2, 3).
+// d = A.B for one 32-wide contraction block (one MX block) into a fresh accumulator.
 template <bool kE5M2>
-__device__ __forceinline__ uint2 widen_fp8x4(uint32_t x) {
-  return make_uint2(fp8x2_to_f16x2<kE5M2>(x), fp8x2_to_f16x2<kE5M2>(x >> 16));
-}
-
-// The B words b0, b1 of one 32-wide block, widened for mma_fp8_block.
-template <bool kE5M2>
-__device__ __forceinline__ void widen_b(uint32_t b0, uint32_t b1, uint32_t (&bh)[4]) {
-  const uint2 w0 = widen_fp8x4<kE5M2>(b0), w1 = widen_fp8x4<kE5M2>(b1);
-  bh[0] = w0.x;
-  bh[1] = w0.y;
-  bh[2] = w1.x;
-  bh[3] = w1.y;
-}
-
-// d = A.B for one 32-wide contraction block (one MX block) into a fresh accumulator. A: FP8 bytes in
-// the m16n8k32 layout; B: its m16n8k32 words b0, b1 widened, bh = {lo b0, hi b0, lo b1, hi b1}. The
-// first f16 mma takes k = 4t, 4t+1 (its k 2t, 2t+1) and 4t+2, 4t+3 (its 2t+8, 2t+9), the second the
-// same from 16 + 4t: A and B permute k alike, so the dot is the block's.
-template <bool kE5M2>
-__device__ __forceinline__ void mma_fp8_block(float d[4], const uint32_t a[4], const uint32_t (&bh)[4]) {
-  const uint2 a0 = widen_fp8x4<kE5M2>(a[0]), a1 = widen_fp8x4<kE5M2>(a[1]), a2 = widen_fp8x4<kE5M2>(a[2]),
-              a3 = widen_fp8x4<kE5M2>(a[3]);
-  const uint32_t lo[4] = {a0.x, a1.x, a0.y, a1.y}, hi[4] = {a2.x, a3.x, a2.y, a3.y};
-  d[0] = d[1] = d[2] = d[3] = 0.0f;
-  mma_f16_16816(d, lo, bh[0], bh[1]);
-  mma_f16_16816(d, hi, bh[2], bh[3]);
+__device__ __forceinline__ void mma_fp8_block(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  if constexpr (kE5M2) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e5m2.e5m2.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+        "{%10,%10,%10,%10};\n"
+        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
+  }
 }
 
 // d += A.B for a 16x8 tile over 16 keys in bf16 (A: P rows, B: V columns), fp32 accumulate.

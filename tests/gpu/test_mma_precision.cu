@@ -21,9 +21,7 @@ __global__ void one_mma(const uint32_t* a, const uint32_t* b, float* d) {
   const int lane = threadIdx.x;
   uint32_t af[4] = {a[lane * 4], a[lane * 4 + 1], a[lane * 4 + 2], a[lane * 4 + 3]};
   float out[4];
-  uint32_t bh[4];
-  cuda::widen_b<false>(b[lane * 2], b[lane * 2 + 1], bh);
-  cuda::mma_fp8_block<false>(out, af, bh);
+  cuda::mma_fp8_block<false>(out, af, b[lane * 2], b[lane * 2 + 1]);
   for (int i = 0; i < 4; ++i) d[lane * 4 + i] = out[i];
 }
 
