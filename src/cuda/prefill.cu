@@ -78,17 +78,18 @@ __device__ __forceinline__ void scale_by_keys(float (&s)[BN / 2], const float* s
 // by up to ~1e-4 of sum|p|; one block of E2M1 values is exact. Measured against the oracle: <= 1e-3
 // rel. L2 (bench/RESULTS.md). A ping-pong variant of the per-block path (two accumulators in
 // flight) ran 3x slower than this serial one on the H200.
+// sq, sk: descriptors of the warpgroup's Q slot and the stage's K tile.
 template <int D, bool kE5M2>
-__device__ __forceinline__ void issue_chain(float (&s)[BN / 2], const uint8_t* sq, const uint8_t* sk) {
+__device__ __forceinline__ void issue_chain(float (&s)[BN / 2], wg::Desc sq, wg::Desc sk) {
   wg::fence();  // in the wgmmas' basic block: ptxas serialises every wgmma when it must insert one itself
 #pragma unroll
-  for (int c = 0; c < D / 32; ++c) wg::mma_fp8<BN, kE5M2>(s, wg::desc<D>(sq, c * 32), wg::desc<D>(sk, c * 32), c > 0);
+  for (int c = 0; c < D / 32; ++c) wg::mma_fp8<BN, kE5M2>(s, (sq + c * 32).u64(), (sk + c * 32).u64(), c > 0);
   wg::commit();
 }
 
 template <int D, bool kE5M2>
-__device__ __forceinline__ void scores_per_block(float (&s)[BN / 2], const uint8_t* sq, const float* sqs,
-                                                 const uint8_t* sk, const uint8_t* sks8, float scale, int t) {
+__device__ __forceinline__ void scores_per_block(float (&s)[BN / 2], wg::Desc sq, const float* sqs, wg::Desc sk,
+                                                 const uint8_t* sks8, float scale, int t) {
   constexpr int NB = D / 32;
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) s[i] = 0.0f;
@@ -100,7 +101,7 @@ __device__ __forceinline__ void scores_per_block(float (&s)[BN / 2], const uint8
 #pragma unroll
       for (int i = 0; i < BN / 4; ++i) part[i] = 0.0f;
       wg::fence();
-      wg::mma_fp8<BN / 2, kE5M2>(part, wg::desc<D>(sq, c * 32), wg::desc<D>(sk + half * (BN / 2) * D, c * 32), false);
+      wg::mma_fp8<BN / 2, kE5M2>(part, (sq + c * 32).u64(), (sk + (half * (BN / 2) * D + c * 32)).u64(), false);
       wg::commit();
       wg::wait<0>();
       wg::pin(part);
@@ -115,13 +116,12 @@ __device__ __forceinline__ void scores_per_block(float (&s)[BN / 2], const uint8
 }
 
 // O += bf16(P) . V over one key tile, 16 keys per wgmma; P's accumulator layout is the A-fragment
-// layout. Issued; the caller commits and awaits it.
+// layout. svt: the stage's V^T descriptor. Issued; the caller commits and awaits it.
 template <int D>
-__device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&a)[BN / 16][4], const uint8_t* svt) {
+__device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&a)[BN / 16][4], wg::Desc svt) {
   wg::fence();  // as in issue_chain
 #pragma unroll
-  for (int kc = 0; kc < BN / 16; ++kc)
-    wg::mma_bf16_rs<D>(o, a[kc], wg::desc<128>(svt + (kc / 4) * Smem<D>::kVHalf, (kc % 4) * 32));
+  for (int kc = 0; kc < BN / 16; ++kc) wg::mma_bf16_rs<D>(o, a[kc], (svt + ((kc / 4) * Smem<D>::kVHalf + (kc % 4) * 32)).u64());
 }
 
 // This warpgroup's 64 Q rows of both slots from the quantize pass's tensor-core form: FP8 bytes into
@@ -256,13 +256,16 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   int kuni_next = tiles > 0 ? k_uniform(0) : 0;
   // Each slot's element type in registers: indexing the parameter by slot cost a stalled constant load per tile (ncu).
   const bool e5m2_high = p.elem[0] == Elem::e5m2, e5m2_low = p.elem[1] == Elem::e5m2;
+  // wgmma descriptors of the warpgroup's Q slots and of stage 0's K and V^T (stage st: + st * kStage).
+  const wg::Desc dq0 = wg::make_desc<D>(sQ + wgi * 64 * D), dq1 = dq0 + S::kQK, dk0 = wg::make_desc<D>(sK(0)),
+                 dv0 = wg::make_desc<128>(sVt(0));
   for (int64_t j = 0; j < tiles; ++j) {
     const int slot = slot_of(j), st = int(j % kStages), prev = int((j + kStages - 1) % kStages);
     const int kuni_j = kuni_next;
     if (j + 1 < tiles) kuni_next = k_uniform(j + 1);
     const bool e5m2 = slot ? e5m2_low : e5m2_high;
     const bool folded = kuni_j != 0 && q_folded[slot][wgi];
-    const uint8_t* sq = sQ + slot * S::kQK + wgi * 64 * D;
+    const wg::Desc sq = slot ? dq1 : dq0, sk = dk0 + st * S::kStage;
     const float* sqs = sQs + (slot * BM + wgi * 64 + warp * 16 + g) * NB;
     tma::wait(&full[st], uint32_t(j / kStages) & 1);
 
@@ -273,10 +276,10 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     wg::bar_sync(me, kConsumers);
     if (folded) {  // S_j, then P_{j-1}.V_{j-1}; S_j's softmax runs while the latter executes
       if (e5m2)
-        issue_chain<D, true>(s, sq, sK(st));
+        issue_chain<D, true>(s, sq, sk);
       else
-        issue_chain<D, false>(s, sq, sK(st));
-      if (j > 0) issue_pv<D>(o, a, sVt(prev));
+        issue_chain<D, false>(s, sq, sk);
+      if (j > 0) issue_pv<D>(o, a, dv0 + prev * S::kStage);
       wg::commit();  // (an empty group at j = 0) so that one wait<1> retires S_j on every path
       if (wgi == 0 || j + 1 < tiles) wg::bar_arrive(other, kConsumers);
       wg::wait<1>();
@@ -286,14 +289,14 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       scale_by_keys(s, sKr(st), t);
     } else {
       if (j > 0) {
-        issue_pv<D>(o, a, sVt(prev));
+        issue_pv<D>(o, a, dv0 + prev * S::kStage);
         wg::commit();
       }
       if (wgi == 0 || j + 1 < tiles) wg::bar_arrive(other, kConsumers);
       if (e5m2)
-        scores_per_block<D, true>(s, sq, sqs, sK(st), sKb(st), p.scale, t);
+        scores_per_block<D, true>(s, sq, sqs, sk, sKb(st), p.scale, t);
       else
-        scores_per_block<D, false>(s, sq, sqs, sK(st), sKb(st), p.scale, t);  // s: scaled logits
+        scores_per_block<D, false>(s, sq, sqs, sk, sKb(st), p.scale, t);  // s: scaled logits
     }
 
     // Mask (tiles every row of the warp sees whole skip it), online softmax (fp32).
@@ -340,7 +343,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     }
   }
   if (tiles > 0) {  // the last tile's P.V
-    issue_pv<D>(o, a, sVt(int((tiles - 1) % kStages)));
+    issue_pv<D>(o, a, dv0 + int((tiles - 1) % kStages) * S::kStage);
     wg::commit();
     wg::wait<0>();
     wg::pin(o);

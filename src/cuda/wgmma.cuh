@@ -25,13 +25,26 @@ __device__ __forceinline__ uint32_t swizzled(uint32_t row, uint32_t byte) {
   return off ^ (((off >> 7) & (W / 16 - 1)) << 4);
 }
 
-// Matrix descriptor of a K-major swizzled tile starting at `smem` (+ k_bytes along K inside the
-// swizzle atom, which the hardware resolves through the same XOR). SBO = one 8-row group.
+// Matrix descriptor of a K-major swizzled tile starting at `smem`, as its two words: the low one holds
+// the start address (>> 4) and LBO, the high one SBO (one 8-row group) and the swizzle mode. A byte
+// offset (a multiple of 16: along K inside the swizzle atom, which the hardware resolves through the
+// same XOR, or whole 8-row groups) adds to the address field only, and shared memory is < 256 KB, so
+// that 14-bit field never carries: a descriptor built once before the loop costs each wgmma one add
+// (rebuilt per wgmma it cost five uniform instructions, ~12% of a tile's instructions: ncu, session 8).
+struct Desc {
+  uint32_t lo, hi;
+  __device__ __forceinline__ Desc operator+(uint32_t bytes) const { return {lo + (bytes >> 4), hi}; }
+  __device__ __forceinline__ uint64_t u64() const { return uint64_t(hi) << 32 | lo; }
+};
+template <int W>
+__device__ __forceinline__ Desc make_desc(const void* smem) {
+  const uint32_t addr = uint32_t(__cvta_generic_to_shared(smem));
+  const uint32_t mode = W == 128 ? 1 : 2;
+  return {((addr & 0x3FFFF) >> 4) | (1u << 16), uint32_t((8 * W) >> 4) | (mode << 30)};
+}
 template <int W>
 __device__ __forceinline__ uint64_t desc(const void* smem, uint32_t k_bytes = 0) {
-  const uint32_t addr = uint32_t(__cvta_generic_to_shared(smem)) + k_bytes;
-  const uint64_t mode = W == 128 ? 1 : 2;
-  return uint64_t((addr & 0x3FFFF) >> 4) | (uint64_t(1) << 16) | (uint64_t((8 * W) >> 4) << 32) | (mode << 62);
+  return (make_desc<W>(smem) + k_bytes).u64();
 }
 
 __device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
