@@ -9,7 +9,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <algorithm>
+#include <functional>
 #include <limits>
+#include <utility>
+#include <vector>
 
 #include "dmattn/attention.hpp"
 #include "dmattn/error.hpp"
@@ -54,6 +58,24 @@ void check_qkv(const Case& c, const QKV& x, DType dtype, double lse_tol = 2e-3) 
   const double tol = 2e-3;
   EXPECT_LE(cmp.rel_l2, tol) << c.name << " Hq=" << c.hq << " Hkv=" << c.hkv << " Nq=" << c.nq << " Nk=" << c.nk
                               << " d=" << c.d << " causal=" << c.causal << " " << dtype_name(dtype);
+  if (cmp.rel_l2 > tol) {  // where: the worst rows (head, row, its 128-row tile and 64-row warpgroup half)
+    std::vector<std::pair<double, size_t>> err(rows);
+    for (size_t i = 0; i < rows; ++i) {
+      double e = 0, n = 0;
+      for (int64_t k = 0; k < c.d; ++k) {
+        const double a = g[i * size_t(c.d) + size_t(k)], b = r[i * size_t(c.d) + size_t(k)];
+        e += (a - b) * (a - b);
+        n += b * b;
+      }
+      err[i] = {std::sqrt(e / std::max(n, 1e-30)), i};
+    }
+    std::sort(err.begin(), err.end(), std::greater<>());
+    for (size_t k = 0; k < std::min<size_t>(8, rows); ++k) {
+      const int64_t h = int64_t(err[k].second) / c.nq, row = int64_t(err[k].second) % c.nq, pos = row + c.nk - c.nq;
+      std::printf("  worst row: head %lld row %lld (tile %lld, half %lld) rel err %.3e\n", (long long)h, (long long)row,
+                  (long long)(pos / 128), (long long)(pos % 128 / 64), err[k].first);
+    }
+  }
   for (size_t i = 0; i < rows; ++i) {
     if (std::isinf(ref_lse[i]))
       ASSERT_EQ(got_lse[i], ref_lse[i]) << c.name << " row " << i;
