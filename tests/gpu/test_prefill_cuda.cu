@@ -8,6 +8,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <algorithm>
 #include <functional>
@@ -26,7 +27,13 @@ using namespace dmattn;
 namespace {
 
 
-uint64_t fresh_seed() { return uint64_t(std::chrono::steady_clock::now().time_since_epoch().count()); }
+// A new seed each run (DMATTN_TEST_SEED fixes it), printed so that a failure can be replayed.
+uint64_t fresh_seed() {
+  const char* env = std::getenv("DMATTN_TEST_SEED");
+  const uint64_t seed = env ? std::strtoull(env, nullptr, 10) : uint64_t(std::chrono::steady_clock::now().time_since_epoch().count());
+  std::printf("seed %llu (DMATTN_TEST_SEED replays it)\n", (unsigned long long)seed);
+  return seed;
+}
 
 struct Case {
   int64_t hq, hkv, nq, nk, d;
