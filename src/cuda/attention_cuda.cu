@@ -117,7 +117,7 @@ void dma_attention(const Problem& p) {
     pp.elem[s] = format_info(fmt[s]).elem;
   }
   // The quantize pass reads every element of Q and K once and flags NaN/Inf on the way. (Q quantized
-  // inside the prefill kernel instead was 7% slower at N = 16384: bench/RESULTS.md, session 8.)
+  // inside the prefill kernel instead was 5-12% slower at N = 16384: bench/RESULTS.md, session 8.)
   quantize_rows(p.q, p.policy.scale_rule, qt[0], nslots == 2 ? qt[1] : QuantTarget{}, stream, flags);
   quantize_rows(p.k, p.policy.scale_rule, kt[0], nslots == 2 ? kt[1] : QuantTarget{}, stream, flags + 1);
   pp.nslots = nslots;

@@ -1,5 +1,6 @@
-// The MX block encoder shared by the GPU quantize pass (quantize.cu) and the prefill kernel's
-// in-kernel Q: bit-identical to the CPU codec (dmattn/mx_codec.hpp), checked by GpuQuantize.
+// The MX block encoder of the GPU quantize pass (quantize.cu): bit-identical to the CPU codec
+// (dmattn/mx_codec.hpp), checked by GpuQuantize. (The prefill kernel used it for an in-kernel Q in
+// session 7; that was slower than the pass and was removed, bench/RESULTS.md session 8.)
 #pragma once
 #include <type_traits>
 
@@ -45,8 +46,7 @@ __device__ __forceinline__ uint8_t fp8_byte(uint8_t code) {
 // non-finite flag the caller has combined: the block's E8M0 scale (returned) and the element codes;
 // with fp8_bytes, the codes as FP8 bytes, and with fold as well, shifted to the largest scale of the
 // row's row_lanes lanes where every block of the row stays exact (then all its blocks return that
-// scale). Every lane of the warp must call it (shuffles). quantize_rows and the prefill kernel's
-// in-kernel Q both use it: one spelling of the block rule next to the CPU codec's.
+// scale). Every lane of the warp must call it (shuffles).
 template <Elem E>
 __device__ __forceinline__ uint8_t encode_lane(ScaleRule rule, const float (&v)[kPerLane], float amax, bool bad,
                                                bool fp8_bytes, bool fold, int row_lanes, uint8_t (&codes)[kPerLane]) {
