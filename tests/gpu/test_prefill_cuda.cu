@@ -43,19 +43,32 @@ struct Case {
 };
 
 
-// lse_tol: relative LSE tolerance; the default suits logits of ordinary size (see below).
-void check_qkv(const Case& c, const QKV& x, DType dtype, double lse_tol = 2e-3) {
+// The oracle's and the kernel's outputs (fp32) and LSEs for one case; the kernel's output and LSE
+// are poisoned (NaN) before the launch.
+struct Pair {
+  std::vector<float> ref, got, ref_lse, got_lse;
+};
+
+Pair run_pair(const Case& c, const QKV& x) {
   AttentionOptions o;
   o.causal = c.causal;
   o.policy = c.policy;
   HostTensor ref(DType::f32, x.q.shape()), got(DType::f32, x.q.shape());
   const size_t rows = size_t(c.hq * c.nq);
-  std::vector<float> ref_lse(rows), got_lse(rows, std::numeric_limits<float>::quiet_NaN());
-  attention(x.q.view(), x.k.view(), x.v.view(), ref.view(), ref_lse.data(), o);
+  Pair r{{}, {}, std::vector<float>(rows), std::vector<float>(rows, std::numeric_limits<float>::quiet_NaN())};
+  attention(x.q.view(), x.k.view(), x.v.view(), ref.view(), r.ref_lse.data(), o);
   std::vector<float> poison(size_t(got.numel()), std::numeric_limits<float>::quiet_NaN());
   std::memcpy(got.bytes(), poison.data(), got.nbytes());  // staged to the device as the poisoned output
-  attention_on_device(x.q.view(), x.k.view(), x.v.view(), got.view(), got_lse.data(), o);
-  const std::vector<float> r = ref.to_floats(), g = got.to_floats();
+  attention_on_device(x.q.view(), x.k.view(), x.v.view(), got.view(), r.got_lse.data(), o);
+  r.ref = ref.to_floats();
+  r.got = got.to_floats();
+  return r;
+}
+
+void check_qkv(const Case& c, const QKV& x, DType dtype) {
+  const size_t rows = size_t(c.hq * c.nq);
+  const Pair pr = run_pair(c, x);
+  const std::vector<float>&r = pr.ref, &g = pr.got, &ref_lse = pr.ref_lse, &got_lse = pr.got_lse;
   const Comparison cmp = compare(g, r);
   std::printf("%-32s %-8s rel_l2 %.3e\n", c.name, std::string(dtype_name(dtype)).c_str(), cmp.rel_l2);
   EXPECT_EQ(cmp.nan_count, 0) << c.name;
@@ -87,11 +100,9 @@ void check_qkv(const Case& c, const QKV& x, DType dtype, double lse_tol = 2e-3) 
     if (std::isinf(ref_lse[i]))
       ASSERT_EQ(got_lse[i], ref_lse[i]) << c.name << " row " << i;
     else
-      ASSERT_NEAR(got_lse[i], ref_lse[i], float(lse_tol) * (1 + std::fabs(ref_lse[i]))) << c.name << " row " << i;
+      ASSERT_NEAR(got_lse[i], ref_lse[i], 2e-3f * (1 + std::fabs(ref_lse[i]))) << c.name << " row " << i;
   }
 }
-
-}  // namespace
 
 void check_case(const Case& c, DType dtype, uint64_t seed) {
   check_qkv(c, random_qkv({1, c.hq, c.hkv, c.nq, c.nk, c.d}, seed, dtype), dtype);
@@ -131,28 +142,83 @@ TEST(GpuPrefill, MatchesCpuOracle) {
   for (size_t i = 0; i < std::size(cases); ++i) check_case(cases[i], i % 3 == 0 ? DType::f16 : DType::f32, seed + i);
 }
 
+// Scales every 32-element block of the chosen rows outside [lo, hi) by f (r: the row within its head).
+HostTensor spread(const HostTensor& t, int64_t d, int64_t n, int64_t lo, int64_t hi, float f, bool (*chosen)(int64_t r)) {
+  std::vector<float> v = t.to_floats();
+  for (size_t r = 0; r < v.size() / size_t(d); ++r)
+    if (chosen(int64_t(r) % n))
+      for (int64_t i = lo; i < hi; ++i) v[r * size_t(d) + size_t(i)] *= f;
+  return HostTensor::from_floats(v, t.shape());
+}
+// Q: every 5th row of every other 64-row warpgroup; K: every 11th key of every third tile.
+bool q_chosen(int64_t r) { return (r / 64) % 2 == 0 && r % 5 == 0; }
+bool k_chosen(int64_t r) { return (r / 128) % 3 == 0 && r % 11 == 0; }
+const Policy kSpreadPolicies[] = {Policy{}, Policy::all(Format::mxfp4), Policy{Format::mxfp8_e4m3, Format::mxfp4, 2, 1}};
+
+}  // namespace
+
 // Rows whose 32-blocks differ in magnitude by 2^10 cannot fold their scales into FP8 codes, so
 // their tiles take the per-block path while the others run folded: every mix must match the oracle.
+// The chosen rows shrink blocks (Q: all but [32, 64); K: [32, 64)) rather than grow them, so that
+// every logit stays of ordinary size and the comparison stays well conditioned (LargeLogitsStayFiniteAndBounded has the grown rows).
 TEST(GpuPrefill, MatchesCpuOracleWhereScalesDoNotFold) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const uint64_t seed = fresh_seed();
   for (int64_t d : {64, 128}) {
-    const QKV x = random_qkv({1, 4, 2, 700, 700, d}, seed + d, DType::f32);
-    auto spread = [&](const HostTensor& t, auto row_spreads) {
-      std::vector<float> v = t.to_floats();
-      for (size_t r = 0; r < v.size() / size_t(d); ++r)
-        if (row_spreads(r % 700))
-          for (int64_t i = 32; i < 64; ++i) v[r * size_t(d) + size_t(i)] *= 1024.0f;
-      return HostTensor::from_floats(v, t.shape());
-    };
-    // Q: every 5th row of every other 64-row warpgroup; K: every 11th key of every third tile.
-    const QKV y{spread(x.q, [](size_t r) { return (r / 64) % 2 == 0 && r % 5 == 0; }),
-                spread(x.k, [](size_t r) { return (r / 128) % 3 == 0 && r % 11 == 0; }), HostTensor::copy_of(x.v.view())};
-    // Spread rows meet spread keys with logits in the thousands; there an E4M3 block's wgmma sum
-    // is off by ~1e-3 of its largest product, which reaches the LSE (measured: 2353.6 vs 2336.6 on
-    // an H100), while the outputs stay within the usual bound. LSE is held to 2e-2 here.
-    for (const Policy& pol : {Policy{}, Policy::all(Format::mxfp4), Policy{Format::mxfp8_e4m3, Format::mxfp4, 2, 1}})
-      check_qkv({4, 2, 700, 700, d, true, pol, "unfoldable rows"}, y, DType::f32, 2e-2);
+    const QKV x = random_qkv({1, 4, 2, 700, 700, d}, seed + uint64_t(d), DType::f32);
+    const float shrink = 1.0f / 1024;
+    const HostTensor q = spread(spread(x.q, d, 700, 0, 32, shrink, q_chosen), d, 700, 64, d, shrink, q_chosen);
+    const QKV y{HostTensor::copy_of(q.view()), spread(x.k, d, 700, 32, 64, shrink, k_chosen), HostTensor::copy_of(x.v.view())};
+    for (const Policy& pol : kSpreadPolicies) check_qkv({4, 2, 700, 700, d, true, pol, "unfoldable rows"}, y, DType::f32);
+  }
+}
+
+// The same rows grown instead (x1024 on [32, 64) of Q and K): chosen rows meet chosen keys with
+// logits near 1e5..1e6. Hopper's FP8 wgmma sums are off by up to ~3e-4 of sum|p|
+// (GpuMma.WgmmaFp8DotPrecision), which moves such a logit by tens to hundreds: near-ties between a
+// row's largest logits then resolve differently from the exact-sum oracle, and a block whose dot
+// cancels (one seed: a quantized logit of 176 out of sum|p| ~ 3e5) moves the LSE by 16. On an H200,
+// 12 of 226 seeds broke the oracle bounds (bench/RESULTS.md, session 9). What must hold regardless:
+// finite outputs inside the range of V over the keys a row sees (softmax weights are a convex
+// combination; P and V enter P.V as bf16, hence 1%), and an LSE within the error model's reach:
+// |lse - oracle| <= 2e-3 (1 + |oracle|) + 1e-3 * scale * max_k sum_i |q_i k_i| (3x the measured worst).
+TEST(GpuPrefill, LargeLogitsStayFiniteAndBounded) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const uint64_t seed = fresh_seed();
+  for (int64_t d : {64, 128}) {
+    const int64_t n = 700;
+    const QKV x = random_qkv({1, 4, 2, n, n, d}, seed + uint64_t(d), DType::f32);
+    const QKV y{spread(x.q, d, n, 32, 64, 1024.0f, q_chosen), spread(x.k, d, n, 32, 64, 1024.0f, k_chosen),
+                HostTensor::copy_of(x.v.view())};
+    const std::vector<float> q = y.q.to_floats(), k = y.k.to_floats(), v = y.v.to_floats();
+    const double scale = 1.0 / std::sqrt(double(d));
+    for (const Policy& pol : kSpreadPolicies) {
+      const Case c{4, 2, n, n, d, true, pol, "large logits"};
+      const Pair pr = run_pair(c, y);
+      for (int64_t h = 0; h < c.hq; ++h) {
+        const size_t kv = size_t(h / (c.hq / c.hkv) * n * d);
+        std::vector<float> lo(size_t(d), INFINITY), hi(size_t(d), -INFINITY);  // V's range over the keys row i sees
+        for (int64_t i = 0; i < n; ++i) {
+          const size_t row = size_t(h * n + i);
+          double mag = 0;  // max over the visible keys of scale * sum |q_i k_i|
+          for (int64_t j = 0; j <= i; ++j) {
+            double m = 0;
+            for (int64_t t = 0; t < d; ++t) m += std::fabs(double(q[row * size_t(d) + size_t(t)]) * k[kv + size_t(j * d + t)]);
+            mag = std::max(mag, m * scale);
+          }
+          for (int64_t t = 0; t < d; ++t) {
+            lo[size_t(t)] = std::min(lo[size_t(t)], v[kv + size_t(i * d + t)]);
+            hi[size_t(t)] = std::max(hi[size_t(t)], v[kv + size_t(i * d + t)]);
+            const float o = pr.got[row * size_t(d) + size_t(t)], m = 1e-2f * std::max(std::fabs(lo[size_t(t)]), std::fabs(hi[size_t(t)]));
+            ASSERT_TRUE(o >= lo[size_t(t)] - m && o <= hi[size_t(t)] + m)
+                << pol.describe() << " head " << h << " row " << i << " col " << t << ": " << o << " outside ["
+                << lo[size_t(t)] << ", " << hi[size_t(t)] << "]";
+          }
+          ASSERT_NEAR(pr.got_lse[row], pr.ref_lse[row], 2e-3 * (1 + std::fabs(pr.ref_lse[row])) + 1e-3 * mag)
+              << pol.describe() << " head " << h << " row " << i;
+        }
+      }
+    }
   }
 }
 
