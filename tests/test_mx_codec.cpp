@@ -2,8 +2,10 @@
 // properties: round trip, nearest with ties to even, saturation; and the block scale rules.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
+#include <thread>
 #include <vector>
 
 #include "dmattn/mx_codec.hpp"
@@ -169,6 +171,48 @@ TEST(MxCodec, SaturatesAndHandlesSpecials) {
       EXPECT_EQ(nan_dec, 0.0f);
   }
   EXPECT_EQ(encode_elem(Elem::e4m3, 470.0f), 0x7E);  // would round to 480, the NaN code: saturates
+}
+
+// The GPU pass's branch-free E2M1 encoder against the codec's, on all 2^32 float bit patterns.
+TEST(MxCodec, FastE2M1EqualsTheCodecOnEveryFloat) {
+  constexpr int kParts = 4;  // threads over the 2^32 patterns (~20 s in one)
+  std::vector<uint64_t> mismatches(kParts, 0), first(kParts, 0);
+  std::vector<std::thread> workers;
+  for (int t = 0; t < kParts; ++t)
+    workers.emplace_back([&, t] {
+      for (uint64_t i = uint64_t(t) << 30; i < uint64_t(t + 1) << 30; ++i) {
+        const float x = hd::float_of(uint32_t(i));
+        if (encode_e2m1_fast(x) != encode_e2m1(x) && mismatches[size_t(t)]++ == 0) first[size_t(t)] = i;
+      }
+    });
+  for (std::thread& w : workers) w.join();
+  for (int t = 0; t < kParts; ++t) EXPECT_EQ(mismatches[size_t(t)], 0u) << "first at bits 0x" << std::hex << first[size_t(t)];
+}
+
+// choose_e8m0's bit-level fast path against the definition (ilogb, ldexp), every rule and element
+// type, on a stride through all positive floats (normals, subnormals, and their edges).
+TEST(MxScale, ChoiceEqualsTheDefinitionOnAStrideOfFloats) {
+  int64_t checked = 0;
+  for (uint64_t i = 1; i < 0x7F800000ull; i += (i < 0x01000000ull ? 61 : 7919)) {
+    const float a = hd::float_of(uint32_t(i));
+    for (Elem e : {Elem::e4m3, Elem::e5m2, Elem::e3m2, Elem::e2m3, Elem::e2m1})
+      for (ScaleRule rule : {ScaleRule::ocp, ScaleRule::ceil}) {
+        const ElemSpec s = elem_spec(e);
+        int x = std::ilogb(a) - s.emax;
+        if (rule == ScaleRule::ceil && std::ldexp(a, -x) > s.max) ++x;
+        x = std::clamp(x, -127, 127);
+        ASSERT_EQ(choose_e8m0(a, e, rule), uint8_t(x + 127)) << a << " " << int(e) << " " << int(rule);
+        ++checked;
+      }
+  }
+  EXPECT_GT(checked, 2000000);
+}
+
+TEST(MxScale, InverseIsTheReciprocalOfEveryCode) {
+  for (int c = 0; c < 255; ++c) {
+    EXPECT_EQ(inverse_e8m0(uint8_t(c)), hd::ldexp2(1.0f, 127 - c)) << c;
+    EXPECT_EQ(inverse_e8m0(uint8_t(c)) * decode_e8m0(uint8_t(c)), 1.0f) << c;
+  }
 }
 
 TEST(MxScale, OcpRuleIsFloorLog2MinusEmax) {

@@ -69,6 +69,29 @@ DMATTN_HD uint8_t encode_e2m1(float x) {
   return uint8_t(((hd::bits_of(x) >> 31) ? 8 : 0) | c);
 }
 
+// The same function without comparisons or branches, for the GPU quantize pass (tested equal on
+// every float: MxCodec.FastE2M1EqualsTheCodecOnEveryFloat). The magnitude code of a non-NaN |x|
+// (its bits b): E2M1's grid step is 2^(e-1) for |x| in [2^e, 2^(e+1)), e = 0..2 (0.5 below 1 as
+// well), which is the ulp of M = 2^(e+22); so one fp32 addition |x| + M rounds |x| to the grid, ties
+// to even as the hardware adds, and the sum's bits above M's count the steps n. The code is
+// n + 2e, saturated at 7 (e clamped to 3 keeps M finite and every |x| >= 8 above 7).
+DMATTN_HD uint32_t e2m1_magnitude_code(uint32_t b) {
+  uint32_t eb = b & 0x7F800000u;  // 2^e's exponent field
+  eb = eb < 0x3F800000u ? 0x3F800000u : eb > 0x41000000u ? 0x41000000u : eb;
+  const uint32_t m = eb + (22u << 23);
+#if defined(__CUDA_ARCH__)
+  const float sum = __fadd_rn(hd::float_of(b), hd::float_of(m));  // never contracted into an FMA
+#else
+  const float sum = hd::float_of(b) + hd::float_of(m);
+#endif
+  const uint32_t c = hd::bits_of(sum) - m + ((m >> 22) - 298u);  // n + 2e
+  return c < 7u ? c : 7u;
+}
+DMATTN_HD uint8_t encode_e2m1_fast(float x) {
+  const uint32_t u = hd::bits_of(x);
+  return hd::is_nan(x) ? uint8_t(0) : uint8_t(((u >> 28) & 8u) | e2m1_magnitude_code(u & 0x7FFFFFFFu));
+}
+
 DMATTN_HD uint8_t encode_elem(const ElemSpec& s, float x) {
   if (s.ebits == 2 && s.mbits == 1) return encode_e2m1(x);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
@@ -115,14 +138,28 @@ DMATTN_HD float decode_e8m0(uint8_t code) {
   return hd::float_of(code == 0 ? 0x00400000u : uint32_t(code) << 23);
 }
 
+// 1 / 2^(code - 127) = 2^(127 - code) for a non-NaN code, from its bits: the factor that brings a
+// block's values to element range (code 254 gives the subnormal 2^-127, exact).
+DMATTN_HD float inverse_e8m0(uint8_t code) {
+  return hd::float_of(code < 254 ? uint32_t(254 - code) << 23 : 0x00400000u);
+}
+
 // The E8M0 scale code for a block whose largest magnitude is `amax` (NaN or Inf amax -> NaN
 // scale; an all-zero block gets the smallest scale, 2^-127).
 DMATTN_HD uint8_t choose_e8m0(float amax, Elem e, ScaleRule rule) {
   if (!hd::is_finite(amax)) return kE8M0NaN;
   if (amax == 0.0f) return 0;
   const ElemSpec s = elem_spec(e);
-  int x = hd::ilog2(amax) - s.emax;
-  if (rule == ScaleRule::ceil && hd::ldexp2(amax, -x) > s.max) ++x;
+  const uint32_t b = hd::bits_of(amax);
+  int x;
+  if (b - 0x00800000u < 0x7F000000u) {  // positive normal (the GPU pass's case): from the bits alone
+    x = int(b >> 23) - 127 - s.emax;
+    // amax / 2^x has amax's significand: above max exactly where the mantissa bits are.
+    if (rule == ScaleRule::ceil && (b & 0x7FFFFFu) > (hd::bits_of(s.max) & 0x7FFFFFu)) ++x;
+  } else {
+    x = hd::ilog2(amax) - s.emax;
+    if (rule == ScaleRule::ceil && hd::ldexp2(amax, -x) > s.max) ++x;
+  }
   if (x < -127) x = -127;
   if (x > 127) x = 127;
   return uint8_t(x + 127);

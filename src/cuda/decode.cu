@@ -89,19 +89,7 @@ __device__ __forceinline__ int d_of_slot(int k) { return 8 * ((k % 16) / 4) + 4 
 // E2M1 pages run on the FP8 tensor cores with their codes widened to E4M3 bytes (exact): the
 // products of two E2M1 values are multiples of 1/4 below 37 and a 32-term sum stays below 2^11, so
 // the mma's sum is exact (GpuMma.Fp8BlockDotPrecision asserts it) and equals the oracle's.
-// Four codes (low 16 bits, low nibble first) -> four E4M3 bytes: the magnitude by a byte permute of
-// the 8-entry table, the sign by a permute in its sign-replicating mode (nibble i's sign bit lands
-// on the top bit of the byte it selects).
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {  // PTX prmt, sign mode included
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
-}
-__device__ __forceinline__ uint32_t e2m1x4_to_e4m3x4(uint32_t x) {
-  const uint32_t mag = prmt(0x3C383000u, 0x4C484440u, x & 0x7777u);  // 0 .5 1 1.5 | 2 3 4 6
-  const uint32_t neg = prmt(x << 4, x, 0xD9C8u);                      // 0xFF where the code is negative
-  return mag | (neg & 0x80808080u);
-}
+// (fp8.cuh: e2m1x4_to_e4m3x4 widens four codes a word.)
 
 // The E8M0 scale code in byte c of `word` as a float. Cache pages hold no NaN scale (append rejects
 // non-finite input) and code 0 (2^-127) only scales all-zero blocks, so the plain exponent field is

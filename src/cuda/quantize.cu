@@ -44,19 +44,15 @@ struct Lanes {
 template <Elem E>
 __device__ __forceinline__ void emit(const QuantTarget& q, ScaleRule rule, const float (&v)[kPerLane], float amax,
                                      bool bad, const Lanes& l) {
-  uint8_t codes[kPerLane];
-  const uint8_t sc = encode_lane<E>(rule, v, amax, bad, q.fp8_bytes, q.fold, l.row_lanes, codes);
+  uint2 w;
+  const uint8_t sc = encode_lane<E>(rule, v, amax, bad, q.fp8_bytes, q.fold, l.row_lanes, w);
   if (l.active) {
     const int64_t d = l.nblk * kBlock;
-    const int64_t first = int64_t(l.row) * d + int64_t(l.c) * kBlock + l.part * kPerLane;  // element index of codes[0]
-    if (E == Elem::e2m1 && !q.fp8_bytes) {
-      uint32_t w = 0;
-#pragma unroll
-      for (int i = 0; i < kPerLane; ++i) w |= uint32_t(codes[i]) << (4 * i);
-      *reinterpret_cast<uint32_t*>(q.codes + first / 2) = w;
-    } else {
-      *reinterpret_cast<uint2*>(q.codes + first) = pack8(codes);
-    }
+    const int64_t first = int64_t(l.row) * d + int64_t(l.c) * kBlock + l.part * kPerLane;  // element index of w's first code
+    if (E == Elem::e2m1 && !q.fp8_bytes)
+      *reinterpret_cast<uint32_t*>(q.codes + first / 2) = w.x;
+    else
+      *reinterpret_cast<uint2*>(q.codes + first) = w;
     // With row scales, the block scales take the same padded row layout: [B*H][row_pad][d/32].
     if (l.part == 0)
       q.scales[q.row_scale ? (int64_t(l.bh) * q.row_pad + l.n) * l.nblk + l.c : int64_t(l.row) * l.nblk + l.c] = sc;

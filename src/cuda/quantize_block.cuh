@@ -13,84 +13,99 @@ namespace dmattn::cuda {
 // Four lanes share one 32-block, eight consecutive elements each.
 constexpr int kPerLane = 8;
 
-// The storage code of a scaled value (the codec's encode_elem: FP8 by the hardware conversion,
-// E2M1 by its midpoint count, FP6 by the generic rounding), and the FP8 byte holding a code's value
-// (E5M2 for E5M2, E4M3 for every other element). Compile-time element types keep the per-element
-// work to a few instructions: the runtime spec of the generic codec cost ~5x the memory time.
-template <Elem E>
-__device__ __forceinline__ uint8_t elem_code(float s) {
-  if constexpr (E == Elem::e4m3 || E == Elem::e5m2)
-    return fp8_encode<E == Elem::e5m2>(s);
-  else if constexpr (E == Elem::e2m1)
-    return encode_e2m1(s);
-  else
-    return encode_elem(elem_spec(E), s);
+// A lane's eight codes, packed: E2M1 nibbles in x (low nibble first) unless as FP8 bytes; else
+// eight bytes, element 0 in the low byte of x. Packed words let the conversions run two (FP8) or
+// four (E2M1 -> E4M3 bytes) elements an instruction, and keep branches out of the element loop: the
+// per-element encoder with a branch per element cost ~50 instructions an element (session 9 SASS).
+//
+// f16x2 multiply, round to nearest, subnormals kept (no .ftz): the fold's shift below.
+__device__ __forceinline__ uint32_t hmul2_rn(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
 }
 
-template <Elem E>
-__device__ __forceinline__ uint8_t fp8_byte(uint8_t code) {
-  if constexpr (E == Elem::e4m3 || E == Elem::e5m2) {
-    return code;
-  } else if constexpr (E == Elem::e2m1) {
-    // E2M1 magnitudes 0, 0.5, then 2^((m>>1)-1) * (1 + (m&1)/2): E4M3 exponent field (m>>1)+6,
-    // mantissa (m&1)<<2.
-    const int m = code & 7;
-    const int mag = m == 0 ? 0 : m == 1 ? 0x30 : (((m >> 1) + 6) << 3) | ((m & 1) << 2);
-    return uint8_t(((code & 8) << 4) | mag);
-  } else {
-    return fp8_encode<false>(decode_elem(E, code));
+// Four FP8 bytes shifted by 2^k (f16x2 holding 2^k in both halves), and whether every shifted value
+// stays exact. Every FP8 value is an f16 value (E5M2 shares f16's exponent range), so each product
+// is exact in f16 whenever it is an FP8 value at all (nonzero FP8 values are >= 2^-16 with <= 4
+// significant bits); one that is not either fails the round trip through FP8 or has rounded to zero
+// in f16, which the nonzero test catches.
+template <bool kE5M2>
+__device__ __forceinline__ uint32_t shift_fp8x4(uint32_t w, uint32_t scale2, bool& exact) {
+  uint32_t out = 0;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const uint32_t x = fp8x2_to_f16x2<kE5M2>(w >> (16 * h));
+    const uint32_t y = hmul2_rn(x, scale2);
+    const uint32_t f = f16x2_to_fp8x2<kE5M2>(y);
+    const uint32_t xm = x & 0x7FFF7FFFu, ym = y & 0x7FFF7FFFu;
+    exact &= fp8x2_to_f16x2<kE5M2>(f) == y && ((xm & 0xFFFFu) == 0 || (ym & 0xFFFFu) != 0) && ((xm >> 16) == 0 || (ym >> 16) != 0);
+    out |= f << (16 * h);
   }
+  return out;
 }
 
 // One lane's share (kPerLane elements) of a 32-block held by 4 consecutive lanes, whose amax and
-// non-finite flag the caller has combined: the block's E8M0 scale (returned) and the element codes;
-// with fp8_bytes, the codes as FP8 bytes, and with fold as well, shifted to the largest scale of the
-// row's row_lanes lanes where every block of the row stays exact (then all its blocks return that
-// scale). Every lane of the warp must call it (shuffles).
+// non-finite flag the caller has combined: the block's E8M0 scale (returned) and the packed codes
+// (above); with fp8_bytes, the codes as FP8 bytes (E5M2 for E5M2, E4M3 for every other element,
+// which holds its values exactly), and with fold as well, shifted to the largest scale of the row's
+// row_lanes lanes where every block of the row stays exact (then all its blocks return that
+// scale). Bit-identical to the codec (GpuQuantize). Every lane of the warp must call it (shuffles).
 template <Elem E>
 __device__ __forceinline__ uint8_t encode_lane(ScaleRule rule, const float (&v)[kPerLane], float amax, bool bad,
-                                               bool fp8_bytes, bool fold, int row_lanes, uint8_t (&codes)[kPerLane]) {
+                                               bool fp8_bytes, bool fold, int row_lanes, uint2& w) {
   constexpr bool kE5M2 = E == Elem::e5m2;
   uint8_t sc = bad ? kE8M0NaN : choose_e8m0(amax, E, rule);
-  // 2^-X as one factor (2^-127 is subnormal but exact): a product by a power of two rounds once,
-  // exactly like the codec's ldexp.
-  const float inv = hd::ldexp2(1.0f, 127 - int(sc));
+  // 2^-X as one factor: a product by a power of two rounds once, exactly like the codec's ldexp.
+  const float inv = inverse_e8m0(sc);
+  if constexpr (E == Elem::e4m3 || E == Elem::e5m2) {
+    uint32_t p[4];
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    codes[i] = sc == kE8M0NaN ? uint8_t(0) : elem_code<E>(v[i] * inv);
-    if (fp8_bytes) codes[i] = fp8_byte<E>(codes[i]);
+    for (int i = 0; i < 4; ++i) p[i] = fp8x2_encode<kE5M2>(v[2 * i] * inv, v[2 * i + 1] * inv);
+    w = make_uint2(p[0] | p[1] << 16, p[2] | p[3] << 16);
+  } else if constexpr (E == Elem::e2m1) {
+    // encode_e2m1_fast without its NaN test (a non-finite block's codes are zeroed below), the sign
+    // moved straight from bit 31 to bit 4i + 3.
+    uint32_t n = 0;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const uint32_t u = __float_as_uint(v[i] * inv);
+      n += e2m1_magnitude_code(u & 0x7FFFFFFFu) << (4 * i);
+      n |= (u >> (28 - 4 * i)) & (8u << (4 * i));
+    }
+    w = fp8_bytes ? make_uint2(e2m1x4_to_e4m3x4(n), e2m1x4_to_e4m3x4(n >> 16)) : make_uint2(n, 0u);
+  } else {  // FP6: the codec's generic rounding, one byte a code
+    const ElemSpec spec = elem_spec(E);
+    uint32_t p[2] = {0, 0};
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      uint8_t c = encode_elem(spec, v[i] * inv);
+      if (fp8_bytes) c = fp8_encode<false>(decode_elem(E, c));
+      p[i / 4] |= uint32_t(c) << (8 * (i % 4));
+    }
+    w = make_uint2(p[0], p[1]);
   }
+  if (sc == kE8M0NaN) w = make_uint2(0u, 0u);  // the NaN scale carries the block; its codes are zeros
   if (fold) {  // uniform across the grid: every lane takes part in the shuffles
     int smax = sc;
     for (int s = 4; s < row_lanes; s <<= 1) smax = max(smax, __shfl_xor_sync(0xffffffffu, smax, s));
     const int k = int(sc) - smax;  // <= 0: this block's values shift down by 2^k
-    // FP8 values are >= 2^-16 in magnitude, so a shift below 2^-24 cannot stay representable.
-    const float shift = k >= -24 ? hd::ldexp2(1.0f, k) : 0.0f;
-    uint8_t folded[kPerLane];
     bool exact = !bad && smax != kE8M0NaN;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const float value = fp8_decode<kE5M2>(codes[i]);
-      const float shifted = value * shift;
-      folded[i] = fp8_encode<kE5M2>(shifted);
-      exact &= value == 0.0f || (k >= -24 && fp8_decode<kE5M2>(folded[i]) == shifted);
+    uint2 f = w;
+    if (k < -24) {  // below 2^-24 no nonzero FP8 value stays representable (nor is 2^k an f16)
+      exact &= ((w.x | w.y) & 0x7F7F7F7Fu) == 0;
+    } else if (k < 0) {
+      const uint32_t h = k >= -14 ? uint32_t(15 + k) << 10 : 1u << (24 + k);  // 2^k as f16 bits
+      const uint32_t scale2 = h | h << 16;
+      f = make_uint2(shift_fp8x4<kE5M2>(w.x, scale2, exact), shift_fp8x4<kE5M2>(w.y, scale2, exact));
     }
     for (int s = 1; s < row_lanes; s <<= 1) exact &= __shfl_xor_sync(0xffffffffu, int(exact), s) != 0;
     if (exact) {
-#pragma unroll
-      for (int i = 0; i < kPerLane; ++i) codes[i] = folded[i];
+      w = f;
       sc = uint8_t(smax);
     }
   }
   return sc;
-}
-
-// A lane's eight code bytes as one 8-byte word (little-endian: codes[0] first).
-__device__ __forceinline__ uint2 pack8(const uint8_t (&codes)[kPerLane]) {
-  uint2 w;
-  w.x = uint32_t(codes[0]) | uint32_t(codes[1]) << 8 | uint32_t(codes[2]) << 16 | uint32_t(codes[3]) << 24;
-  w.y = uint32_t(codes[4]) | uint32_t(codes[5]) << 8 | uint32_t(codes[6]) << 16 | uint32_t(codes[7]) << 24;
-  return w;
 }
 
 // The block's amax and whether it holds NaN/Inf, combined over its 4 lanes (every lane calls it).
