@@ -109,19 +109,16 @@ __device__ __forceinline__ uint8_t encode_lane(ScaleRule rule, const float (&v)[
 }
 
 // The block's amax and whether it holds NaN/Inf, combined over its 4 lanes (every lane calls it).
+// On magnitude bits, unsigned order is float order and Inf and NaN sit above every finite value: one
+// integer max per element and one shuffle chain give both.
 __device__ __forceinline__ void block_stats(const float (&v)[kPerLane], float& amax, bool& bad) {
-  amax = 0.0f;
-  bad = false;
+  uint32_t m = 0;
 #pragma unroll
-  for (int i = 0; i < kPerLane; ++i) {
-    bad |= !hd::is_finite(v[i]);
-    amax = fmaxf(amax, hd::abs_f(v[i]));
-  }
+  for (int i = 0; i < kPerLane; ++i) m = max(m, __float_as_uint(v[i]) & 0x7FFFFFFFu);
 #pragma unroll
-  for (int s = 1; s < 4; s <<= 1) {
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
-    bad |= __shfl_xor_sync(0xffffffffu, int(bad), s) != 0;
-  }
+  for (int s = 1; s < 4; s <<= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, s));
+  bad = m >= 0x7F800000u;
+  amax = __uint_as_float(m);
 }
 
 // Whether every block of the row (its row_lanes lanes, 4 a block) has the scale code sc (every lane
