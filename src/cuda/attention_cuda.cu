@@ -96,6 +96,7 @@ void dma_attention(const Problem& p) {
   PrefillParams pp{};
   const int64_t q_rows = p.B * p.Hq * p.Nq, k_rows = p.B * p.Hkv * p.Nk;
   QuantTarget qt[2], kt[2];
+  float* kts[2] = {nullptr, nullptr};  // per key tile: its one key scale (fold_key_tiles) or 0
   const int64_t k_tiles = p.B * p.Hkv * (ldv / kTile);
   for (int s = 0; s < nslots; ++s) {
     uint8_t* q8 = buf.alloc<uint8_t>(size_t(q_rows * d));
@@ -112,6 +113,8 @@ void dma_attention(const Problem& p) {
     kt[s] = {fmt[s], k8, ks, true, true, krs, ldv, kuni};
     pp.krs[s] = krs;
     pp.kuni[s] = kuni;
+    kts[s] = buf.alloc<float>(size_t(k_tiles) * sizeof(float));
+    pp.kts[s] = kts[s];
     pp.k8[s] = k8;
     pp.ks[s] = ks;
     pp.elem[s] = format_info(fmt[s]).elem;
@@ -120,6 +123,9 @@ void dma_attention(const Problem& p) {
   // inside the prefill kernel instead was 5-12% slower at N = 16384: bench/RESULTS.md, session 8.)
   quantize_rows(p.q, p.policy.scale_rule, qt[0], nslots == 2 ? qt[1] : QuantTarget{}, stream, flags);
   quantize_rows(p.k, p.policy.scale_rule, kt[0], nslots == 2 ? kt[1] : QuantTarget{}, stream, flags + 1);
+  for (int s = 0; s < nslots; ++s)  // one scale per key tile where exact (always for MXFP4 keys within 2^8)
+    fold_key_tiles(kt[s].codes, kt[s].scales, kt[s].row_scale, kt[s].tile_uniform, kts[s],
+                   p.B * p.Hkv, p.Nk, ldv, d, pp.elem[s] == Elem::e5m2, stream);
   pp.nslots = nslots;
 
   pp.vt = vt;

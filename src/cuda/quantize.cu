@@ -7,6 +7,7 @@
 #include "dmattn/error.hpp"
 #include "dmattn/mx_codec.hpp"
 #include "dmattn/numeric.hpp"
+#include "dmattn/policy.hpp"
 
 namespace dmattn::cuda {
 namespace {
@@ -162,6 +163,82 @@ void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first
   });
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw Error(std::string("quantize_rows: launch failed: ") + cudaGetErrorString(err));
+}
+
+namespace {
+
+// One CTA per (b*h, tile), a thread per key; the tile's decision is the AND of its keys' exactness.
+template <int D, bool kE5M2>
+__global__ void __launch_bounds__(kTile) fold_key_tiles_kernel(uint8_t* codes, uint8_t* scales, float* row_scale,
+                                                              const int* tile_uniform, float* tile_scale, int64_t N,
+                                                              int64_t row_pad) {
+  constexpr int NB = D / 32;
+  __shared__ uint32_t warp_max[kTile / 32];
+  const int64_t bh = blockIdx.y, tile = blockIdx.x, tiles = row_pad / kTile;
+  const int64_t key = tile * kTile + threadIdx.x, slot = bh * row_pad + key;  // slot: index into row_scale
+  if (tile_uniform[bh * tiles + tile] == 0) {  // some key keeps several scales: nothing to fold
+    if (threadIdx.x == 0) tile_scale[bh * tiles + tile] = 0.0f;
+    return;
+  }
+  // Row scales are powers of two (or 0 past N): their bits order like their values.
+  const uint32_t mine = __float_as_uint(row_scale[slot]);
+  const uint32_t wmax = __reduce_max_sync(0xffffffffu, mine);
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = wmax;
+  __syncthreads();
+  uint32_t tmax = 0;
+#pragma unroll
+  for (int w = 0; w < kTile / 32; ++w) tmax = max(tmax, warp_max[w]);
+  const float smax = __uint_as_float(tmax);
+  bool exact = smax > 0.0f;
+  uint4 row[D / 16];
+  const bool live = key < N && mine != 0;  // padding keys have no bytes and scale 0
+  if (live) {
+    const int k = ilogbf(__uint_as_float(mine)) - ilogbf(smax);  // <= 0
+    const uint4* src = reinterpret_cast<const uint4*>(codes + (bh * N + key) * D);
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) row[i] = src[i];
+    if (k < -24) {
+      uint32_t any = 0;
+#pragma unroll
+      for (int i = 0; i < D / 16; ++i) any |= (row[i].x | row[i].y | row[i].z | row[i].w) & 0x7F7F7F7Fu;
+      exact &= any == 0;
+    } else if (k < 0) {
+      const uint32_t h = k >= -14 ? uint32_t(15 + k) << 10 : 1u << (24 + k), scale2 = h | h << 16;
+#pragma unroll
+      for (int i = 0; i < D / 16; ++i)
+        row[i] = make_uint4(shift_fp8x4<kE5M2>(row[i].x, scale2, exact), shift_fp8x4<kE5M2>(row[i].y, scale2, exact),
+                            shift_fp8x4<kE5M2>(row[i].z, scale2, exact), shift_fp8x4<kE5M2>(row[i].w, scale2, exact));
+    }
+  }
+  exact = __syncthreads_and(exact) != 0;
+  if (threadIdx.x == 0) tile_scale[bh * tiles + tile] = exact ? smax : 0.0f;
+  if (!exact || !live || mine == tmax) return;  // unchanged keys keep their bytes
+  uint4* dst = reinterpret_cast<uint4*>(codes + (bh * N + key) * D);
+#pragma unroll
+  for (int i = 0; i < D / 16; ++i) dst[i] = row[i];
+  row_scale[slot] = smax;
+  const uint8_t code = uint8_t(tmax >> 23);  // smax = 2^(code - 127); a live tile's largest scale is normal
+#pragma unroll
+  for (int c = 0; c < NB; ++c) scales[slot * NB + c] = code;
+}
+
+}  // namespace
+
+void fold_key_tiles(uint8_t* codes, uint8_t* scales, float* row_scale, const int* tile_uniform, float* tile_scale,
+                    int64_t BH, int64_t N, int64_t row_pad, int64_t d, bool e5m2, cudaStream_t stream) {
+  if (row_pad % kTile != 0 || row_pad < N) throw Error("fold_key_tiles: row_pad must cover N in whole tiles");
+  if (BH == 0 || N == 0) return;
+  if (BH > 65535) throw Error("fold_key_tiles: too many heads for the grid");
+  const dim3 grid(unsigned(row_pad / kTile), unsigned(BH));
+  auto go = [&](auto kernel) { kernel<<<grid, kTile, 0, stream>>>(codes, scales, row_scale, tile_uniform, tile_scale, N, row_pad); };
+  if (d == 64)
+    e5m2 ? go(fold_key_tiles_kernel<64, true>) : go(fold_key_tiles_kernel<64, false>);
+  else if (d == 128)
+    e5m2 ? go(fold_key_tiles_kernel<128, true>) : go(fold_key_tiles_kernel<128, false>);
+  else
+    throw Error("fold_key_tiles: head dims 64 and 128 only (got " + std::to_string(d) + ")");
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) throw Error(std::string("fold_key_tiles: launch failed: ") + cudaGetErrorString(err));
 }
 
 }  // namespace dmattn::cuda

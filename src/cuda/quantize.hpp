@@ -50,4 +50,14 @@ inline Elem mma_elem(Format f) { return f == Format::mxfp8_e5m2 ? Elem::e5m2 : E
 void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first, const QuantTarget& second,
                    cudaStream_t stream, int* nonfinite = nullptr);
 
+// The prefill pre-pass's second step, on K's tensor-core form after quantize_rows (fold + row
+// scales): per 128-key tile of each (b, h) whose keys each carry one scale (tile_uniform), shift every
+// key's FP8 bytes to the tile's largest key scale where that is exact for every key of the tile,
+// rewriting codes, block scales and row scales to match (values unchanged), and record the tile's
+// scale in tile_scale [B*H][row_pad/128] (0 where the tile keeps per-key scales). The prefill kernel
+// then folds one scale per tile into its exponent instead of multiplying S by 128 key scales: MXFP4
+// keys fold whenever their scales span at most 2^8. codes: [B*H*N, d] bytes, E5M2 bytes when e5m2.
+void fold_key_tiles(uint8_t* codes, uint8_t* scales, float* row_scale, const int* tile_uniform, float* tile_scale,
+                    int64_t BH, int64_t N, int64_t row_pad, int64_t d, bool e5m2, cudaStream_t stream);
+
 }  // namespace dmattn::cuda

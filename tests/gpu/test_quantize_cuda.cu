@@ -182,3 +182,74 @@ TEST(GpuQuantize, FoldingKeepsValuesAndUnifiesRowScales) {
     cudaFree(dx);
   }
 }
+
+// fold_key_tiles after the pre-pass: values unchanged (every element's FP8 byte x its block scale is
+// the codec's value), a folded tile's keys all carry its scale, MXFP4 tiles whose key scales span at
+// most 2^8 fold, and a tile holding one key 2^-12 below the others (its E2M1 values would fall under
+// E4M3's smallest subnormal) does not. Outputs poisoned first; ragged last tile (N = 300).
+TEST(GpuQuantize, KeyTileFoldingKeepsValues) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  for (int64_t d : {64, 128}) {
+    const int64_t BH = 2, N = 300, pad = 384, nb = d / 32, tiles = pad / 128;
+    Rng rng(7 + d);
+    std::vector<float> x(size_t(BH * N * d));
+    for (int64_t r = 0; r < BH * N; ++r) {
+      const int64_t key = r % N;
+      // Tile 0: key levels 2^0..2^5; tile 1: the same, with key 200 at 2^-12; tile 2: levels 2^0..2^2.
+      const int level = key == 200 ? -12 : key < 256 ? int(key % 6) : int(key % 3);
+      for (int64_t i = 0; i < d; ++i) x[size_t(r * d + i)] = float(rng.normal() * std::ldexp(1.0, level));
+    }
+    HostTensor host = HostTensor::from_floats(x, {1, BH, N, d}, DType::f32);
+    void* dx;
+    CUDA_OK(cudaMalloc(&dx, host.nbytes()));
+    CUDA_OK(cudaMemcpy(dx, host.bytes(), host.nbytes(), cudaMemcpyHostToDevice));
+    const TensorView view = TensorView::contiguous(dx, DType::f32, {1, BH, N, d}, Device::cuda);
+    for (Format f : {Format::mxfp4, Format::mxfp8_e4m3}) {
+      const std::vector<float> want = dequantize(quantize(x.data(), BH * N, d, f, ScaleRule::ocp));
+      uint8_t *codes, *scales;
+      float *rs, *ts;
+      int* uni;
+      CUDA_OK(cudaMalloc(&codes, size_t(BH * N * d)));
+      CUDA_OK(cudaMalloc(&scales, size_t(BH * pad * nb)));
+      CUDA_OK(cudaMalloc(&rs, size_t(BH * pad) * sizeof(float)));
+      CUDA_OK(cudaMalloc(&ts, size_t(BH * tiles) * sizeof(float)));
+      CUDA_OK(cudaMalloc(&uni, size_t(BH * tiles) * sizeof(int)));
+      CUDA_OK(cudaMemset(codes, 0xA5, size_t(BH * N * d)));
+      CUDA_OK(cudaMemset(rs, 0, size_t(BH * pad) * sizeof(float)));
+      CUDA_OK(cudaMemset(ts, 0xA5, size_t(BH * tiles) * sizeof(float)));  // NaN-like poison
+      CUDA_OK(cudaMemset(uni, 1, size_t(BH * tiles) * sizeof(int)));
+      cuda::quantize_rows(view, ScaleRule::ocp, {f, codes, scales, true, true, rs, pad, uni}, {}, nullptr);
+      cuda::fold_key_tiles(codes, scales, rs, uni, ts, BH, N, pad, d, false, nullptr);
+      std::vector<uint8_t> gc(size_t(BH * N * d)), gs(size_t(BH * pad * nb));
+      std::vector<float> grs(size_t(BH * pad)), gts(size_t(BH * tiles));
+      CUDA_OK(cudaMemcpy(gc.data(), codes, gc.size(), cudaMemcpyDeviceToHost));
+      CUDA_OK(cudaMemcpy(gs.data(), scales, gs.size(), cudaMemcpyDeviceToHost));
+      CUDA_OK(cudaMemcpy(grs.data(), rs, grs.size() * sizeof(float), cudaMemcpyDeviceToHost));
+      CUDA_OK(cudaMemcpy(gts.data(), ts, gts.size() * sizeof(float), cudaMemcpyDeviceToHost));
+      for (int64_t bh = 0; bh < BH; ++bh) {
+        for (int64_t key = 0; key < N; ++key) {
+          const int64_t r = bh * N + key, slot = bh * pad + key;
+          for (int64_t i = 0; i < d; ++i) {
+            const float got = decode_elem(Elem::e4m3, gc[size_t(r * d + i)]) * decode_e8m0(gs[size_t(slot * nb + i / 32)]);
+            ASSERT_EQ(got, want[size_t(r * d + i)]) << format_name(f) << " d=" << d << " key " << r << " elem " << i;
+          }
+          const float tile_scale = gts[size_t(bh * tiles + key / 128)];
+          ASSERT_TRUE(tile_scale == 0.0f || tile_scale == grs[size_t(slot)]) << format_name(f) << " key " << r;
+        }
+        std::printf("[tile fold] %s d=%lld head %lld: tile scales %g %g %g\n", std::string(format_name(f)).c_str(),
+                    (long long)d, (long long)bh, gts[size_t(bh * tiles)], gts[size_t(bh * tiles + 1)], gts[size_t(bh * tiles + 2)]);
+        if (f == Format::mxfp4) {
+          EXPECT_GT(gts[size_t(bh * tiles)], 0.0f) << "d=" << d;      // levels 2^0..2^5
+          EXPECT_EQ(gts[size_t(bh * tiles + 1)], 0.0f) << "d=" << d;  // one key at 2^-12
+          EXPECT_GT(gts[size_t(bh * tiles + 2)], 0.0f) << "d=" << d;  // the ragged last tile
+        }
+      }
+      cudaFree(codes);
+      cudaFree(scales);
+      cudaFree(rs);
+      cudaFree(ts);
+      cudaFree(uni);
+    }
+    cudaFree(dx);
+  }
+}
