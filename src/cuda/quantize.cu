@@ -197,18 +197,10 @@ __global__ void __launch_bounds__(kTile) fold_key_tiles_kernel(uint8_t* codes, u
     const uint4* src = reinterpret_cast<const uint4*>(codes + (bh * N + key) * D);
 #pragma unroll
     for (int i = 0; i < D / 16; ++i) row[i] = src[i];
-    if (k < -24) {
-      uint32_t any = 0;
 #pragma unroll
-      for (int i = 0; i < D / 16; ++i) any |= (row[i].x | row[i].y | row[i].z | row[i].w) & 0x7F7F7F7Fu;
-      exact &= any == 0;
-    } else if (k < 0) {
-      const uint32_t h = k >= -14 ? uint32_t(15 + k) << 10 : 1u << (24 + k), scale2 = h | h << 16;
-#pragma unroll
-      for (int i = 0; i < D / 16; ++i)
-        row[i] = make_uint4(shift_fp8x4<kE5M2>(row[i].x, scale2, exact), shift_fp8x4<kE5M2>(row[i].y, scale2, exact),
-                            shift_fp8x4<kE5M2>(row[i].z, scale2, exact), shift_fp8x4<kE5M2>(row[i].w, scale2, exact));
-    }
+    for (int i = 0; i < D / 16; ++i)
+      row[i] = make_uint4(shift_fp8x4<kE5M2>(row[i].x, k, exact), shift_fp8x4<kE5M2>(row[i].y, k, exact),
+                          shift_fp8x4<kE5M2>(row[i].z, k, exact), shift_fp8x4<kE5M2>(row[i].w, k, exact));
   }
   exact = __syncthreads_and(exact) != 0;
   if (threadIdx.x == 0) tile_scale[bh * tiles + tile] = exact ? smax : 0.0f;
@@ -217,7 +209,7 @@ __global__ void __launch_bounds__(kTile) fold_key_tiles_kernel(uint8_t* codes, u
 #pragma unroll
   for (int i = 0; i < D / 16; ++i) dst[i] = row[i];
   row_scale[slot] = smax;
-  const uint8_t code = uint8_t(tmax >> 23);  // smax = 2^(code - 127); a live tile's largest scale is normal
+  const uint8_t code = uint8_t(tmax >> 23);  // smax = 2^(code - 127) (code 0: 2^-127 = 0x00400000, >> 23 is 0 too)
 #pragma unroll
   for (int c = 0; c < NB; ++c) scales[slot * NB + c] = code;
 }

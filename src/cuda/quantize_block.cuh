@@ -25,13 +25,20 @@ __device__ __forceinline__ uint32_t hmul2_rn(uint32_t a, uint32_t b) {
   return d;
 }
 
-// Four FP8 bytes shifted by 2^k (f16x2 holding 2^k in both halves), and whether every shifted value
-// stays exact. Every FP8 value is an f16 value (E5M2 shares f16's exponent range), so each product
-// is exact in f16 whenever it is an FP8 value at all (nonzero FP8 values are >= 2^-16 with <= 4
-// significant bits); one that is not either fails the round trip through FP8 or has rounded to zero
-// in f16, which the nonzero test catches.
+// Four FP8 bytes shifted by 2^k (k <= 0), and whether every shifted value stays exact. Every FP8
+// value is an f16 value (E5M2 shares f16's exponent range), so each product is exact in f16 whenever
+// it is an FP8 value at all (nonzero FP8 values are >= 2^-16 with <= 4 significant bits); one that
+// is not either fails the round trip through FP8 or has rounded to zero in f16, which the nonzero
+// test catches. Below 2^-24 (not an f16) no nonzero FP8 value stays representable.
 template <bool kE5M2>
-__device__ __forceinline__ uint32_t shift_fp8x4(uint32_t w, uint32_t scale2, bool& exact) {
+__device__ __forceinline__ uint32_t shift_fp8x4(uint32_t w, int k, bool& exact) {
+  if (k == 0) return w;
+  if (k < -24) {
+    exact &= (w & 0x7F7F7F7Fu) == 0;
+    return w;
+  }
+  const uint32_t p = k >= -14 ? uint32_t(15 + k) << 10 : 1u << (24 + k);  // 2^k as f16 bits
+  const uint32_t scale2 = p | p << 16;
   uint32_t out = 0;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -91,14 +98,7 @@ __device__ __forceinline__ uint8_t encode_lane(ScaleRule rule, const float (&v)[
     for (int s = 4; s < row_lanes; s <<= 1) smax = max(smax, __shfl_xor_sync(0xffffffffu, smax, s));
     const int k = int(sc) - smax;  // <= 0: this block's values shift down by 2^k
     bool exact = !bad && smax != kE8M0NaN;
-    uint2 f = w;
-    if (k < -24) {  // below 2^-24 no nonzero FP8 value stays representable (nor is 2^k an f16)
-      exact &= ((w.x | w.y) & 0x7F7F7F7Fu) == 0;
-    } else if (k < 0) {
-      const uint32_t h = k >= -14 ? uint32_t(15 + k) << 10 : 1u << (24 + k);  // 2^k as f16 bits
-      const uint32_t scale2 = h | h << 16;
-      f = make_uint2(shift_fp8x4<kE5M2>(w.x, scale2, exact), shift_fp8x4<kE5M2>(w.y, scale2, exact));
-    }
+    const uint2 f = make_uint2(shift_fp8x4<kE5M2>(w.x, k, exact), shift_fp8x4<kE5M2>(w.y, k, exact));
     for (int s = 1; s < row_lanes; s <<= 1) exact &= __shfl_xor_sync(0xffffffffu, int(exact), s) != 0;
     if (exact) {
       w = f;
