@@ -47,7 +47,7 @@ if [ "${QUICK:-0}" = 1 ]; then  # correctness of the GPU tests + the main benchm
     $B/bench/bench_quantize_cuda 2>&1 | tee "$OUT/bench_quantize.txt" | tail -4
     PYTHONUNBUFFERED=1 python3 bench/compare_sdpa.py $B "$OUT" 16384 2>&1 | tee "$OUT/compare_sdpa.txt" | tail -16
   fi
-  [ "$PART" != prefill ] && PYTHONUNBUFFERED=1 python3 bench/compare_decode.py $B "$OUT" 2>&1 | tee "$OUT/compare_decode.txt" | tail -21
+  [ "$PART" != prefill ] && PYTHONUNBUFFERED=1 python3 bench/compare_decode.py $B "$OUT" 2>&1 | tee "$OUT/compare_decode.txt" | tail -50
   cp "$OUT"/compare_*.txt "$RESULT_DIR"/ 2>/dev/null
   if [ "${PROFILE:-0}" = 1 ] && [ "$PART" != prefill ]; then  # where the decode kernel's time goes (B=16, 32k)
     ncu --kernel-name regex:decode_kernel --launch-skip 3 --launch-count 1 --section SpeedOfLight --section WarpStateStats \
@@ -122,6 +122,6 @@ if [ "${PROFILE:-0}" = 1 ]; then  # ncu speed-of-light for the two kernels (PROF
 fi
 
 echo
-PYTHONUNBUFFERED=1 python3 bench/compare_decode.py $B "$OUT" 2>&1 | tee "$OUT/compare_decode.txt" | tail -12
+PYTHONUNBUFFERED=1 python3 bench/compare_decode.py $B "$OUT" 2>&1 | tee "$OUT/compare_decode.txt" | tail -50
 echo
 PYTHONUNBUFFERED=1 python3 bench/compare_sdpa.py $B "$OUT" 4096 16384 2>&1 | tee "$OUT/compare_sdpa.txt" | tail -20

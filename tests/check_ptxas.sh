@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Compiles the hot CUDA kernels for sm_90a (no GPU needed) and fails when ptxas reports what would
-# silently cost speed: register spills in a kernel, or wgmma instructions it serialises (C7514,
+# silently cost speed: register spills in a kernel, or wgmma instructions it serialises (C7511, C7514, C7515,
 # C7520: each wgmma waits for the previous one — a 2x trap seen in session 7). Prints the figures.
 # usage: check_ptxas.sh NVCC SOURCE_DIR
 set -uo pipefail
@@ -17,7 +17,7 @@ for f in prefill decode; do
        /spill stores/ {spill = $5 + $9}
        /Used [0-9]+ registers/ && name != "" {printf "%-56s %4s registers, %s bytes spilled\n", name, $5, spill; name = ""}' \
     "$tmp/$f.log"
-  if grep -E "C7514|C7520" "$tmp/$f.log"; then echo "FAILED: ptxas serialises wgmma in $f.cu"; status=1; fi
+  if grep -E "C7511|C7514|C7515|C7520" "$tmp/$f.log"; then echo "FAILED: ptxas serialises wgmma in $f.cu"; status=1; fi
   if grep -E "[1-9][0-9]* bytes spill stores" "$tmp/$f.log" | grep -q .; then echo "FAILED: register spills in $f.cu"; status=1; fi
 done
 [ $status -eq 0 ] && echo "ptxas: no spills, no serialised wgmma (prefill.cu, decode.cu, sm_90a)"

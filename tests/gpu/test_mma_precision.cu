@@ -131,9 +131,8 @@ __global__ void wgmma_rs_narrow(const uint32_t* afrag, const uint8_t* b, float* 
     const uint32_t a[4] = {afrag[(c * 128 + threadIdx.x) * 4], afrag[(c * 128 + threadIdx.x) * 4 + 1],
                            afrag[(c * 128 + threadIdx.x) * 4 + 2], afrag[(c * 128 + threadIdx.x) * 4 + 3]};
     float d[N / 2];
-    for (int i = 0; i < N / 2; ++i) d[i] = -1.0f;  // accumulate = false must ignore it
     cuda::wg::fence();
-    cuda::wg::mma_fp8_rs<N, false>(d, a, cuda::wg::desc<128>(sb, c * 32), false);
+    cuda::wg::mma_fp8_rs<N, false>(d, a, cuda::wg::desc<128>(sb, c * 32));
     cuda::wg::commit();
     cuda::wg::wait<0>();
     cuda::wg::pin(d);
