@@ -70,7 +70,7 @@ struct Smem {  // byte offsets into dynamic shared memory
   static constexpr int kKRow = 128;
   static constexpr int kK = 32 * kKRow, kS = 32 * NB, kV = kPV8 ? D * kVRow + D : 32 * 2 * D;
   static constexpr int kWarpStage = kK + kS + kV;
-  static constexpr int kQbBytes = 2 * NB * kNR * 2 * 32 * 4;
+  static constexpr int kQbBytes = kWg ? 0 : 2 * NB * kNR * 2 * 32 * 4;  // kWg reads q from its B tile (kQt)
   // kWg: q's rows as the wgmma's B tile [2 slots][kRows][D] and P^T [kRows][128 keys] (both
   // swizzled, 1024-byte aligned), P's block scales [4 blocks][kRows] floats.
   static constexpr int kWgBytes = kWg ? 1024 + 2 * kRows * D + kRows * 128 + 4 * kRows * 4 : 0;
@@ -160,14 +160,14 @@ __device__ __forceinline__ void start_scores(const uint8_t* ks, uint32_t (&w)[2]
       for (int i = 0; i < 4; ++i) s[mt][nr][i] = 0.0f;
   }
 }
-// s += (sk * sq) * dot for block c of one (key tile, row tile): the oracle's blockwise promotion.
-// w: the tile's scale words (keys g, g + 8); sqr: q's block scales of rows 2t, 2t + 1.
-__device__ __forceinline__ void promote(float (&s)[4], const uint32_t (&w)[2], int c, float2 sqr, const float* d) {
-  const float sk0 = e8m0_of_byte(w[0], c), sk1 = e8m0_of_byte(w[1], c);
-  s[0] += (sk0 * sqr.x) * d[0];
-  s[1] += (sk0 * sqr.y) * d[1];
-  s[2] += (sk1 * sqr.x) * d[2];
-  s[3] += (sk1 * sqr.y) * d[3];
+// The oracle's blockwise promotion of one block's mma result d (an m16n8 fragment: rows g, g + 8 x
+// columns 2t, 2t + 1) into s: s += (row scale x column scale) * d. m0, m1: the scales of rows g and
+// g + 8 (keys for S^T, channels for O^T); n: those of columns 2t, 2t + 1 (query rows).
+__device__ __forceinline__ void promote(float (&s)[4], float m0, float m1, float2 n, const float* d) {
+  s[0] += (m0 * n.x) * d[0];
+  s[1] += (m0 * n.y) * d[1];
+  s[2] += (m1 * n.x) * d[2];
+  s[3] += (m1 * n.y) * d[3];
 }
 
 // S^T = K.q^T for the warp's 32 keys (2 tiles of 16, the mma's M) against the CTA's rows (kNR tiles
@@ -198,11 +198,12 @@ __device__ __forceinline__ void block_scores(const uint8_t* K, const uint8_t* ks
       uint32_t a[4];
       k_words<E>(K + key * 128, key, c, t, lut, a[0], a[2]);
       k_words<E>(K + (key + 8) * 128, key + 8, c, t, lut, a[1], a[3]);
+      const float sk0 = e8m0_of_byte(w[mt][0], c), sk1 = e8m0_of_byte(w[mt][1], c);
 #pragma unroll
       for (int nr = 0; nr < kNR; ++nr) {
         float d[4];
         mma_fp8_block<E == Elem::e5m2>(d, a, b[nr][0], b[nr][1]);
-        promote(s[mt][nr], w[mt], c, sqr[nr], d);
+        promote(s[mt][nr], sk0, sk1, sqr[nr], d);
       }
     }
   }
@@ -249,7 +250,8 @@ __device__ __forceinline__ void block_scores_wg(const uint8_t* K, const uint8_t*
     for (int nr = 0; nr < kNR; ++nr) {
       const float2 sqr = *reinterpret_cast<const float2*>(sq + c * kRows + 8 * nr + 2 * t);  // rows 8nr + 2t, +1
 #pragma unroll
-      for (int mt = 0; mt < 2; ++mt) promote(s[mt][nr], w[mt], c, sqr, d[c][mt] + 4 * nr);
+      for (int mt = 0; mt < 2; ++mt)
+        promote(s[mt][nr], e8m0_of_byte(w[mt][0], c), e8m0_of_byte(w[mt][1], c), sqr, d[c][mt] + 4 * nr);
     }
 }
 
@@ -286,7 +288,7 @@ __device__ __forceinline__ void p_block_scales(const float (&sc)[2][kNR][4], int
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) amax = fmaxf(amax, fmaxf(sc[mt][nr][r], sc[mt][nr][2 + r]));
     const uint8_t e = choose_e8m0(over_g(amax, kMaxOp), Elem::e4m3, rule);
-    inv[r] = hd::ldexp2(1.0f, 127 - int(e));
+    inv[r] = inverse_e8m0(e);
     ps[r] = decode_e8m0(e);
   }
 }
@@ -444,11 +446,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
     if (lane == 0 && bad && p.nonfinite) *p.nonfinite = 1;
   }
   __syncthreads();
-  // q^T as B fragments (row 8nr + g; contraction slots ordered by d_of_slot), per slot.
-  for (int i = tid; i < 2 * NB * kNR * 2 * 32; i += kThreads) {
-    const int sl = i / (NB * kNR * 64), c = i / (kNR * 64) % NB, nr = i / 64 % kNR, h = i / 32 % 2, ln = i % 32;
-    qb[i] = *reinterpret_cast<const uint32_t*>(q8 + (sl * kRows + 8 * nr + ln / 4) * D + c * 32 + d_of_slot(16 * h + 4 * (ln % 4)));
-  }
   if constexpr (kWg) {  // q's rows as the K-side wgmma's B tiles, one per slot (contraction slots by d_of_slot)
     uint8_t* qt = smem + S_::kQt;
     for (int i = tid; i < 2 * kRows * D; i += kThreads) {
@@ -456,6 +453,11 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
       qt[sl * kRows * D + wg::swizzled<D>(r, k)] = q8[(sl * kRows + r) * D + k / 32 * 32 + d_of_slot(k % 32)];
     }
     wg::fence_async_smem();
+  } else {  // q^T as B fragments (row 8nr + g; contraction slots ordered by d_of_slot), per slot
+    for (int i = tid; i < 2 * NB * kNR * 2 * 32; i += kThreads) {
+      const int sl = i / (NB * kNR * 64), c = i / (kNR * 64) % NB, nr = i / 64 % kNR, h = i / 32 % 2, ln = i % 32;
+      qb[i] = *reinterpret_cast<const uint32_t*>(q8 + (sl * kRows + 8 * nr + ln / 4) * D + c * 32 + d_of_slot(16 * h + 4 * (ln % 4)));
+    }
   }
   for (int i = tid; i < 128; i += kThreads) {  // FP6 codes widened to E4M3 bytes (exact)
     const Elem e = p.kelem[i / 64];
@@ -636,11 +638,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
           const float v0 = e8m0_of_byte(vsc[ch], 0), v1 = e8m0_of_byte(vsc[ch + 8], 0);
 #pragma unroll
           for (int nr = 0; nr < kNR; ++nr) {
-            const float2 ps = *reinterpret_cast<const float2*>(psm + b * kRows + 8 * nr + 2 * t);
-            acc[half][nr][0] += (v0 * ps.x) * dv[b][4 * nr];
-            acc[half][nr][1] += (v0 * ps.y) * dv[b][4 * nr + 1];
-            acc[half][nr][2] += (v1 * ps.x) * dv[b][4 * nr + 2];
-            acc[half][nr][3] += (v1 * ps.y) * dv[b][4 * nr + 3];
+            promote(acc[half][nr], v0, v1, *reinterpret_cast<const float2*>(psm + b * kRows + 8 * nr + 2 * t), dv[b] + 4 * nr);
           }
         }
       }
@@ -686,10 +684,7 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
         for (int nr = 0; nr < kNR; ++nr) {
           float d[4];
           mma_fp8_block<false>(d, a, bq[nr][0], bq[nr][1]);
-          acc[md][nr][0] += (v0 * ps[nr][0]) * d[0];
-          acc[md][nr][1] += (v0 * ps[nr][1]) * d[1];
-          acc[md][nr][2] += (v1 * ps[nr][0]) * d[2];
-          acc[md][nr][3] += (v1 * ps[nr][1]) * d[3];
+          promote(acc[md][nr], v0, v1, make_float2(ps[nr][0], ps[nr][1]), d);
         }
       }
     } else {  // P rounded to bf16 (as the oracle) times bf16 V, 16 keys a step
