@@ -216,7 +216,7 @@ TEST(GpuQuantize, KeyTileFoldingKeepsValues) {
       CUDA_OK(cudaMalloc(&uni, size_t(BH * tiles) * sizeof(int)));
       CUDA_OK(cudaMemset(codes, 0xA5, size_t(BH * N * d)));
       CUDA_OK(cudaMemset(rs, 0, size_t(BH * pad) * sizeof(float)));
-      CUDA_OK(cudaMemset(ts, 0xA5, size_t(BH * tiles) * sizeof(float)));  // NaN-like poison
+      CUDA_OK(cudaMemset(ts, 0xA5, size_t(BH * tiles) * sizeof(float)));  // poison: a negative value no tile gets
       CUDA_OK(cudaMemset(uni, 1, size_t(BH * tiles) * sizeof(int)));
       cuda::quantize_rows(view, ScaleRule::ocp, {f, codes, scales, true, true, rs, pad, uni}, {}, nullptr);
       cuda::fold_key_tiles(codes, scales, rs, uni, ts, BH, N, pad, d, false, nullptr);
