@@ -4,13 +4,11 @@ run (issue 6). B sequences x ctx tokens, Hq=32, Hkv=8, d=128, one new query per 
 SDPA: q [B,32,1,128], k/v [B,8,ctx,128] bf16, enable_gqa=True, each backend that accepts it (flash,
 efficient, cuDNN), CUDA events over 20 steps; bytes = K + V + q + out. dmattn: bench_decode_cuda
 (the GPU decode's enqueue: q quantization + kernel + split merge; and the synchronous call with its
-NaN check), V in bf16 (pv = bf16), MXFP8 (pv = mxfp8) and MXFP4 (pv = mxfp4, beyond DESIGN), the MX-V
-modes also with the kernel's wgmma variant ("wg", DMATTN_DECODE_WGMMA=1). The copy ceiling comes from the
-same binary. Prints one table last.
+NaN check), V in bf16 (pv = bf16), MXFP8 (pv = mxfp8) and MXFP4 (pv = mxfp4, beyond DESIGN). The copy
+ceiling comes from the same binary. Prints one table last.
 
 usage: python3 bench/compare_decode.py BUILD_DIR OUT_DIR [B ...]
 """
-import os
 import subprocess
 import warnings
 import sys
@@ -62,11 +60,9 @@ for B in Bs:
         torch.cuda.empty_cache()
 
 out_txt, rows, copy, read = "", [], None, None
-# "mxfp8 wg" / "mxfp4 wg": the kernel's wgmma variant (DMATTN_DECODE_WGMMA=1), measured beside the default.
-for pv, wg in (("bf16", False), ("mxfp8", False), ("mxfp4", False), ("mxfp8", True), ("mxfp4", True)):
-    env = dict(os.environ, DMATTN_DECODE_WGMMA="1" if wg else "0")
+for pv in ("bf16", "mxfp8", "mxfp4"):
     res = subprocess.run([f"{build}/bench/bench_decode_cuda", pv] + ([str(Bs[0])] if len(Bs) == 1 else []),
-                         capture_output=True, text=True, env=env)
+                         capture_output=True, text=True)
     out_txt += res.stdout + res.stderr
     if res.returncode != 0:
         print(res.stdout, res.stderr)
@@ -78,16 +74,15 @@ for pv, wg in (("bf16", False), ("mxfp8", False), ("mxfp4", False), ("mxfp8", Tr
         if f[:1] == ["read"]:
             read = float(f[1])
         if f and f[0].startswith("dmattn-") and int(f[1]) in Bs:
-            rows.append((f[0][7:] + (" wg" if wg else ""), int(f[1]), int(f[2]), float(f[3]), float(f[4]), float(f[5]),
-                         float(f[6])))
+            rows.append((f[0][7:], int(f[1]), int(f[2]), float(f[3]), float(f[4]), float(f[5]), float(f[6])))
 open(f"{out_dir}/bench_decode.txt", "w").write(out_txt)
 
 print(f"\ndecode step, Hq=32 Hkv=8 d=128, Nq=1; ceilings (same run): copy {copy:.0f} GB/s (read + write), "
       f"read-only {read:.0f} GB/s")
-print(f"{'pv':>8} {'B':>3} {'ctx':>7} | {'SDPA best':>16} {'GB/s':>6} {'of read':>7} | {'dmattn us':>9} {'sync us':>8} {'GB/s':>6} "
+print(f"{'pv':>5} {'B':>3} {'ctx':>7} | {'SDPA best':>16} {'GB/s':>6} {'of read':>7} | {'dmattn us':>9} {'sync us':>8} {'GB/s':>6} "
       f"{'of copy':>7} {'of read':>7} {'MB read':>8} | {'speedup':>7}")
 for pv, B, ctx, us, us_sync, gbs, nbytes in rows:
     name, sus, sbytes = sdpa[(B, ctx)]
     sg = sbytes / (sus * 1e3)
-    print(f"{pv:>8} {B:>3} {ctx:>7} | {name:>7} {sus:>8.1f} {sg:>6.0f} {100 * sg / read:>6.1f}% | {us:>9.1f} {us_sync:>8.1f} "
+    print(f"{pv:>5} {B:>3} {ctx:>7} | {name:>7} {sus:>8.1f} {sg:>6.0f} {100 * sg / read:>6.1f}% | {us:>9.1f} {us_sync:>8.1f} "
           f"{gbs:>6.0f} {100 * gbs / copy:>6.1f}% {100 * gbs / read:>6.1f}% {nbytes / 1e6:>8.1f} | {sus / us:>6.2f}x")

@@ -51,13 +51,13 @@ if [ "${QUICK:-0}" = 1 ]; then  # correctness of the GPU tests + the main benchm
     $B/bench/bench_quantize_cuda 2>&1 | tee "$OUT/bench_quantize.txt" | tail -4
     PYTHONUNBUFFERED=1 python3 bench/compare_sdpa.py $B "$OUT" 16384 2>&1 | tee "$OUT/compare_sdpa.txt" | tail -16
   fi
-  [ "$PART" != prefill ] && PYTHONUNBUFFERED=1 python3 bench/compare_decode.py $B "$OUT" 2>&1 | tee "$OUT/compare_decode.txt" | tail -50
-  if [ "$PART" != prefill ]; then  # instructions and time of one decode launch (B=16, 32k): default kernel vs its wgmma variant
-    for pv in mxfp8 mxfp4; do for wg in 0 1; do
-      DMATTN_DECODE_WGMMA=$wg ncu --kernel-name regex:decode_kernel --launch-skip 3 --launch-count 1 \
-        --metrics smsp__inst_executed.sum,gpu__time_duration.sum $B/bench/bench_decode_cuda $pv 16 32768 >"$OUT/ncu_inst_${pv}_$wg.txt" 2>&1
-      echo "decode $pv wgmma=$wg: $(grep -E 'inst_executed|duration' "$OUT/ncu_inst_${pv}_$wg.txt" | awk '{print $1, $(NF-1), $NF}' | tr '\n' ' ')"
-    done; done
+  [ "$PART" != prefill ] && PYTHONUNBUFFERED=1 python3 bench/compare_decode.py $B "$OUT" 2>&1 | tee "$OUT/compare_decode.txt" | tail -30
+  if [ "$PART" != prefill ]; then  # instructions and time of one decode launch (B=16, 32k): per V format
+    for pv in mxfp8 mxfp4; do
+      ncu --kernel-name regex:decode_kernel --launch-skip 3 --launch-count 1 \
+        --metrics smsp__inst_executed.sum,gpu__time_duration.sum $B/bench/bench_decode_cuda $pv 16 32768 >"$OUT/ncu_inst_${pv}.txt" 2>&1
+      echo "decode $pv: $(grep -E 'inst_executed|duration' "$OUT/ncu_inst_${pv}.txt" | awk '{print $1, $(NF-1), $NF}' | tr '\n' ' ')"
+    done
   fi
   cp "$OUT"/compare_*.txt "$RESULT_DIR"/ 2>/dev/null
   if [ "${PROFILE:-0}" = 1 ] && [ "$PART" != prefill ]; then  # where the decode kernel's time goes (B=16, 32k)
@@ -133,6 +133,6 @@ if [ "${PROFILE:-0}" = 1 ]; then  # ncu speed-of-light for the two kernels (PROF
 fi
 
 echo
-PYTHONUNBUFFERED=1 python3 bench/compare_decode.py $B "$OUT" 2>&1 | tee "$OUT/compare_decode.txt" | tail -50
+PYTHONUNBUFFERED=1 python3 bench/compare_decode.py $B "$OUT" 2>&1 | tee "$OUT/compare_decode.txt" | tail -12
 echo
 PYTHONUNBUFFERED=1 python3 bench/compare_sdpa.py $B "$OUT" 4096 16384 2>&1 | tee "$OUT/compare_sdpa.txt" | tail -20

@@ -18,7 +18,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -27,7 +26,6 @@
 #include "cuda/fp8.cuh"
 #include "cuda/mma.cuh"
 #include "cuda/splits.hpp"
-#include "cuda/wgmma.cuh"
 #include "dmattn/error.hpp"
 #include "dmattn/format.hpp"
 #include "dmattn/mx_codec.hpp"
@@ -39,6 +37,12 @@ namespace {
 constexpr int T = kTile;          // keys per page
 constexpr int kWarps = T / 32;    // warp w owns keys 32w..32w+31 of every page: one MX block of P
 constexpr int kThreads = 32 * kWarps;
+// CTAs an SM; registers and shared memory are sized for it. Three where V is MXFP4 and a CTA has 8
+// rows (168 registers, no spills; two stages a warp): 4-7% faster than two CTAs with four stages
+// (session 10 run 3: B=16 32k 361 vs 377 us; B=64 128k 5187 vs 5572 us), the kernel being
+// latency-bound at 8 warps an SM. The other instances spill at 168 registers (MXFP8 V, 16-row CTAs)
+// or need twice the stage bytes (bf16 V), and keep two.
+constexpr int ctas_per_sm(int vbits, int nr) { return vbits == 4 && nr == 1 ? 3 : 2; }
 
 struct Params {
   PagedKV kv;
@@ -55,10 +59,10 @@ struct Params {
 
 // Shared memory. Each warp streams its own 32 keys of every page through its own kStages buffers
 // (so it waits for its own copies only); the warps meet once a page, to agree on the rows' maximum.
-// kNR: query rows per CTA in tiles of 8 (the N of mma.sync; more rows take more CTAs). kWg (MX V
-// only): the wgmma variant's tiles besides (decode_kernel).
-template <int D, int kVB, int kNR, bool kWg>
+// kNR: query rows per CTA in tiles of 8 (the N of mma.sync; more rows take more CTAs).
+template <int D, int kVB, int kNR>
 struct Smem {  // byte offsets into dynamic shared memory
+  static constexpr int kCtas = ctas_per_sm(kVB, kNR);
   static constexpr bool kPV8 = kVB != 16;  // V in MX codes (8 or 4 bits)
   static constexpr int NB = D / 32, kRows = 8 * kNR, kVRow = kVB == 4 ? 16 : 32;  // V^T row bytes
 
@@ -70,23 +74,16 @@ struct Smem {  // byte offsets into dynamic shared memory
   static constexpr int kKRow = 128;
   static constexpr int kK = 32 * kKRow, kS = 32 * NB, kV = kPV8 ? D * kVRow + D : 32 * 2 * D;
   static constexpr int kWarpStage = kK + kS + kV;
-  static constexpr int kQbBytes = kWg ? 0 : 2 * NB * kNR * 2 * 32 * 4;  // kWg reads q from its B tile (kQt)
-  // kWg: q's rows as the wgmma's B tile [2 slots][kRows][D] and P^T [kRows][128 keys] (both
-  // swizzled, 1024-byte aligned), P's block scales [4 blocks][kRows] floats.
-  static constexpr int kWgBytes = kWg ? 1024 + 2 * kRows * D + kRows * 128 + 4 * kRows * 4 : 0;
-  static constexpr int kMisc = 128 + 2 * kWarps * kRows * 4 + kQbBytes + 2 * NB * kRows * 4 + kWgBytes;
-  // As many stages as leave two CTAs an SM (~113 KB each): more bytes in flight per warp.
-  static constexpr int kStages = std::min(4, (113 * 1024 - kMisc) / (kWarps * kWarpStage));
+  static constexpr int kQbBytes = 2 * NB * kNR * 2 * 32 * 4;
+  static constexpr int kMisc = 128 + 2 * kWarps * kRows * 4 + kQbBytes + 2 * NB * kRows * 4;
+  // As many stages as leave kCtas CTAs an SM: more bytes in flight per warp.
+  static constexpr int kStages = std::min(4, ((227 / kCtas - 1) * 1024 - kMisc) / (kWarps * kWarpStage));
   static constexpr int kLut = kStages * kWarps * kWarpStage;  // [2][64] FP6 code -> E4M3 byte
   static constexpr int kMax = kLut + 128;                       // [2][kWarps][kRows] floats: row maxima
   static constexpr int kQb = kMax + 2 * kWarps * kRows * 4;     // q's B fragments [2][NB][kNR][2][32 lanes] uint32
   static constexpr int kSq = kQb + kQbBytes;                    // q's block scales [2][NB][kRows] floats
-  static constexpr int kQt = (kSq + 2 * NB * kRows * 4 + 1023) / 1024 * 1024;
-  static constexpr int kPt = kQt + 2 * kRows * D;
-  static constexpr int kPs = kPt + kRows * 128;
-  static constexpr int kBytes = kWg ? kPs + 4 * kRows * 4 : kSq + 2 * NB * kRows * 4;
-  static_assert(kStages >= 2 && kWarpStage % 16 == 0 && kBytes - kLut <= kMisc && (2 * kRows * D) % 1024 == 0);
-  static_assert(!kWg || kPV8, "the wgmma variant is for MX V");
+  static constexpr int kBytes = kSq + 2 * NB * kRows * 4;
+  static_assert(kStages >= 2 && kWarpStage % 16 == 0 && kBytes - kLut == kMisc);
   static_assert(kWarps * kRows * D * 4 <= kLut, "the final cross-warp sum reuses the stage buffers");
 };
 
@@ -146,20 +143,6 @@ __device__ __forceinline__ uint32_t scale_word(const uint8_t* ks, int key) {
   else return *reinterpret_cast<const uint16_t*>(ks + key * 2);
 }
 
-// The E8M0 scale words of this lane's keys 16mt + g (+8) (byte c: block c), and s zeroed.
-template <int NB, int kNR>
-__device__ __forceinline__ void start_scores(const uint8_t* ks, uint32_t (&w)[2][2], float (&s)[2][kNR][4]) {
-  const int g = threadIdx.x % 32 / 4;
-#pragma unroll
-  for (int mt = 0; mt < 2; ++mt) {
-    w[mt][0] = scale_word<NB>(ks, 16 * mt + g);
-    w[mt][1] = scale_word<NB>(ks, 16 * mt + g + 8);
-#pragma unroll
-    for (int nr = 0; nr < kNR; ++nr)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) s[mt][nr][i] = 0.0f;
-  }
-}
 // The oracle's blockwise promotion of one block's mma result d (an m16n8 fragment: rows g, g + 8 x
 // columns 2t, 2t + 1) into s: s += (row scale x column scale) * d. m0, m1: the scales of rows g and
 // g + 8 (keys for S^T, channels for O^T); n: those of columns 2t, 2t + 1 (query rows).
@@ -181,7 +164,15 @@ __device__ __forceinline__ void block_scores(const uint8_t* K, const uint8_t* ks
   constexpr int NB = D / 32, kRows = 8 * kNR;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   uint32_t w[2][2];  // the scale words of keys 16mt + g + 8h
-  start_scores<NB, kNR>(ks, w, s);
+#pragma unroll
+  for (int mt = 0; mt < 2; ++mt) {
+    w[mt][0] = scale_word<NB>(ks, 16 * mt + g);
+    w[mt][1] = scale_word<NB>(ks, 16 * mt + g + 8);
+#pragma unroll
+    for (int nr = 0; nr < kNR; ++nr)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[mt][nr][i] = 0.0f;
+  }
 #pragma unroll
   for (int c = 0; c < NB; ++c) {
     uint32_t b[kNR][2];
@@ -207,52 +198,6 @@ __device__ __forceinline__ void block_scores(const uint8_t* K, const uint8_t* ks
       }
     }
   }
-}
-
-// block_scores on the warpgroup tensor cores (the kWg variant): the CTA's four warps issue one
-// m64n(8 kNR)k32 wgmma per (block c, key tile mt) together, each warp's A rows being its own 16 keys
-// (registers: the fragments above) and B the CTA's q rows in shared memory (qdesc: the slot's tile,
-// its contraction slots ordered by d_of_slot). Native FP8, where sm_90's FP8 mma.sync is widened to
-// two f16 mmas by ptxas; all eight in flight, one wait, then block_scores' promotion.
-template <int D, int kNR, Elem E>
-__device__ __forceinline__ void block_scores_wg(const uint8_t* K, const uint8_t* ks, wg::Desc qdesc, const float* sq,
-                                                const uint8_t* lut, float (&s)[2][kNR][4]) {
-  constexpr int NB = D / 32, kRows = 8 * kNR;
-  const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  uint32_t w[2][2];
-  uint32_t a[NB][2][4];
-  float d[NB][2][4 * kNR];  // written by the wgmmas
-  start_scores<NB, kNR>(ks, w, s);
-#pragma unroll
-  for (int c = 0; c < NB; ++c)
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) {
-      const int key = 16 * mt + g;
-      k_words<E>(K + key * 128, key, c, t, lut, a[c][mt][0], a[c][mt][2]);
-      k_words<E>(K + (key + 8) * 128, key + 8, c, t, lut, a[c][mt][1], a[c][mt][3]);
-    }
-  wg::fence();  // in the wgmmas' basic block (ptxas serialises them otherwise)
-#pragma unroll
-  for (int c = 0; c < NB; ++c)
-#pragma unroll
-    for (int mt = 0; mt < 2; ++mt) wg::mma_fp8_rs<8 * kNR, E == Elem::e5m2>(d[c][mt], a[c][mt], (qdesc + 32 * c).u64());
-  wg::commit();
-  wg::wait<0>();
-#pragma unroll
-  for (int c = 0; c < NB; ++c) {
-    wg::pin(d[c][0]);
-    wg::pin(d[c][1]);
-    wg::pin(a[c]);
-  }
-#pragma unroll
-  for (int c = 0; c < NB; ++c)
-#pragma unroll
-    for (int nr = 0; nr < kNR; ++nr) {
-      const float2 sqr = *reinterpret_cast<const float2*>(sq + c * kRows + 8 * nr + 2 * t);  // rows 8nr + 2t, +1
-#pragma unroll
-      for (int mt = 0; mt < 2; ++mt)
-        promote(s[mt][nr], e8m0_of_byte(w[mt][0], c), e8m0_of_byte(w[mt][1], c), sqr, d[c][mt] + 4 * nr);
-    }
 }
 
 // x reduced by op over the 8 lanes of the same t (an accumulator column's rows g).
@@ -301,29 +246,20 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
   return r;
 }
 
-// kStages pages per warp in flight; two CTAs of four warps share an SM. Per page, each warp: S^T of
+// kStages pages per warp in flight; two or three CTAs of four warps share an SM (ctas_per_sm). Per page, each warp: S^T of
 // its 32 keys on the tensor cores, the rows' maxima exchanged through shared memory (the one CTA
 // barrier of the page: the oracle's softmax takes the page's maximum), P in registers, O^T += V^T.P^T
 // on the tensor cores into the warp's own accumulator of all d columns (P^T's B fragments come from
 // S^T's accumulators by movmatrix). Every warp rescales by the same factors, so the warps'
 // accumulators and sums add up at the end.
-//
-// kWg (MX V; chosen by DMATTN_DECODE_WGMMA=1 until measured): both products on wgmma, native FP8.
-// S^T as above through block_scores_wg. P.V split by channels instead of keys: each warp writes its
-// block's P codes into a shared P^T tile (keys at the slots the V^T fragments expect) and its block
-// scales, and after a second barrier a page runs O^T = V^T.P^T for 32 channels (16w.., 64+16w..) over
-// all four blocks, reading the other warps' V^T stages: its accumulators hold 8 kNR values, not
-// 32 kNR, and need no cross-warp sum. The page's copies are issued after the first barrier, once
-// every warp is done reading the stage they refill.
-template <int D, int kVB, int kNR, bool kWg>
-__global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
+template <int D, int kVB, int kNR>
+__global__ void __launch_bounds__(kThreads, ctas_per_sm(kVB, kNR)) decode_kernel(const Params p) {
   constexpr int NB = D / 32, MD = D / 16;  // MD tiles of 16 columns of d in O^T
-  using S_ = Smem<D, kVB, kNR, kWg>;
+  using S_ = Smem<D, kVB, kNR>;
   constexpr bool kPV8 = S_::kPV8;
   constexpr int kStages = S_::kStages, kRows = S_::kRows;
   extern __shared__ __align__(128) uint8_t smem[];
   const int split = blockIdx.x, hk = blockIdx.y / p.chunks, chunk = blockIdx.y % p.chunks, s = blockIdx.z;
-  if (kWg && threadIdx.x == 0 && (__cvta_generic_to_shared(smem) & 1023) != 0) __trap();  // the wgmma tiles' swizzle needs it
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
   const int r0 = chunk * kRows, rows = min(kRows, p.G * p.Nq - r0);
   // Rows of this CTA: (query head hk*G + (r0+i)/Nq, query (r0+i)%Nq); their q rows are consecutive.
@@ -446,18 +382,10 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
     if (lane == 0 && bad && p.nonfinite) *p.nonfinite = 1;
   }
   __syncthreads();
-  if constexpr (kWg) {  // q's rows as the K-side wgmma's B tiles, one per slot (contraction slots by d_of_slot)
-    uint8_t* qt = smem + S_::kQt;
-    for (int i = tid; i < 2 * kRows * D; i += kThreads) {
-      const int sl = i / (kRows * D), r = i / D % kRows, k = i % D;
-      qt[sl * kRows * D + wg::swizzled<D>(r, k)] = q8[(sl * kRows + r) * D + k / 32 * 32 + d_of_slot(k % 32)];
-    }
-    wg::fence_async_smem();
-  } else {  // q^T as B fragments (row 8nr + g; contraction slots ordered by d_of_slot), per slot
-    for (int i = tid; i < 2 * NB * kNR * 2 * 32; i += kThreads) {
-      const int sl = i / (NB * kNR * 64), c = i / (kNR * 64) % NB, nr = i / 64 % kNR, h = i / 32 % 2, ln = i % 32;
-      qb[i] = *reinterpret_cast<const uint32_t*>(q8 + (sl * kRows + 8 * nr + ln / 4) * D + c * 32 + d_of_slot(16 * h + 4 * (ln % 4)));
-    }
+  // q^T as B fragments (row 8nr + g; contraction slots ordered by d_of_slot), per slot.
+  for (int i = tid; i < 2 * NB * kNR * 2 * 32; i += kThreads) {
+    const int sl = i / (NB * kNR * 64), c = i / (kNR * 64) % NB, nr = i / 64 % kNR, h = i / 32 % 2, ln = i % 32;
+    qb[i] = *reinterpret_cast<const uint32_t*>(q8 + (sl * kRows + 8 * nr + ln / 4) * D + c * 32 + d_of_slot(16 * h + 4 * (ln % 4)));
   }
   for (int i = tid; i < 128; i += kThreads) {  // FP6 codes widened to E4M3 bytes (exact)
     const Elem e = p.kelem[i / 64];
@@ -474,12 +402,9 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
       const int row = 8 * nr + 2 * t + r;
       kend[nr][r] = row < rows ? L - p.Nq + (r0 + row) % p.Nq + 1 : L;
     }
-  // O^T: columns 16md + g (+8) of rows 8nr + 2t (+1), over this warp's keys; kWg: columns
-  // 64md + 16warp + g (+8), md < D/64, over every key.
-  constexpr int kAccTiles = kWg ? D / 64 : MD;
-  float acc[kAccTiles][kNR][4];
+  float acc[MD][kNR][4];  // O^T: columns 16md + g (+8) of rows 8nr + 2t (+1), over this warp's keys
 #pragma unroll
-  for (int md = 0; md < kAccTiles; ++md)
+  for (int md = 0; md < MD; ++md)
 #pragma unroll
     for (int nr = 0; nr < kNR; ++nr)
 #pragma unroll
@@ -488,12 +413,11 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
 #pragma unroll
   for (int nr = 0; nr < kNR; ++nr) m[nr][0] = m[nr][1] = -INFINITY, l[nr][0] = l[nr][1] = 0.0f;
 
-  const wg::Desc qdesc[2] = {wg::make_desc<D>(smem + S_::kQt), wg::make_desc<D>(smem + S_::kQt + kRows * D)};
   for (int j = j0; j < j1; ++j) {
     const int stage = (j - j0) % kStages;
     cp_async_wait<kStages - 2>();  // this warp's part of page j has landed
     __syncwarp();
-    if constexpr (!kWg) issue(j + kStages - 1, (j - j0 + kStages - 1) % kStages);  // into page j - 1's buffer, done with
+    issue(j + kStages - 1, (j - j0 + kStages - 1) % kStages);  // into page j - 1's buffer, done with
     const uint8_t* st = stage_of(stage);
     const int sl = (ring >> stage) & 1;
     float sc[2][kNR][4];
@@ -501,19 +425,12 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
       const uint32_t* qs = qb + sl * NB * kNR * 64;
       const float* sqs = sq + sl * NB * kRows;
       const uint8_t* lt = lut + 64 * sl;
-      auto scores = [&](auto ec) {
-        constexpr Elem E = decltype(ec)::value;
-        if constexpr (kWg)
-          block_scores_wg<D, kNR, E>(st, st + S_::kK, sl ? qdesc[1] : qdesc[0], sqs, lt, sc);
-        else
-          block_scores<D, kNR, E>(st, st + S_::kK, qs, sqs, lt, sc);
-      };
       switch (p.kelem[sl]) {
-        case Elem::e4m3: scores(std::integral_constant<Elem, Elem::e4m3>{}); break;
-        case Elem::e5m2: scores(std::integral_constant<Elem, Elem::e5m2>{}); break;
-        case Elem::e3m2: scores(std::integral_constant<Elem, Elem::e3m2>{}); break;
-        case Elem::e2m3: scores(std::integral_constant<Elem, Elem::e2m3>{}); break;
-        case Elem::e2m1: scores(std::integral_constant<Elem, Elem::e2m1>{}); break;
+        case Elem::e4m3: block_scores<D, kNR, Elem::e4m3>(st, st + S_::kK, qs, sqs, lt, sc); break;
+        case Elem::e5m2: block_scores<D, kNR, Elem::e5m2>(st, st + S_::kK, qs, sqs, lt, sc); break;
+        case Elem::e3m2: block_scores<D, kNR, Elem::e3m2>(st, st + S_::kK, qs, sqs, lt, sc); break;
+        case Elem::e2m3: block_scores<D, kNR, Elem::e2m3>(st, st + S_::kK, qs, sqs, lt, sc); break;
+        case Elem::e2m1: block_scores<D, kNR, Elem::e2m1>(st, st + S_::kK, qs, sqs, lt, sc); break;
       }
     }
     // Scale, mask (keys past each row's end: -inf), the rows' maxima over this warp's keys.
@@ -536,8 +453,6 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
     float* red = rmax + (j & 1) * kWarps * kRows;  // two buffers: a warp runs at most a page ahead
     store_rows<kNR>(red + warp * kRows, mx, kMaxOp);
     __syncthreads();
-    // kWg: every warp is past page j - 1's P.V, which read all warps' stages of page j - 1.
-    if constexpr (kWg) issue(j + kStages - 1, (j - j0 + kStages - 1) % kStages);
     float alpha[kNR][2], mref[kNR][2];
     bool rescale = false;
 #pragma unroll
@@ -567,82 +482,14 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
         }
     if (__any_sync(0xffffffffu, rescale)) {
 #pragma unroll
-      for (int md = 0; md < kAccTiles; ++md)
+      for (int md = 0; md < MD; ++md)
 #pragma unroll
         for (int nr = 0; nr < kNR; ++nr)
 #pragma unroll
           for (int i = 0; i < 4; ++i) acc[md][nr][i] *= alpha[nr][i % 2];
     }
     const uint8_t* V = st + S_::kK + S_::kS;
-    if constexpr (kWg) {
-      // P in MXFP8 E4M3 per row over this warp's 32 keys (block `warp`), into the shared P^T tile:
-      // key 16mt + g + 8h of the block sits at vt_position 8(g/2) + 4mt + g%2 + 2h, which the V^T
-      // A fragments read at contraction slot 16mt + 4(g/2) + g%2 + 2h (slot 16j + 4u + i reads byte
-      // 8u + 4j + i of a V^T row), so that is its byte in the P^T row.
-      uint8_t* pt = smem + S_::kPt;
-      float* psm = reinterpret_cast<float*>(smem + S_::kPs);  // [block][row]
-#pragma unroll
-      for (int nr = 0; nr < kNR; ++nr) {
-        float inv[2], ps[2];
-        p_block_scales<kNR>(sc, nr, p.rule, inv, ps);
-        if (g == 0) {
-          psm[warp * kRows + 8 * nr + 2 * t] = ps[0];
-          psm[warp * kRows + 8 * nr + 2 * t + 1] = ps[1];
-        }
-#pragma unroll
-        for (int mt = 0; mt < 2; ++mt)
-#pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const uint32_t codes = fp8x2_encode<false>(sc[mt][nr][2 * h] * inv[0], sc[mt][nr][2 * h + 1] * inv[1]);
-            const int byte = 32 * warp + 16 * mt + 4 * (g / 2) + g % 2 + 2 * h, row = 8 * nr + 2 * t;
-            pt[wg::swizzled<128>(row, byte)] = uint8_t(codes);
-            pt[wg::swizzled<128>(row + 1, byte)] = uint8_t(codes >> 8);
-          }
-      }
-      wg::fence_async_smem();  // P^T written by st.shared, read by wgmma
-      __syncthreads();
-      const wg::Desc pdesc = wg::make_desc<128>(pt);
-#pragma unroll
-      for (int half = 0; half < kAccTiles; ++half) {  // 64 channels a wgmma
-        const int ch = 64 * half + 16 * warp + g;  // and ch + 8
-        uint32_t a[4][4];
-        float dv[4][4 * kNR];  // written by the wgmmas
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {  // block b's V^T sits in warp b's stage
-          const uint8_t* Vb = smem + (stage * kWarps + b) * S_::kWarpStage + S_::kK + S_::kS;
-          uint2 lo, hi;
-          if constexpr (kVB == 8) {
-            lo = *reinterpret_cast<const uint2*>(Vb + ch * 32 + 8 * t);
-            hi = *reinterpret_cast<const uint2*>(Vb + (ch + 8) * 32 + 8 * t);
-          } else {
-            const uint32_t wl = *reinterpret_cast<const uint32_t*>(Vb + ch * 16 + 4 * t);
-            const uint32_t wh = *reinterpret_cast<const uint32_t*>(Vb + (ch + 8) * 16 + 4 * t);
-            lo = make_uint2(e2m1x4_to_e4m3x4(wl), e2m1x4_to_e4m3x4(wl >> 16));
-            hi = make_uint2(e2m1x4_to_e4m3x4(wh), e2m1x4_to_e4m3x4(wh >> 16));
-          }
-          a[b][0] = lo.x;
-          a[b][1] = hi.x;
-          a[b][2] = lo.y;
-          a[b][3] = hi.y;
-        }
-        wg::fence();
-#pragma unroll
-        for (int b = 0; b < 4; ++b) wg::mma_fp8_rs<8 * kNR, false>(dv[b], a[b], (pdesc + 32 * b).u64());
-        wg::commit();
-        wg::wait<0>();
-        wg::pin(a);
-#pragma unroll
-        for (int b = 0; b < 4; ++b) {
-          wg::pin(dv[b]);
-          const uint8_t* vsc = smem + (stage * kWarps + b) * S_::kWarpStage + S_::kK + S_::kS + S_::kVRow * D;
-          const float v0 = e8m0_of_byte(vsc[ch], 0), v1 = e8m0_of_byte(vsc[ch + 8], 0);
-#pragma unroll
-          for (int nr = 0; nr < kNR; ++nr) {
-            promote(acc[half][nr], v0, v1, *reinterpret_cast<const float2*>(psm + b * kRows + 8 * nr + 2 * t), dv[b] + 4 * nr);
-          }
-        }
-      }
-    } else if constexpr (kPV8) {
+    if constexpr (kPV8) {
       // P in MXFP8 E4M3, one scale per row over the warp's 32 keys (one MX block). The codes of
       // (key, rows 2t, 2t+1) go to P^T's B fragments (row g, keys 2t, 2t+1 of each 8-key group) by
       // movmatrix on their f16 values; slot 4t+i of the fragment then holds key 2t, 2t+1, 8+2t,
@@ -711,24 +558,21 @@ __global__ void __launch_bounds__(kThreads, 2) decode_kernel(const Params p) {
   }
   cp_async_wait<0>();
   __syncthreads();  // every warp is done with the stage buffers: they take the warps' accumulators
-  float* sum = reinterpret_cast<float*>(smem);  // [kWarps][kRows][D] (kWg: [kRows][D], channels split by warp)
+  float* sum = reinterpret_cast<float*>(smem);  // [kWarps][kRows][D]
   float* lsum = reinterpret_cast<float*>(smem + S_::kMax);  // [kWarps][kRows]: the maxima's buffers are free too
-  constexpr int kSumWarps = kWg ? 1 : kWarps;
 #pragma unroll
-  for (int md = 0; md < kAccTiles; ++md)
+  for (int md = 0; md < MD; ++md)
 #pragma unroll
     for (int nr = 0; nr < kNR; ++nr)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const int row = 8 * nr + 2 * t + i % 2, col = (kWg ? 64 * md + 16 * warp : 16 * md) + g + 8 * (i / 2);
-        sum[((kWg ? 0 : warp) * kRows + row) * D + col] = acc[md][nr][i];
-      }
+      for (int i = 0; i < 4; ++i)
+        sum[(warp * kRows + 8 * nr + 2 * t + i % 2) * D + 16 * md + g + 8 * (i / 2)] = acc[md][nr][i];
   store_rows<kNR>(lsum + warp * kRows, l, kSumOp);
   __syncthreads();
   for (int i = tid; i < rows * D; i += kThreads) {
     float o = 0.0f;
 #pragma unroll
-    for (int w = 0; w < kSumWarps; ++w) o += sum[w * kRows * D + i];
+    for (int w = 0; w < kWarps; ++w) o += sum[w * kRows * D + i];
     out_part(i / D)[i % D] = o;
   }
   if (warp == 0 && g == 0)  // m is the same in every warp and lane group
@@ -778,32 +622,25 @@ __global__ void merge_splits(const float* part, int64_t rows, int splits, int d,
   if (lse && c == 0) lse[row] = M + logf(lsum);
 }
 
-// Two CTAs an SM (Smem sizes the stages for it): run 19 measured the earlier block-synchronous kernel
-// faster at two CTAs than at one CTA with twice the stages (bench/RESULTS.md).
-template <int D, int kVB, int kNR, bool kWg>
+// ctas_per_sm CTAs an SM (Smem sizes the stages for it): run 19 measured the earlier block-synchronous
+// kernel faster at two CTAs than at one CTA with twice the stages, session 10 three faster than two
+// for MXFP4 V (bench/RESULTS.md).
+template <int D, int kVB, int kNR>
 void launch(const Params& p, dim3 grid, cudaStream_t stream) {
-  constexpr int bytes = Smem<D, kVB, kNR, kWg>::kBytes;
-  check(cudaFuncSetAttribute(decode_kernel<D, kVB, kNR, kWg>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+  constexpr int bytes = Smem<D, kVB, kNR>::kBytes;
+  check(cudaFuncSetAttribute(decode_kernel<D, kVB, kNR>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
         "decode kernel attribute");
-  decode_kernel<D, kVB, kNR, kWg><<<grid, kThreads, bytes, stream>>>(p);
+  decode_kernel<D, kVB, kNR><<<grid, kThreads, bytes, stream>>>(p);
 }
 
-// One dispatch point for the kernel's instances: head dim x V's bits (16, 8, 4) x rows per CTA (8 or
-// 16) x the wgmma variant (MX V only).
-void launch(const Params& p, dim3 grid, int d, int vbits, int nr, bool wgmma, cudaStream_t stream) {
+// One dispatch point for the kernel's instances: head dim x V's bits (16, 8, 4) x rows per CTA (8 or 16).
+void launch(const Params& p, dim3 grid, int d, int vbits, int nr, cudaStream_t stream) {
   auto go = [&](auto dc, auto vc) {
     constexpr int D = decltype(dc)::value, kVB = decltype(vc)::value;
-    auto rows = [&](auto wc) {
-      constexpr bool kWg = decltype(wc)::value;
-      if (nr == 1)
-        launch<D, kVB, 1, kWg>(p, grid, stream);
-      else
-        launch<D, kVB, 2, kWg>(p, grid, stream);
-    };
-    if constexpr (kVB != 16) {
-      if (wgmma) return rows(std::true_type{});
-    }
-    rows(std::false_type{});
+    if (nr == 1)
+      launch<D, kVB, 1>(p, grid, stream);
+    else
+      launch<D, kVB, 2>(p, grid, stream);
   };
   auto with_v = [&](auto dc) {
     if (vbits == 16)
@@ -848,7 +685,7 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   int dev = 0, sms = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
-  p.splits = std::min(splits > 0 ? splits : decode_auto_splits(S * Hkv * p.chunks, kv.max_pages, 2 * sms), std::max(1, kv.max_pages));
+  p.splits = std::min(splits > 0 ? splits : decode_auto_splits(S * Hkv * p.chunks, kv.max_pages, ctas_per_sm(vbits, nr) * sms), std::max(1, kv.max_pages));
   Buffers buf(stream);  // stream-ordered: freed after the enqueued work
   const int64_t rows = S * Hq * Nq;
   p.q = q.data;
@@ -860,9 +697,7 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   for (int sl = 0; sl < 2; ++sl) p.kelem[sl] = format_info(fmt[sl]).elem;
   p.part = buf.alloc<float>(size_t(rows * p.splits * (d + 2)) * sizeof(float));
   const dim3 grid(unsigned(p.splits), unsigned(Hkv * p.chunks), unsigned(S));
-  // The wgmma variant (kWg) until it is measured against this kernel: DMATTN_DECODE_WGMMA=1.
-  const char* wg_env = std::getenv("DMATTN_DECODE_WGMMA");
-  launch(p, grid, int(d), vbits, nr, vbits != 16 && wg_env && std::string(wg_env) == "1", stream);
+  launch(p, grid, int(d), vbits, nr, stream);
   check(cudaGetLastError(), "decode kernel");
   const unsigned mblocks = unsigned((rows * (d / 32) + 7) / 8);  // 8 warps a block, a warp per 32 columns of a row
   with_typed(out, [&](auto* typed) {

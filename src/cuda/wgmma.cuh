@@ -139,39 +139,6 @@ __device__ __forceinline__ void mma_bf16_rs(float (&d)[N / 2], const uint32_t (&
   }
 }
 
-// d = A.B over K = 32 FP8 elements (a fresh accumulator) with A [64 x 32] from registers (warp w
-// supplies rows 16w..16w+15 in the mma.sync m16n8k32 A layout: a[0] row g, k 4t..4t+3; a[1] row
-// g+8; a[2], a[3] the same at k + 16) and B [N x 32] K-major in shared memory; N = 8 or 16, the
-// narrow shapes a decode step's few query rows need. d is write-only here ("=f", scale-d 0): with
-// "+f" on uninitialised arrays ptxas may give several in-flight accumulators the same registers and
-// serialise the wgmmas (C7511, seen at d = 64), and zeroing them costs a move per value.
-// Checked by GpuMma.WgmmaFp8RegisterANarrowN.
-template <int N, bool kE5M2>
-__device__ __forceinline__ void mma_fp8_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b) {
-  if constexpr (N == 8 && kE5M2)
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\nwgmma.mma_async.sync.aligned.m64n8k32.f32.e5m2.e5m2 {%0,%1,%2,%3}, "
-                 "{%4,%5,%6,%7}, %8, p, 1, 1;\n}\n"
-                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-  else if constexpr (N == 8)
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\nwgmma.mma_async.sync.aligned.m64n8k32.f32.e4m3.e4m3 {%0,%1,%2,%3}, "
-                 "{%4,%5,%6,%7}, %8, p, 1, 1;\n}\n"
-                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-  else if constexpr (N == 16 && kE5M2)
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\nwgmma.mma_async.sync.aligned.m64n16k32.f32.e5m2.e5m2 "
-                 "{%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1;\n}\n"
-                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-  else {
-    static_assert(N == 16);
-    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\nwgmma.mma_async.sync.aligned.m64n16k32.f32.e4m3.e4m3 "
-                 "{%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, 1, 1;\n}\n"
-                 : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3]), "=f"(d[4]), "=f"(d[5]), "=f"(d[6]), "=f"(d[7])
-                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
-  }
-}
-
 #undef DM_ACC8
 #undef DM_ACC32
 #undef DM_ACC64

@@ -11,11 +11,7 @@
 
 #include <cmath>
 #include <cstdio>
-#include <cstdlib>
 #include <limits>
-#include <string>
-#include <utility>
-#include <vector>
 
 #include "dmattn/error.hpp"
 #include "dmattn/kv_cache.hpp"
@@ -76,12 +72,15 @@ void append_all(KVCache& cache, int id, const QKV& x, int64_t from, int64_t n) {
   cache.append(id, slice_tokens(x.k.view(), from, n), slice_tokens(x.v.view(), from, n));
 }
 
+}  // namespace
 
-// Ragged batch (lengths 16, 700, 1301), GQA 4, Nq 1..16, fixed and automatic splits, appends between
-// calls, bf16 in and out: the GPU decode against the CPU decode for each policy.
-void decode_matrix(const std::vector<Policy>& policies) {
+TEST(GpuDecode, MatchesCpuDecode) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
   for (int64_t d : {64, 128})
-    for (const Policy& pol : policies) {
+    for (const Policy& pol : {Policy{}, Policy{e4, f4, 2, 1}, Policy{Format::mxfp8_e5m2, Format::mxfp6_e3m2, 1, 0},
+                              Policy{Format::mxfp6_e2m3, Format::mxfp6_e2m3, 1, 0}, with_pv(Policy{}),
+                              with_pv(Policy{e4, f4, 2, 1, ScaleRule::ceil}), with_pv(Policy{}, PV::mxfp4)}) {
       const int64_t Hkv = 2, Hq = 8, lens[3] = {16, 700, 1301};
       KVCache cache(Hkv, d, pol);
       std::vector<int> ids;
@@ -114,60 +113,26 @@ void decode_matrix(const std::vector<Policy>& policies) {
     }
 }
 
-const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
-// Policies with V in MX codes (pv = mxfp8, mxfp4): the ones the wgmma variant runs.
-const std::vector<Policy> kMxVPolicies = {with_pv(Policy{}), with_pv(Policy{e4, f4, 2, 1, ScaleRule::ceil}),
-                                          with_pv(Policy{}, PV::mxfp4),
-                                          with_pv(Policy{Format::mxfp8_e5m2, Format::mxfp6_e3m2, 1, 0})};
-
-// Sets an environment variable for a scope (the decode reads DMATTN_DECODE_WGMMA at each call).
-struct ScopedEnv {
-  const char* name;
-  ScopedEnv(const char* n, const char* value) : name(n) { setenv(n, value, 1); }
-  ~ScopedEnv() { unsetenv(name); }
-};
-
-}  // namespace
-
-TEST(GpuDecode, MatchesCpuDecode) {
-  SKIP_WITHOUT_CUDA_DEVICE();
-  std::vector<Policy> policies = {Policy{}, Policy{e4, f4, 2, 1}, Policy{Format::mxfp8_e5m2, Format::mxfp6_e3m2, 1, 0},
-                                  Policy{Format::mxfp6_e2m3, Format::mxfp6_e2m3, 1, 0}};
-  policies.insert(policies.end(), kMxVPolicies.begin(), kMxVPolicies.end());
-  decode_matrix(policies);
-}
-
-// The wgmma variant of the kernel (DMATTN_DECODE_WGMMA=1: both products on native FP8 wgmma, P.V
-// split by channels) on the same matrix, every K format (E4M3, E5M2, FP6, E2M1 pages) with V in MX.
-TEST(GpuDecode, WgmmaVariantMatchesCpuDecode) {
-  SKIP_WITHOUT_CUDA_DEVICE();
-  const ScopedEnv wg("DMATTN_DECODE_WGMMA", "1");
-  decode_matrix(kMxVPolicies);
-}
-
 // MQA with 16 new queries: 128 rows per KV head, two row chunks per CTA group. A sequence freed and
-// its pages reused by another leaves holes in the page tables. Every V format, MX ones also through
-// the wgmma variant (the sanitizer's case: bench/device.sh), with one KV head (an odd count: the E2M1
-// V^T upload's head arithmetic).
+// its pages reused by another leaves holes in the page tables. Every V format (the sanitizer's case:
+// bench/device.sh), with one KV head (an odd count: the E2M1 V^T upload's head arithmetic).
 TEST(GpuDecode, RowChunksAndReusedPages) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const int64_t d = 128, Hq = 8, Hkv = 1;
-  const std::pair<PV, bool> modes[] = {{PV::bf16, false}, {PV::mxfp8, false}, {PV::mxfp4, false}, {PV::mxfp8, true}, {PV::mxfp4, true}};
-  for (const auto& [pv, wgmma] : modes) {  // wgmma: the kernel's wgmma variant
-    const ScopedEnv wg("DMATTN_DECODE_WGMMA", wgmma ? "1" : "0");
+  for (PV pv : {PV::bf16, PV::mxfp8, PV::mxfp4}) {
     KVCache cache(Hkv, d, with_pv(Policy{}, pv));
     const QKV a = llm_like_qkv({1, Hq, Hkv, 900, 900, d}, 1), b = llm_like_qkv({1, Hq, Hkv, 600, 600, d}, 2);
     const int ia = cache.new_sequence(), ib = cache.new_sequence();
     append_all(cache, ia, a, 0, 500);
     append_all(cache, ib, b, 0, 300);
     const QKV q0 = random_qkv({2, Hq, Hkv, 16, 16, d}, 3, DType::f32, 2.0f);
-    check_decode(cache, {ia, ib}, q0.q, 1, 1e-5, wgmma ? "MQA Nq=16 (wgmma)" : "MQA Nq=16");
+    check_decode(cache, {ia, ib}, q0.q, 1, 1e-5, "MQA Nq=16");
     cache.free_sequence(ia);
     const int ic = cache.new_sequence();
     append_all(cache, ic, a, 0, 900);  // reuses ia's pages, then takes new ones
     append_all(cache, ib, b, 300, 300);
     const QKV q1 = random_qkv({2, Hq, Hkv, 16, 16, d}, 4, DType::f32, 2.0f);
-    check_decode(cache, {ib, ic}, q1.q, 3, 1e-5, wgmma ? "reused pages (wgmma)" : "reused pages");
+    check_decode(cache, {ib, ic}, q1.q, 3, 1e-5, "reused pages");
   }
 }
 

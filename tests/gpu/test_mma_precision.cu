@@ -116,79 +116,6 @@ __global__ void wgmma_dots(const uint8_t* a, const uint8_t* b, float* out) {
   }
 }
 
-// One warpgroup, wgmma m64nNk32 E4M3 with A from registers (the mma.sync m16n8k32 A layout per
-// warp) and B [N rows][128 bytes] in 128-byte-swizzled shared memory, one 32-wide block c per wgmma
-// (descriptor + 32c): the narrow shapes a decode step would use. afrag: [c][128 threads][4] words.
-// out: [c][64][N] row-major.
-template <int N>
-__global__ void wgmma_rs_narrow(const uint32_t* afrag, const uint8_t* b, float* out) {
-  __shared__ __align__(1024) uint8_t sb[(N < 8 ? 8 : N) * 128];
-  for (int i = threadIdx.x; i < N * 128; i += 128) sb[cuda::wg::swizzled<128>(i / 128, i % 128)] = b[i];
-  cuda::wg::fence_async_smem();
-  __syncthreads();
-  const int warp = threadIdx.x / 32, g = threadIdx.x % 32 / 4, t = threadIdx.x % 4;
-  for (int c = 0; c < 4; ++c) {
-    const uint32_t a[4] = {afrag[(c * 128 + threadIdx.x) * 4], afrag[(c * 128 + threadIdx.x) * 4 + 1],
-                           afrag[(c * 128 + threadIdx.x) * 4 + 2], afrag[(c * 128 + threadIdx.x) * 4 + 3]};
-    float d[N / 2];
-    cuda::wg::fence();
-    cuda::wg::mma_fp8_rs<N, false>(d, a, cuda::wg::desc<128>(sb, c * 32));
-    cuda::wg::commit();
-    cuda::wg::wait<0>();
-    cuda::wg::pin(d);
-    for (int i = 0; i < N / 2; ++i)
-      out[(c * 64 + 16 * warp + g + 8 * ((i / 2) % 2)) * N + 8 * (i / 4) + 2 * t + i % 2] = d[i];
-  }
-}
-
-template <int N>
-void check_wgmma_rs_narrow(uint64_t seed) {
-  Rng rng(seed);
-  auto e2m1_as_e4m3 = [&] { return encode_elem(Elem::e4m3, decode_elem(Elem::e2m1, uint8_t(rng.next_u64() % 16))); };
-  std::vector<uint8_t> A(64 * 128), B(N * 128);
-  for (auto& x : A) x = e2m1_as_e4m3();
-  for (auto& x : B) x = e2m1_as_e4m3();
-  std::vector<uint32_t> frag(4 * 128 * 4);
-  for (int c = 0; c < 4; ++c)
-    for (int tid = 0; tid < 128; ++tid) {
-      const int w = tid / 32, g = tid % 32 / 4, t = tid % 4;
-      for (int r = 0; r < 4; ++r) {
-        const int row = 16 * w + g + 8 * (r % 2), k0 = 32 * c + 4 * t + 16 * (r / 2);
-        uint32_t word = 0;
-        for (int i = 0; i < 4; ++i) word |= uint32_t(A[size_t(row * 128 + k0 + i)]) << (8 * i);
-        frag[size_t((c * 128 + tid) * 4 + r)] = word;
-      }
-    }
-  uint32_t* da;
-  uint8_t* db;
-  float* dout;
-  CUDA_OK(cudaMalloc(&da, frag.size() * 4));
-  CUDA_OK(cudaMalloc(&db, B.size()));
-  CUDA_OK(cudaMalloc(&dout, 4 * 64 * N * sizeof(float)));
-  CUDA_OK(cudaMemcpy(da, frag.data(), frag.size() * 4, cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemcpy(db, B.data(), B.size(), cudaMemcpyHostToDevice));
-  CUDA_OK(cudaMemset(dout, 0xFF, 4 * 64 * N * sizeof(float)));  // NaN poison
-  wgmma_rs_narrow<N><<<1, 128>>>(da, db, dout);
-  CUDA_OK(cudaGetLastError());
-  std::vector<float> out(size_t(4 * 64 * N));
-  CUDA_OK(cudaMemcpy(out.data(), dout, out.size() * sizeof(float), cudaMemcpyDeviceToHost));
-  cudaFree(da);
-  cudaFree(db);
-  cudaFree(dout);
-  int wrong = 0;
-  for (int c = 0; c < 4; ++c)
-    for (int m = 0; m < 64; ++m)
-      for (int n = 0; n < N; ++n) {
-        double exact = 0;  // E2M1 products sum exactly in fp32 (and in the wgmma: GpuMma.WgmmaFp8DotPrecision)
-        for (int k = 0; k < 32; ++k)
-          exact += double(decode_elem(Elem::e4m3, A[size_t(m * 128 + 32 * c + k)])) * decode_elem(Elem::e4m3, B[size_t(n * 128 + 32 * c + k)]);
-        const float got = out[size_t((c * 64 + m) * N + n)];
-        if (got != float(exact) && wrong++ < 5)
-          ADD_FAILURE() << "N=" << N << " block " << c << " row " << m << " col " << n << ": " << got << " vs " << exact;
-      }
-  EXPECT_EQ(wrong, 0) << "N=" << N;
-}
-
 struct DotStats {
   int inexact = 0, total = 0;
   double worst_rel = 0;  // |got - exact| / (sum of |products|): the accumulator's own error
@@ -274,14 +201,4 @@ TEST(GpuMma, Fp8BlockDotPrecision) {
   std::printf("E4M3:        %d of 6400 dots differ from the correctly rounded fp32 sum (worst %.2f ulp of the largest product)\n",
               inexact8, worst8);
   EXPECT_EQ(inexact4, 0);
-}
-
-// The register-A FP8 wgmma at the narrow N of a decode step (8 and 16 query rows), exact on
-// E2M1-valued operands: its A fragment layout is the mma.sync one, B comes from a swizzled tile.
-TEST(GpuMma, WgmmaFp8RegisterANarrowN) {
-  SKIP_WITHOUT_CUDA_DEVICE();
-  for (uint64_t s = 0; s < 3; ++s) {
-    check_wgmma_rs_narrow<8>(11 + s);
-    check_wgmma_rs_narrow<16>(23 + s);
-  }
 }
