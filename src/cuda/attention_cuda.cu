@@ -112,7 +112,6 @@ void dma_attention(const Problem& p) {
     check(cudaMemsetAsync(kuni, 1, size_t(k_tiles) * sizeof(int), stream), "cudaMemset");  // nonzero: uniform until shown not
     kt[s] = {fmt[s], k8, ks, true, true, krs, ldv, kuni};
     pp.krs[s] = krs;
-    pp.kuni[s] = kuni;
     kts[s] = buf.alloc<float>(size_t(k_tiles) * sizeof(float));
     pp.kts[s] = kts[s];
     pp.k8[s] = k8;

@@ -187,9 +187,14 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   const int64_t qtile = hd::floor_div(pos0, kTile);
   const int nslots = p.nslots;
   const int64_t kend = p.causal ? min(int64_t(p.Nk), max(int64_t(0), pos0 + BM)) : int64_t(p.Nk);
-  const int64_t tiles = (kend + BN - 1) / BN;
+  const int tiles = int((kend + BN - 1) / BN);  // < 2^24: the host checks Nk < 2^31
   const int64_t kv_tile0 = (int64_t(b) * p.Hkv + hk) * p.ldv;  // this head's row scales
-  auto slot_of = [&](int64_t j) { return (nslots == 2 && !p.policy.is_high(qtile, j)) ? 1 : 0; };
+  // policy.is_high(qtile, j) in 32-bit compares (64-bit tile arithmetic was ~100 instructions a tile):
+  // the diagonal band [band_lo, band_hi] (clamped to [-1, tiles]) and the sink tiles j < sinks.
+  const int band_lo = int(max(int64_t(-1), qtile - p.policy.diag_tiles + 1));
+  const int band_hi = int(min(int64_t(tiles), qtile + p.policy.diag_tiles - 1));
+  const int sinks = p.policy.sink_tiles;
+  auto slot_of = [&](int j) { return (nslots == 2 && !((j >= band_lo && j <= band_hi) || j < sinks)) ? 1 : 0; };
 
   if (threadIdx.x < 4) q_folded[threadIdx.x / 2][threadIdx.x % 2] = 1;
   if (threadIdx.x == 0) {
@@ -208,15 +213,15 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     wg::regs_dec<24>();
     if (threadIdx.x == kConsumers) {
       const int bh = b * p.Hkv + hk;
-      for (int64_t j = 0; j < tiles; ++j) {
-        const int st = int(j % kStages), slot = slot_of(j);
-        if (j >= kStages) tma::wait(&empty[st], uint32_t(j / kStages - 1) & 1);
+      for (int j = 0, st = 0, phase = 0; j < tiles; ++j, phase ^= (st == kStages - 1), st = (st + 1) % kStages) {
+        const int slot = slot_of(j);
+        if (j >= kStages) tma::wait(&empty[st], uint32_t(phase ^ 1));
         tma::arrive_expect(&full[st], S::kTx);
-        tma::load_3d(sK(st), &p.kmap[slot], 0, int(j * BN), bh, &full[st]);
-        tma::load_3d(sVt(st), &p.vmap, int(j * BN), 0, bh, &full[st]);
-        tma::load_3d(sVt(st) + S::kVHalf, &p.vmap, int(j * BN) + BN / 2, 0, bh, &full[st]);
-        tma::load_bytes(sKr(st), p.krs[slot] + kv_tile0 + j * BN, BN * 4, &full[st]);
-        tma::load_bytes(sKb(st), p.ks[slot] + (kv_tile0 + j * BN) * NB, BN * NB, &full[st]);
+        tma::load_3d(sK(st), &p.kmap[slot], 0, j * BN, bh, &full[st]);
+        tma::load_3d(sVt(st), &p.vmap, j * BN, 0, bh, &full[st]);
+        tma::load_3d(sVt(st) + S::kVHalf, &p.vmap, j * BN + BN / 2, 0, bh, &full[st]);
+        tma::load_bytes(sKr(st), p.krs[slot] + kv_tile0 + int64_t(j) * BN, BN * 4, &full[st]);
+        tma::load_bytes(sKb(st), p.ks[slot] + (kv_tile0 + int64_t(j) * BN) * NB, BN * NB, &full[st]);
       }
     }
     return;
@@ -250,31 +255,30 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   uint32_t a[BN / 16][4];  // bf16 P of the previous tile (a wgmma operand until it retires)
 
-  // Whether every key of tile j has one scale for all of d: read a tile ahead (a global load's latency
-  // on the loop's critical path cost as much as the tile's softmax).
-  auto k_uniform = [&](int64_t j) { return (slot_of(j) ? p.kuni[1] : p.kuni[0])[kv_tile0 / BN + j]; };
-  // And the tile's one key scale (0: the keys keep their own), read ahead alike.
-  auto k_tile_scale = [&](int64_t j) { return (slot_of(j) ? p.kts[1] : p.kts[0])[kv_tile0 / BN + j]; };
-  int kuni_next = tiles > 0 ? k_uniform(0) : 0;
-  float kts_next = tiles > 0 ? k_tile_scale(0) : 0.0f;
+  // Tile j's key scales (kts): one scale for the whole tile (> 0), one a key (0), or several a key
+  // (< 0). Read a tile ahead: a global load's latency on the loop's critical path cost as much as the
+  // tile's softmax.
+  const float* kts0 = p.kts[0] + kv_tile0 / BN;
+  const float* kts1 = nslots == 2 ? p.kts[1] + kv_tile0 / BN : kts0;  // (a select: an indexed pair went to local memory)
+  float kts_next = tiles > 0 ? (slot_of(0) ? kts1 : kts0)[0] : 0.0f;
   // Each slot's element type in registers: indexing the parameter by slot cost a stalled constant load per tile (ncu).
   const bool e5m2_high = p.elem[0] == Elem::e5m2, e5m2_low = p.elem[1] == Elem::e5m2;
   // wgmma descriptors of the warpgroup's Q slots and of stage 0's K and V^T (stage st: + st * kStage).
   const wg::Desc dq0 = wg::make_desc<D>(sQ + wgi * 64 * D), dq1 = dq0 + S::kQK, dk0 = wg::make_desc<D>(sK(0)),
                  dv0 = wg::make_desc<128>(sVt(0));
-  for (int64_t j = 0; j < tiles; ++j) {
-    const int slot = slot_of(j), st = int(j % kStages), prev = int((j + kStages - 1) % kStages);
-    const int kuni_j = kuni_next;
+  // Stage st of tile j and the parity of its fill, kept as counters (64-bit j % 3 and j / 3 cost ~40
+  // instructions a tile).
+  int st = 0, prev = kStages - 1;
+  uint32_t phase = 0;
+  for (int j = 0; j < tiles; ++j) {
+    const int slot = slot_of(j);
     const float kts_j = kts_next;
-    if (j + 1 < tiles) {
-      kuni_next = k_uniform(j + 1);
-      kts_next = k_tile_scale(j + 1);
-    }
+    if (j + 1 < tiles) kts_next = (slot_of(j + 1) ? kts1 : kts0)[j + 1];
     const bool e5m2 = slot ? e5m2_low : e5m2_high;
-    const bool folded = kuni_j != 0 && q_folded[slot][wgi];
+    const bool folded = kts_j >= 0.0f && q_folded[slot][wgi];
     const wg::Desc sq = slot ? dq1 : dq0, sk = dk0 + st * S::kStage;
     const float* sqs = sQs + (slot * BM + wgi * 64 + warp * 16 + g) * NB;
-    tma::wait(&full[st], uint32_t(j / kStages) & 1);
+    tma::wait(&full[st], phase);
 
     float s[BN / 2];
     // After the scores, logit * log2(e) = s * c[r]: c holds the softmax scale, log2(e) and (folded
@@ -294,8 +298,10 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       // Keys folded to one tile scale (the common MXFP4 case) take it here, in the row factor: no
       // per-key multiply of S (64 FMULs and 16 shared loads a tile).
       const float kf = kts_j > 0.0f ? kts_j : 1.0f;
-      c[0] = valid[0] ? p.scale * kLog2e * sqs[0] * kf : 1.0f;
-      c[1] = valid[1] ? p.scale * kLog2e * sqs[8 * NB] * kf : 1.0f;
+      // (kmax < 0: a row outside the output or one that sees no key; kmax, not valid[], because ptxas
+      // recomputed valid[] from 64-bit positions every tile.)
+      c[0] = kmax[0] >= 0 ? p.scale * kLog2e * sqs[0] * kf : 1.0f;
+      c[1] = kmax[1] >= 0 ? p.scale * kLog2e * sqs[8 * NB] * kf : 1.0f;
       if (kts_j <= 0.0f) scale_by_keys(s, sKr(st), t);
     } else {
       if (j > 0) {
@@ -311,7 +317,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
 
     // Mask (tiles every row of the warp sees whole skip it), online softmax (fp32).
     float mx[2] = {-INFINITY, -INFINITY};
-    const int key0 = int(j) * BN;
+    const int key0 = j * BN;
     const bool whole = __all_sync(0xffffffffu, key0 + BN - 1 <= min(kmax[0], kmax[1]));
     if (!whole)  // a branch of its own: if-converted into the max loop it costs every tile 128 instructions
 #pragma unroll
@@ -351,9 +357,12 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       a[kc][2] = bf16x2_rn(q0[4], q0[5]);
       a[kc][3] = bf16x2_rn(q0[6], q0[7]);
     }
+    prev = st;
+    phase ^= st == kStages - 1;
+    st = st == kStages - 1 ? 0 : st + 1;
   }
   if (tiles > 0) {  // the last tile's P.V
-    issue_pv<D>(o, a, dv0 + int((tiles - 1) % kStages) * S::kStage);
+    issue_pv<D>(o, a, dv0 + prev * S::kStage);
     wg::commit();
     wg::wait<0>();
     wg::pin(o);

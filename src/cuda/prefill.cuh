@@ -21,8 +21,8 @@ struct PrefillParams {
   const uint8_t* k8[2];  // [B*Hkv*Nk, d]
   const uint8_t* ks[2];  // [B*Hkv, ldv, d/32] (rows padded like krs)
   const float* krs[2];   // [B*Hkv, ldv]: a key's one scale when its blocks share it (else < 0)
-  const int* kuni[2];    // [B*Hkv, ldv/128]: nonzero where every key of the tile has one scale
-  const float* kts[2];   // [B*Hkv, ldv/128]: the one scale of every key of the tile (fold_key_tiles), else 0
+  const float* kts[2];   // [B*Hkv, ldv/128] (fold_key_tiles): the tile's one key scale, 0 where each key
+                         // has one scale of its own, < 0 where some key keeps several
   const uint16_t* vt;    // bf16 bits, [B*Hkv, d, ldv]: V transposed, zeros past Nk
   int64_t ldv;           // a multiple of 128 (the key tile)
   void* out;             // [B,Hq,Nq,d], unit stride on d

@@ -177,7 +177,7 @@ __global__ void __launch_bounds__(kTile) fold_key_tiles_kernel(uint8_t* codes, u
   const int64_t bh = blockIdx.y, tile = blockIdx.x, tiles = row_pad / kTile;
   const int64_t key = tile * kTile + threadIdx.x, slot = bh * row_pad + key;  // slot: index into row_scale
   if (tile_uniform[bh * tiles + tile] == 0) {  // some key keeps several scales: nothing to fold
-    if (threadIdx.x == 0) tile_scale[bh * tiles + tile] = 0.0f;
+    if (threadIdx.x == 0) tile_scale[bh * tiles + tile] = -1.0f;
     return;
   }
   // Row scales are powers of two (or 0 past N): their bits order like their values.

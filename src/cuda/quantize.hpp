@@ -54,7 +54,8 @@ void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first
 // scales): per 128-key tile of each (b, h) whose keys each carry one scale (tile_uniform), shift every
 // key's FP8 bytes to the tile's largest key scale where that is exact for every key of the tile,
 // rewriting codes, block scales and row scales to match (values unchanged), and record the tile's
-// scale in tile_scale [B*H][row_pad/128] (0 where the tile keeps per-key scales). The prefill kernel
+// scale in tile_scale [B*H][row_pad/128] (0 where the tile keeps one scale a key, -1 where some key
+// keeps several: the prefill kernel's one per-tile read says both). The prefill kernel
 // then folds one scale per tile into its exponent instead of multiplying S by 128 key scales: MXFP4
 // keys fold whenever their scales span at most 2^8. codes: [B*H*N, d] bytes, E5M2 bytes when e5m2.
 void fold_key_tiles(uint8_t* codes, uint8_t* scales, float* row_scale, const int* tile_uniform, float* tile_scale,

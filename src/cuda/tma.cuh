@@ -31,14 +31,17 @@ __device__ __forceinline__ void arrive(uint64_t* bar) {
 __device__ __forceinline__ void arrive_expect(uint64_t* bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(smem_addr(bar)), "r"(bytes) : "memory");
 }
-// Blocks until the barrier's phase of the given parity has completed.
+// Blocks until the barrier's phase of the given parity has completed. The suspend-time hint lets the
+// hardware park the warp until the phase completes (or ~10 ms pass) instead of returning at once: a
+// bare try_wait loop spun 270 times a tile in the producer (137 M instructions at N = 16384, 9% of
+// the kernel's, all on one scheduler of each SM; session 10 ncu).
 __device__ __forceinline__ void wait(uint64_t* bar, uint32_t parity) {
   uint32_t done = 0;
   do {
     asm volatile(
-        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+        "{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\nselp.u32 %0, 1, 0, p;\n}\n"
         : "=r"(done)
-        : "r"(smem_addr(bar)), "r"(parity)
+        : "r"(smem_addr(bar)), "r"(parity), "r"(10000000u)
         : "memory");
   } while (!done);
 }
