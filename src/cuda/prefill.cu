@@ -253,7 +253,15 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
-  uint32_t a[BN / 16][4];  // bf16 P of the previous tile (a wgmma operand until it retires)
+  // bf16 P of the previous tile (a wgmma operand until it retires). Zero before the first tile, whose
+  // P.V then adds 0 * V_0 (finite: the pre-pass rejects non-finite V): P.V is issued on every tile, so
+  // its commit is never empty. A commit of a group that may be empty (the P.V under `if (j > 0)`) made
+  // ptxas append a dummy wgmma to it every tile, and wait<1> then retired P.V together with S_j, so
+  // the softmax never ran under P.V; committing inside the `if` made ptxas serialise every wgmma
+  // (session 10, SASS).
+  uint32_t a[BN / 16][4];
+#pragma unroll
+  for (int kc = 0; kc < BN / 16; ++kc) a[kc][0] = a[kc][1] = a[kc][2] = a[kc][3] = 0u;
 
   // Tile j's key scales (kts): one scale for the whole tile (> 0), one a key (0), or several a key
   // (< 0). Read a tile ahead: a global load's latency on the loop's critical path cost as much as the
@@ -276,6 +284,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     if (j + 1 < tiles) kts_next = (slot_of(j + 1) ? kts1 : kts0)[j + 1];
     const bool e5m2 = slot ? e5m2_low : e5m2_high;
     const bool folded = kts_j >= 0.0f && q_folded[slot][wgi];
+    const int pv_stage = j > 0 ? prev : st;  // P_{j-1}.V_{j-1}'s V (tile 0's at j = 0, with P = 0)
     const wg::Desc sq = slot ? dq1 : dq0, sk = dk0 + st * S::kStage;
     const float* sqs = sQs + (slot * BM + wgi * 64 + warp * 16 + g) * NB;
     tma::wait(&full[st], phase);
@@ -290,8 +299,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
         issue_chain<D, true>(s, sq, sk);
       else
         issue_chain<D, false>(s, sq, sk);
-      if (j > 0) issue_pv<D>(o, a, dv0 + prev * S::kStage);
-      wg::commit();  // (an empty group at j = 0) so that one wait<1> retires S_j on every path
+      issue_pv<D>(o, a, dv0 + pv_stage * S::kStage);
+      wg::commit();
       if (wgi == 0 || j + 1 < tiles) wg::bar_arrive(other, kConsumers);
       wg::wait<1>();
       wg::pin(s);
@@ -304,10 +313,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       c[1] = kmax[1] >= 0 ? p.scale * kLog2e * sqs[8 * NB] * kf : 1.0f;
       if (kts_j <= 0.0f) scale_by_keys(s, sKr(st), t);
     } else {
-      if (j > 0) {
-        issue_pv<D>(o, a, dv0 + prev * S::kStage);
-        wg::commit();
-      }
+      issue_pv<D>(o, a, dv0 + pv_stage * S::kStage);
+      wg::commit();
       if (wgi == 0 || j + 1 < tiles) wg::bar_arrive(other, kConsumers);
       if (e5m2)
         scores_per_block<D, true>(s, sq, sqs, sk, sKb(st), p.scale, t);
