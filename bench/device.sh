@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The one GPU-machine script: build for sm_90a, run every test (GPU ones included), compute-sanitizer
 # on the GPU tests, and print a short table last. Full logs go to $OUT (or ./device-out).
-# Run here first: bash scripts/device_deps.sh   (then carry .deps to the device).
+# Run here first: bash scripts/device_deps.sh   (then carry .deps to the device); to skip the device's
+# build: bash bench/prebuild.sh build-prebuilt, carry it too, and run PREBUILT=build-prebuilt QUICK=1.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/device-out}
@@ -16,18 +17,26 @@ if ls .deps/wheels/*.whl >/dev/null 2>&1; then  # carried Python wheels (the Sag
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dmattn-site .deps/wheels/*.whl \
     && export PYTHONPATH=/tmp/dmattn-site${PYTHONPATH:+:$PYTHONPATH}
 fi
-B=build-sm90
+# PREBUILT=dir: binaries built here for sm_90a and carried (dir/dmattn, dir/bench/*, dir/tests/dmattn_gpu_tests),
+# which saves the device the ~100 s build; QUICK mode only, and without the Python module's tests.
+B=${PREBUILT:-build-sm90}
 declare -A row
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 
-cmake -S . -B $B -G Ninja -DDMATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DDMATTN_DEPS="$PWD/.deps" -DPython_EXECUTABLE="$(command -v python3)" \
-  >"$OUT/configure.log" 2>&1 && cmake --build $B -j16 >"$OUT/build.log" 2>&1
-row[build]=$([ $? -eq 0 ] && echo ok || echo FAILED)
-grep -A2 "Function properties for .*prefill_kernel" "$OUT/build.log" | grep -E "spill|Used" | sort | uniq -c
-cuobjdump -sass $B/CMakeFiles/dmattn.dir/src/cuda/prefill.cu.o 2>/dev/null | grep -oE "(HGMMA|QGMMA)\.[A-Za-z0-9.]*" | sort | uniq -c \
-  | tee "$OUT/sass_gmma.txt"
+if [ -n "${PREBUILT:-}" ]; then
+  row[build]="prebuilt ($B)"
+  SKIP_PYTHON=1
+else
+  cmake -S . -B $B -G Ninja -DDMATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DDMATTN_DEPS="$PWD/.deps" -DPython_EXECUTABLE="$(command -v python3)" \
+    >"$OUT/configure.log" 2>&1 && cmake --build $B -j16 >"$OUT/build.log" 2>&1
+  row[build]=$([ $? -eq 0 ] && echo ok || echo FAILED)
+  grep -A2 "Function properties for .*prefill_kernel" "$OUT/build.log" | grep -E "spill|Used" | sort | uniq -c
+  cuobjdump -sass $B/CMakeFiles/dmattn.dir/src/cuda/prefill.cu.o 2>/dev/null | grep -oE "(HGMMA|QGMMA)\.[A-Za-z0-9.]*" | sort | uniq -c \
+    | tee "$OUT/sass_gmma.txt"
+fi
 
-if [ "${QUICK:-0}" = 1 ]; then  # correctness of the GPU tests + the main benchmark row, no sanitizer
+[ -n "${PREBUILT:-}" ] && [ "${QUICK:-0}" != 1 ] && { echo "PREBUILT needs QUICK=1"; exit 2; }
+if [ "${QUICK:-0}" = 1 ]; then  # correctness of the GPU tests + the main benchmark row, sanitizers on small cases
   filter=$([ "$PART" = decode ] && echo '*Decode*:*Quantize*' || echo '*')
   # One process per test: a crash (or a sticky CUDA error) in one leaves the others' results intact.
   : >"$OUT/gpu_tests.log"
@@ -49,7 +58,8 @@ if [ "${QUICK:-0}" = 1 ]; then  # correctness of the GPU tests + the main benchm
   done
   if [ "$PART" != decode ]; then
     $B/bench/bench_quantize_cuda 2>&1 | tee "$OUT/bench_quantize.txt" | tail -4
-    PYTHONUNBUFFERED=1 python3 bench/compare_sdpa.py $B "$OUT" 16384 2>&1 | tee "$OUT/compare_sdpa.txt" | tail -16
+    # shellcheck disable=SC2086  # SDPA_N: the lengths, e.g. "4096 16384"
+    PYTHONUNBUFFERED=1 python3 bench/compare_sdpa.py $B "$OUT" ${SDPA_N:-16384} 2>&1 | tee "$OUT/compare_sdpa.txt" | tail -24
   fi
   [ "$PART" != prefill ] && PYTHONUNBUFFERED=1 python3 bench/compare_decode.py $B "$OUT" 2>&1 | tee "$OUT/compare_decode.txt" | tail -30
   if [ "$PART" != prefill ]; then  # instructions and time of one decode launch (B=16, 32k): per V format
