@@ -3,6 +3,7 @@
 #include <string>
 
 #include "dmattn/format.hpp"
+#include "dmattn/hd.hpp"
 
 namespace dmattn {
 
@@ -42,6 +43,18 @@ struct Policy {
 
   static Policy all(Format f) { return Policy{f, f, 0, 0}; }
   std::string describe() const;
+};
+
+// is_high(qtile, j) for the key tiles 0 <= j < tiles of one query tile, in 32-bit compares (the CUDA
+// prefill kernel's per-tile test; 64-bit tile arithmetic there cost ~100 instructions a tile): the
+// diagonal band [lo, hi], clamped to [-1, tiles], and the sink tiles j < sinks.
+struct HighTiles {
+  int lo, hi, sinks;
+  DMATTN_HD HighTiles(const Policy& p, int64_t qtile, int tiles)
+      : lo(int(qtile - p.diag_tiles + 1 < -1 ? -1 : qtile - p.diag_tiles + 1)),
+        hi(int(qtile + p.diag_tiles - 1 > tiles ? tiles : qtile + p.diag_tiles - 1)),
+        sinks(p.sink_tiles) {}
+  DMATTN_HD bool operator()(int j) const { return (j >= lo && j <= hi) || j < sinks; }
 };
 
 std::string_view pv_name(PV p);

@@ -189,12 +189,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   const int64_t kend = p.causal ? min(int64_t(p.Nk), max(int64_t(0), pos0 + BM)) : int64_t(p.Nk);
   const int tiles = int((kend + BN - 1) / BN);  // < 2^24: the host checks Nk < 2^31
   const int64_t kv_tile0 = (int64_t(b) * p.Hkv + hk) * p.ldv;  // this head's row scales
-  // policy.is_high(qtile, j) in 32-bit compares (64-bit tile arithmetic was ~100 instructions a tile):
-  // the diagonal band [band_lo, band_hi] (clamped to [-1, tiles]) and the sink tiles j < sinks.
-  const int band_lo = int(max(int64_t(-1), qtile - p.policy.diag_tiles + 1));
-  const int band_hi = int(min(int64_t(tiles), qtile + p.policy.diag_tiles - 1));
-  const int sinks = p.policy.sink_tiles;
-  auto slot_of = [&](int j) { return (nslots == 2 && !((j >= band_lo && j <= band_hi) || j < sinks)) ? 1 : 0; };
+  const HighTiles high(p.policy, qtile, tiles);
+  auto slot_of = [&](int j) { return (nslots == 2 && !high(j)) ? 1 : 0; };
 
   if (threadIdx.x < 4) q_folded[threadIdx.x / 2][threadIdx.x % 2] = 1;
   if (threadIdx.x == 0) {
