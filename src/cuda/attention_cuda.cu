@@ -96,7 +96,7 @@ void dma_attention(const Problem& p) {
   PrefillParams pp{};
   const int64_t q_rows = p.B * p.Hq * p.Nq, k_rows = p.B * p.Hkv * p.Nk;
   QuantTarget qt[2], kt[2];
-  float* kts[2] = {nullptr, nullptr};  // per key tile: its one key scale (fold_key_tiles) or 0
+  float* kts[2] = {nullptr, nullptr};  // per key tile (fold_key_tiles): its one key scale, 0 or -1 (PrefillParams::kts)
   const int64_t k_tiles = p.B * p.Hkv * (ldv / kTile);
   for (int s = 0; s < nslots; ++s) {
     uint8_t* q8 = buf.alloc<uint8_t>(size_t(q_rows * d));

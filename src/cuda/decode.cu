@@ -246,12 +246,12 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
   return r;
 }
 
-// kStages pages per warp in flight; two or three CTAs of four warps share an SM (ctas_per_sm). Per page, each warp: S^T of
-// its 32 keys on the tensor cores, the rows' maxima exchanged through shared memory (the one CTA
-// barrier of the page: the oracle's softmax takes the page's maximum), P in registers, O^T += V^T.P^T
-// on the tensor cores into the warp's own accumulator of all d columns (P^T's B fragments come from
-// S^T's accumulators by movmatrix). Every warp rescales by the same factors, so the warps'
-// accumulators and sums add up at the end.
+// kStages pages per warp in flight; two or three CTAs of four warps share an SM (ctas_per_sm). Per
+// page, each warp: S^T of its 32 keys on the tensor cores, the rows' maxima exchanged through
+// shared memory (the one CTA barrier of the page: the oracle's softmax takes the page's maximum), P
+// in registers, O^T += V^T.P^T on the tensor cores into the warp's own accumulator of all d columns
+// (P^T's B fragments come from S^T's accumulators by movmatrix). Every warp rescales by the same
+// factors, so the warps' accumulators and sums add up at the end.
 template <int D, int kVB, int kNR>
 __global__ void __launch_bounds__(kThreads, ctas_per_sm(kVB, kNR)) decode_kernel(const Params p) {
   constexpr int NB = D / 32, MD = D / 16;  // MD tiles of 16 columns of d in O^T
