@@ -59,7 +59,8 @@ if [ "${QUICK:-0}" = 1 ]; then  # correctness of the GPU tests + the main benchm
   if [ "$PART" != decode ]; then
     $B/bench/bench_quantize_cuda 2>&1 | tee "$OUT/bench_quantize.txt" | tail -4
     # shellcheck disable=SC2086  # SDPA_N: the lengths, e.g. "4096 16384"
-    PYTHONUNBUFFERED=1 python3 bench/compare_sdpa.py $B "$OUT" ${SDPA_N:-16384} 2>&1 | tee "$OUT/compare_sdpa.txt" | tail -24
+    [ "${SDPA:-1}" = 1 ] && PYTHONUNBUFFERED=1 python3 bench/compare_sdpa.py $B "$OUT" ${SDPA_N:-16384} 2>&1 \
+      | tee "$OUT/compare_sdpa.txt" | tail -24  # SDPA=0 skips it
   fi
   [ "$PART" != prefill ] && PYTHONUNBUFFERED=1 python3 bench/compare_decode.py $B "$OUT" 2>&1 | tee "$OUT/compare_decode.txt" | tail -30
   if [ "$PART" != prefill ]; then  # instructions and time of one decode launch (B=16, 32k): per V format
@@ -88,6 +89,19 @@ if [ "${QUICK:-0}" = 1 ]; then  # correctness of the GPU tests + the main benchm
       'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active' \
       $B/bench/bench_prefill_cuda 8192 128 1 >"$OUT/ncu_prefill_stalls.txt" 2>&1
     grep -E "gmma|pipe_xu|stalled" "$OUT/ncu_prefill_stalls.txt" | awk '$NF+0 > 0.05 || /pipe/' | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | head -24
+  fi
+  if [ "${BREAKDOWN:-0}" = 1 ]; then  # one N=4096 call kernel by kernel (ncu), and event timings against BASE=dir's binaries
+    ncu --metrics gpu__time_duration.sum --launch-skip 6 --launch-count 6 $B/bench/bench_prefill_cuda 4096 128 1 \
+      >"$OUT/ncu_breakdown_4096.txt" 2>&1
+    grep -E "Context [0-9]|gpu__time_duration" "$OUT/ncu_breakdown_4096.txt" | sed -E 's/ \([0-9]+, [0-9]+, [0-9]+\)x.*//' \
+      | paste - - | awk '{print substr($0, 1, 60), $(NF-1), $NF}'
+    python3 -c "import numpy as np; r=np.random.default_rng(1)
+for n,h in (('q',32),('k',8),('v',8)): np.save('/tmp/bd_'+n+'.npy', r.standard_normal((1,h,4096,128)).astype(np.float16))"
+    for bin in ${BASE:-} $B; do
+      for n in 4096 16384; do echo "$bin in-process N=$n: $($bin/bench/bench_prefill_cuda $n 128 10 | head -1)"; done
+      echo "$bin CLI N=4096: $($bin/dmattn run --q /tmp/bd_q.npy --k /tmp/bd_k.npy --v /tmp/bd_v.npy --out /tmp/bd_o.npy \
+        --causal --backend cuda --repeat 10 2>&1 | grep -oE 'in [0-9.]+ s')"
+    done
   fi
   if [ "${SOURCE:-0}" = 1 ]; then  # per-SASS-instruction stall samples (CSV in logs.tgz) + the quantize pass's memory view
     src_csv() {  # name, kernel regex, skip, command...
