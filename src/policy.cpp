@@ -12,13 +12,21 @@ std::string Policy::describe() const {
          (smooth_k ? " smooth_k" : "");
 }
 
-std::string_view pv_name(PV p) { return p == PV::bf16 ? "bf16" : p == PV::mxfp8 ? "mxfp8" : "mxfp4"; }
+std::string_view pv_name(PV p) {
+  switch (p) {
+    case PV::bf16: return "bf16";
+    case PV::mxfp8: return "mxfp8";
+    case PV::mxfp4: return "mxfp4";
+    default: return "fp8";
+  }
+}
 
 PV parse_pv(std::string_view name) {
   if (name == "bf16") return PV::bf16;
   if (name == "mxfp8") return PV::mxfp8;
   if (name == "mxfp4") return PV::mxfp4;
-  throw Error("unknown pv mode '" + std::string(name) + "' (choose bf16|mxfp8|mxfp4)");
+  if (name == "fp8") return PV::fp8;
+  throw Error("unknown pv mode '" + std::string(name) + "' (choose bf16|mxfp8|mxfp4|fp8)");
 }
 
 std::string_view backend_name(Backend b) {

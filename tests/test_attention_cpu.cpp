@@ -8,8 +8,11 @@
 
 #include "dmattn/attention.hpp"
 #include "dmattn/error.hpp"
+#include "dmattn/kv_cache.hpp"
 #include "dmattn/metrics.hpp"
+#include "dmattn/mx_codec.hpp"
 #include "dmattn/npy.hpp"
+#include "dmattn/numeric.hpp"
 #include "dmattn/synthetic.hpp"
 
 using namespace dmattn;
@@ -108,7 +111,7 @@ TEST(AttentionCpu, ExactMatchesNaiveFp64) {
 
 TEST(AttentionCpu, HugeDiagIsAllHighAndZeroIsAllLow) {
   for (bool causal : {false, true}) {
-    for (PV pv : {PV::bf16, PV::mxfp8, PV::mxfp4}) {
+    for (PV pv : {PV::bf16, PV::mxfp8, PV::mxfp4, PV::fp8}) {
       const QKV x = random_qkv({1, 2, 1, 300, 520, 64}, 2);
       Policy dma;
       dma.pv = pv;
@@ -171,21 +174,25 @@ TEST(AttentionCpu, Mxfp4ValuesCostMoreThanMxfp8) {
   AttentionOptions ex = opts({}, true);
   ex.exact = true;
   const std::vector<float> ref = run(x, ex).out;
-  double err[3];
-  for (PV pv : {PV::bf16, PV::mxfp8, PV::mxfp4}) {
+  double err[4];
+  for (PV pv : {PV::bf16, PV::mxfp8, PV::mxfp4, PV::fp8}) {
     Policy pol = Policy::all(Format::bf16);
     pol.pv = pv;
     err[int(pv)] = rel_l2(run(x, opts(pol, true)).out, ref);
   }
-  std::printf("pv bf16 %.3e, mxfp8 %.3e, mxfp4 %.3e (rel. L2 vs exact, Q and K in bf16)\n", err[0], err[1], err[2]);
+  std::printf("pv bf16 %.3e, mxfp8 %.3e, mxfp4 %.3e, fp8 %.3e (rel. L2 vs exact, Q and K in bf16)\n", err[0], err[1],
+              err[2], err[3]);
   EXPECT_LT(err[0], err[1]);
   EXPECT_GT(err[2], 3 * err[1]);
   EXPECT_LT(err[2], 0.2);
-  EXPECT_EQ(parse_pv(pv_name(PV::mxfp4)), PV::mxfp4);
+  // fp8: E4M3 like mxfp8, coarser scales (one a channel; P's fixed): the same order of error.
+  EXPECT_LT(err[0], err[3]);
+  EXPECT_LT(err[3], 3 * err[1]);
+  for (PV pv : {PV::bf16, PV::mxfp8, PV::mxfp4, PV::fp8}) EXPECT_EQ(parse_pv(pv_name(pv)), pv);
 }
 
 TEST(AttentionCpu, CausalRowsIgnoreMaskedKeys) {
-  for (PV pv : {PV::bf16, PV::mxfp8, PV::mxfp4}) {
+  for (PV pv : {PV::bf16, PV::mxfp8, PV::mxfp4, PV::fp8}) {
     for (auto [nq, nk] : {std::pair<int64_t, int64_t>{300, 300}, {100, 300}}) {
       QKV x = random_qkv({1, 2, 1, nq, nk, 64}, 5);
       Policy pol;
@@ -429,4 +436,70 @@ TEST(Attention, PositionOffsetsDescribeBlocksOfALongerSequence) {
   EXPECT_LT(compare(merged, g).rel_l2, 3e-3);  // measured 1.1e-3: P rounded to bf16 against each block's max
   ob.k_offset = 100;
   EXPECT_THROW(attention(q.view(), x.k.view(), x.v.view(), out.view(), nullptr, ob), Error);
+}
+
+// pv = fp8 written out for one key tile (Q and K in bf16, so the scores are plain dot products): P as
+// E4M3(p * 2^8), each V channel as E4M3 codes under one power-of-two scale from its amax over the
+// keys, out = sum(P codes * V codes) * scale / 2^8 / sum(p). And scaling one V channel by a power of
+// two scales that output channel alone, exactly (its scale absorbs it).
+TEST(AttentionCpu, PvFp8IsPerChannelE4M3) {
+  const int64_t nq = 5, nk = 100, d = 32;
+  QKV x = random_qkv({1, 1, 1, nq, nk, d}, 21);
+  std::vector<float> v = x.v.to_floats();
+  for (int64_t n = 0; n < nk; ++n) v[size_t(n * d + 3)] *= 1e-3f;  // channels of very different ranges
+  for (int64_t n = 0; n < nk; ++n) v[size_t(n * d + 7)] *= 300.0f;
+  x.v = HostTensor::from_floats(v, x.v.shape());
+  Policy pol = Policy::all(Format::bf16);
+  pol.pv = PV::fp8;
+  const std::vector<float> got = run(x, opts(pol)).out;
+
+  const std::vector<float> q = x.q.to_floats(), k = x.k.to_floats();
+  const float scale = 1.0f / std::sqrt(float(d));
+  std::vector<float> vs(static_cast<size_t>(d)), vc(v.size());
+  for (int64_t i = 0; i < d; ++i) {
+    float amax = 0.0f;
+    for (int64_t n = 0; n < nk; ++n) amax = std::max(amax, std::fabs(v[size_t(n * d + i)]));
+    const int e = int(std::floor(std::log2(amax))) - 8;  // OCP rule, E4M3's emax = 8
+    vs[size_t(i)] = std::ldexp(1.0f, e);
+    for (int64_t n = 0; n < nk; ++n)
+      vc[size_t(n * d + i)] = decode_elem(Elem::e4m3, encode_elem(Elem::e4m3, std::ldexp(v[size_t(n * d + i)], -e)));
+  }
+  double e2 = 0, r2 = 0;
+  for (int64_t r = 0; r < nq; ++r) {
+    std::vector<float> s(static_cast<size_t>(nk));
+    float m = -INFINITY;
+    for (int64_t n = 0; n < nk; ++n) {
+      float dot = 0;
+      for (int64_t i = 0; i < d; ++i) dot += round_bf16(q[size_t(r * d + i)]) * round_bf16(k[size_t(n * d + i)]);
+      s[size_t(n)] = dot * scale;
+      m = std::max(m, s[size_t(n)]);
+    }
+    double l = 0;
+    std::vector<double> o(static_cast<size_t>(d), 0.0);
+    for (int64_t n = 0; n < nk; ++n) {
+      const float p = std::exp(s[size_t(n)] - m);
+      l += p;
+      const float pe = decode_elem(Elem::e4m3, encode_elem(Elem::e4m3, p * 256.0f));
+      for (int64_t i = 0; i < d; ++i) o[size_t(i)] += double(pe) * vc[size_t(n * d + i)];
+    }
+    for (int64_t i = 0; i < d; ++i) {
+      const double want = o[size_t(i)] * vs[size_t(i)] / 256.0 / l, g = got[size_t(r * d + i)];
+      e2 += (g - want) * (g - want);
+      r2 += want * want;
+    }
+  }
+  EXPECT_LT(std::sqrt(e2 / r2), 1e-5);
+
+  for (int64_t n = 0; n < nk; ++n) v[size_t(n * d + 5)] *= 0.125f;
+  x.v = HostTensor::from_floats(v, x.v.shape());
+  const std::vector<float> scaled = run(x, opts(pol)).out;
+  for (int64_t r = 0; r < nq; ++r)
+    for (int64_t i = 0; i < d; ++i)
+      EXPECT_EQ(scaled[size_t(r * d + i)], i == 5 ? got[size_t(r * d + i)] * 0.125f : got[size_t(r * d + i)]);
+}
+
+TEST(AttentionCpu, PvFp8IsRefusedWhereItsScalesCannotBeKnown) {
+  Policy pol;
+  pol.pv = PV::fp8;
+  EXPECT_THROW(KVCache(1, 64, pol), Error);
 }

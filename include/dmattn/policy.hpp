@@ -10,14 +10,23 @@ namespace dmattn {
 // P.V precision (DESIGN §3): bf16 (P rounded to bf16, V in bf16), mxfp8 (P and V in MXFP8 E4M3,
 // 32-blocks along the key dimension) and mxfp4, an experiment beyond DESIGN (P in MXFP8 E4M3, V in
 // MXFP4, the same blocks): the V bytes a 4-bit decode would read, to measure its quality cost first.
-// Accumulation is fp32 in every mode. The CPU backend computes all three; the KV cache and the
-// CUDA kernels take bf16 and mxfp8.
-enum class PV : uint8_t { bf16, mxfp8, mxfp4 };
+// fp8 (beyond DESIGN, prefill only): the form Hopper's FP8 wgmma takes without per-block promotion.
+// P in E4M3 at one fixed scale 2^-8 (P <= 1; the MX scale of any block holding the row's maximum),
+// V in E4M3 with one power-of-two scale per channel over all Nk keys of a (batch, KV head) (the MX
+// scale rule applied to the channel's amax). So a masked V value can change the rounding of visible
+// ones through its channel's scale, and a KV cache, which cannot know later values, does not take it.
+// Accumulation is fp32 in every mode. The CPU backend computes all four; the KV cache and the CUDA
+// decode take bf16, mxfp8 and mxfp4; the CUDA prefill bf16 and fp8.
+enum class PV : uint8_t { bf16, mxfp8, mxfp4, fp8 };
 
-// The format V takes in P.V (P is MXFP8 E4M3 whenever V is MX; MX blocks run along the keys).
+// The format of V's codes in P.V (P is E4M3 whenever V is not bf16; MX blocks run along the keys;
+// fp8's codes are E4M3 with per-channel scales).
 inline Format pv_values_format(PV pv) {
-  return pv == PV::bf16 ? Format::bf16 : pv == PV::mxfp8 ? Format::mxfp8_e4m3 : Format::mxfp4;
+  return pv == PV::bf16 ? Format::bf16 : pv == PV::mxfp4 ? Format::mxfp4 : Format::mxfp8_e4m3;
 }
+
+// pv = fp8: P is encoded as E4M3(p * 2^kPvFp8Shift) (p in [0, 1]: codes up to 256 <= 448).
+inline constexpr int kPvFp8Shift = 8;
 
 inline constexpr int kTile = 128;  // query rows and key rows per tile
 

@@ -65,8 +65,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, high
       diag_tiles: key tiles nearest the diagonal of each 128-row query tile that run in `high`
         (the diagonal tile included; 0 = none; a large value = all high).
       sink_tiles: leading key tiles (attention sinks) that run in `high`.
-      pv: precision of P.V: "bf16" (P rounded to bf16), "mxfp8" (P and V in MXFP8 E4M3) or "mxfp4"
-          (P in MXFP8, V in MXFP4; an experiment beyond DESIGN, CPU only for prefill).
+      pv: precision of P.V: "bf16" (P rounded to bf16), "mxfp8" (P and V in MXFP8 E4M3), "mxfp4"
+          (P in MXFP8, V in MXFP4; an experiment beyond DESIGN, CPU only for prefill) or "fp8"
+          (P in E4M3 at scale 2^-8, V in E4M3 with one scale per channel: the GPU prefill's FP8 P.V).
       scale_rule: E8M0 block-scale rule, "ocp" (the OCP spec's floor rule) or "ceil".
       return_lse: also return the row log-sum-exp, float32 [B, Hq, Nq] (for merging partial results).
       layout: "bhnd" or "bnhd" (how the four axes of q, k, v and the output are ordered).

@@ -18,7 +18,7 @@ class Policy:
     smooth_k: bool
     def __init__(self, *, high: Format = "mxfp8-e4m3", low: Format = "mxfp4", diag_tiles: int = 1,
                  sink_tiles: int = 0, scale_rule: Literal["ocp", "ceil"] = "ocp",
-                 pv: Literal["bf16", "mxfp8", "mxfp4"] = "bf16", smooth_k: bool = False) -> None: ...
+                 pv: Literal["bf16", "mxfp8", "mxfp4", "fp8"] = "bf16", smooth_k: bool = False) -> None: ...
     def __eq__(self, other: object) -> bool: ...
 
 class KVCache:
@@ -41,7 +41,7 @@ def decode(cache: KVCache, seqs: list[int], q: Any, *, scale: float | None = Non
 def cuda_available() -> bool: ...
 def attention(q: Any, k: Any, v: Any, *, causal: bool = False, scale: float | None = None,
               high: Format = "mxfp8-e4m3", low: Format = "mxfp4", diag_tiles: int = 1, sink_tiles: int = 0,
-              pv: Literal["bf16", "mxfp8", "mxfp4"] = "bf16", scale_rule: Literal["ocp", "ceil"] = "ocp",
+              pv: Literal["bf16", "mxfp8", "mxfp4", "fp8"] = "bf16", scale_rule: Literal["ocp", "ceil"] = "ocp",
               return_lse: bool = False, layout: Literal["bhnd", "bnhd"] = "bhnd",
               policy: Policy | None = None, q_offset: int | None = None, k_offset: int | None = None) -> Any: ...
 def sdpa(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,

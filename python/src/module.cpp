@@ -188,7 +188,7 @@ NB_MODULE(_dmattn, m) {
           [](Policy& p, const std::string& r) { p.scale_rule = parse_scale_rule(r); }, "E8M0 scale rule: ocp or ceil")
       .def_prop_rw(
           "pv", [](const Policy& p) { return std::string(pv_name(p.pv)); },
-          [](Policy& p, const std::string& v) { p.pv = parse_pv(v); }, "P.V precision: bf16, mxfp8 or mxfp4 (V in MXFP4, CPU only)")
+          [](Policy& p, const std::string& v) { p.pv = parse_pv(v); }, "P.V precision: bf16, mxfp8, mxfp4 (V in MXFP4) or fp8 (E4M3 P at 2^-8, per-channel V scales; prefill only)")
       .def_rw("smooth_k", &Policy::smooth_k, "subtract K's per-channel mean before quantizing")
       .def("__repr__", &policy_repr)
       .def("__eq__", [](const Policy& a, const Policy& b) { return policy_repr(a) == policy_repr(b); });

@@ -44,6 +44,18 @@ void accumulate_pv(const float* p, int nvalid, const ValueRows& V, int64_t tile,
     }
     return;
   }
+  if (pv == PV::fp8) {  // one product over the tile; the channel scales and P's 2^-8 applied once (exact: powers of two)
+    float t[256];  // head dims are at most 256 (head_dim_supported)
+    std::fill(t, t + d, 0.0f);
+    for (int n = 0; n < nvalid; ++n) {
+      const float pe = decode_elem(Elem::e4m3, encode_elem(Elem::e4m3, std::ldexp(p[n], kPvFp8Shift)));
+      if (pe == 0.0f) continue;
+      const float* vr = vt + n * d;
+      for (int i = 0; i < d; ++i) t[i] += pe * vr[i];
+    }
+    for (int i = 0; i < d; ++i) acc[i] += t[i] * std::ldexp(V.s[size_t(i)], -kPvFp8Shift);
+    return;
+  }
   float pe[T], ps[T / kPVBlock];
   quantize_row_values(p, T, Format::mxfp8_e4m3, rule, 1.0f, pe, ps);
   float t[256];  // head dims are at most 256 (head_dim_supported)
@@ -87,6 +99,19 @@ ValueRows prepare_values(const std::vector<float>& vf, int64_t nk, int d, PV pv,
   V.v.assign(size_t(tiles * T * d), 0.0f);
   if (pv == PV::bf16) {
     for (int64_t i = 0; i < nk * d; ++i) V.v[size_t(i)] = round_bf16(vf[size_t(i)]);
+    return V;
+  }
+  if (pv == PV::fp8) {  // one E8M0 scale a channel from its amax over the nk keys (the MX rule for E4M3)
+    V.s.assign(size_t(d), 0.0f);
+    parallel_for(d, threads, [&](int64_t i) {
+      float amax = 0.0f;
+      for (int64_t n = 0; n < nk; ++n) amax = std::max(amax, std::fabs(vf[size_t(n * d + i)]));
+      const uint8_t sc = choose_e8m0(amax, Elem::e4m3, rule);
+      const float inv = inverse_e8m0(sc);
+      for (int64_t n = 0; n < nk; ++n)
+        V.v[size_t(n * d + i)] = decode_elem(Elem::e4m3, encode_elem(Elem::e4m3, vf[size_t(n * d + i)] * inv));
+      V.s[size_t(i)] = decode_e8m0(sc);
+    });
     return V;
   }
   const int64_t blocks = tiles * T / kPVBlock;

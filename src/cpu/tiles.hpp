@@ -20,8 +20,8 @@ struct KeyTiles {
   std::vector<float> st;  // [tiles][nblk][T] block scales
 };
 
-// V for one (batch, kv head), row-major [tiles*T][d], zero past Nk; for pv = mxfp8 also the scales
-// of the 32-key blocks of each column, [tiles*T/32][d].
+// V for one (batch, kv head), row-major [tiles*T][d], zero past Nk; for pv = mxfp8 / mxfp4 also the
+// scales of the 32-key blocks of each column, [tiles*T/32][d]; for pv = fp8 one scale a column, [d].
 struct ValueRows {
   std::vector<float> v;
   std::vector<float> s;

@@ -12,7 +12,7 @@ void PolicyArgs::add_to(CLI::App& app) {
   app.add_option("--low", low, "format of low-precision tiles " + fmts)->capture_default_str();
   app.add_option("--diag-tiles", diag_tiles, "key tiles at and before the diagonal computed high")->capture_default_str();
   app.add_option("--sink-tiles", sink_tiles, "leading key tiles computed high (attention sinks)")->capture_default_str();
-  app.add_option("--pv", pv, "P.V precision (bf16|mxfp8|mxfp4: V in MXFP4, an experiment, CPU only)")->capture_default_str();
+  app.add_option("--pv", pv, "P.V precision (bf16|mxfp8|mxfp4|fp8; mxfp4: V in MXFP4; fp8: E4M3 P at scale 2^-8 and V with a scale per channel, prefill only)")->capture_default_str();
   app.add_option("--scale-rule", scale_rule, "MX shared-exponent rule (ocp|ceil)")->capture_default_str();
   app.add_flag("--smooth-k", smooth_k, "subtract K's per-channel mean before quantizing (softmax-invariant)");
   app.add_option("--backend", backend, "where to compute (auto|cpu|cuda)")->capture_default_str();
