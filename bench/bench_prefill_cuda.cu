@@ -39,9 +39,12 @@ int main(int argc, char** argv) {
     const char* name;
     Policy policy;
   };
+  Policy pv_fp8;
+  pv_fp8.pv = PV::fp8;
   const Named policies[] = {{"DMA-default", Policy{}},
                             {"all-MXFP8", Policy::all(Format::mxfp8_e4m3)},
-                            {"all-MXFP4", Policy::all(Format::mxfp4)}};
+                            {"all-MXFP4", Policy::all(Format::mxfp4)},
+                            {"DMA-pv-fp8", pv_fp8}};
   cudaEvent_t a, b;
   cudaEventCreate(&a);
   cudaEventCreate(&b);

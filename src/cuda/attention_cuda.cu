@@ -1,5 +1,5 @@
 // The CUDA backend: input checks on the device, the quantize pre-pass (Q and K in both formats,
-// V to bf16), the prefill kernel; and staging of host tensors for callers that hold them there.
+// V to bf16 or, for pv = fp8, E4M3 with per-channel scales), the prefill kernel; and staging of host tensors for callers that hold them there.
 #include <cuda_runtime.h>
 
 #include <string>
@@ -7,9 +7,11 @@
 #include <vector>
 
 #include "cuda/buffers.hpp"
+#include "cuda/fp8.cuh"
 #include "cuda/prefill.cuh"
 #include "cuda/quantize.hpp"
 #include "dmattn/error.hpp"
+#include "dmattn/mx_codec.hpp"
 #include "dmattn/numeric.hpp"
 #include "problem.hpp"
 
@@ -17,11 +19,13 @@ namespace dmattn {
 namespace cuda {
 namespace {
 
-// V [B,H,N,d] (any strides) -> bf16 V^T [B*H, d, ldv] with zeros for keys N..ldv-1, through a
-// 32x32 shared tile so reads (along d) and writes (along keys) are both coalesced; flags
-// non-finite values.
-template <class T>
-__global__ void transpose_v_kernel(const T* v, Shape shape, Shape stride, int64_t ldv, uint16_t* vt, int* nonfinite) {
+// V [B,H,N,d] (any strides) -> V^T [B*H, d, ldv] with zeros for keys N..ldv-1, through a 32x32
+// shared tile so reads (along d) and writes (along keys) are both coalesced; flags non-finite
+// values. kFp8 = false: bf16 bits. kFp8: E4M3 bytes under each channel's scale (from amax_bits, the
+// channel's amax as float bits: v_amax_kernel), keys in pv_fp8_key order; the scales go to vscale.
+template <class T, bool kFp8>
+__global__ void transpose_v_kernel(const T* v, Shape shape, Shape stride, int64_t ldv, void* vt, int* nonfinite,
+                                   const uint32_t* amax_bits, ScaleRule rule, float* vscale) {
   __shared__ float tile[32][33];
   const int64_t bh = blockIdx.z, key0 = int64_t(blockIdx.x) * 32, dim0 = int64_t(blockIdx.y) * 32;
   const T* base = v + (bh / shape[1]) * stride[0] + (bh % shape[1]) * stride[1];
@@ -33,17 +37,47 @@ __global__ void transpose_v_kernel(const T* v, Shape shape, Shape stride, int64_
     tile[r][threadIdx.x] = x;
   }
   __syncthreads();
-  for (int r = threadIdx.y; r < 32; r += blockDim.y)
-    vt[(bh * shape[3] + dim0 + r) * ldv + key0 + threadIdx.x] = to_bf16(tile[threadIdx.x][r]).bits;
+  for (int r = threadIdx.y; r < 32; r += blockDim.y) {
+    const int64_t row = (bh * shape[3] + dim0 + r) * ldv + key0 + threadIdx.x;
+    if constexpr (kFp8) {
+      const uint8_t sc = choose_e8m0(__uint_as_float(amax_bits[bh * shape[3] + dim0 + r]), Elem::e4m3, rule);
+      static_cast<uint8_t*>(vt)[row] = fp8_encode<false>(tile[pv_fp8_key(threadIdx.x)][r] * inverse_e8m0(sc));
+      if (blockIdx.x == 0 && threadIdx.x == 0) vscale[bh * shape[3] + dim0 + r] = decode_e8m0(sc);
+    } else {
+      static_cast<uint16_t*>(vt)[row] = to_bf16(tile[threadIdx.x][r]).bits;
+    }
+  }
   if (__any_sync(0xffffffffu, bad) && threadIdx.x == 0) atomicOr(nonfinite, 1);
 }
 
-// V^T in bf16 for the PV tensor-core operand; flags non-finite values.
-void transpose_v(const TensorView& v, int64_t ldv, uint16_t* vt, int* flag, cudaStream_t stream) {
-  const dim3 grid(unsigned(ldv / 32), unsigned(v.shape[3] / 32), unsigned(v.shape[0] * v.shape[1]));
+// Each (b*h, channel)'s largest |V| over the keys, as float bits (atomicMax: non-negative floats order
+// like their bits). A warp reads 32 channels of kKeys / 8 keys.
+template <class T>
+__global__ void v_amax_kernel(const T* v, Shape shape, Shape stride, uint32_t* amax_bits) {
+  constexpr int kKeys = 1024;
+  const int64_t bh = blockIdx.z, key0 = int64_t(blockIdx.x) * kKeys, dim = int64_t(blockIdx.y) * 32 + threadIdx.x;
+  const T* base = v + (bh / shape[1]) * stride[0] + (bh % shape[1]) * stride[1] + dim * stride[3];
+  uint32_t m = 0;
+  for (int64_t key = key0 + threadIdx.y; key < min(key0 + kKeys, shape[2]); key += blockDim.y)
+    m = max(m, __float_as_uint(to_float(base[key * stride[2]])) & 0x7FFFFFFFu);
+  atomicMax(amax_bits + bh * shape[3] + dim, m);
+}
+
+// V^T for the P.V tensor-core operand (bf16, or pv = fp8's E4M3 with vscale); flags non-finite values.
+void transpose_v(const TensorView& v, int64_t ldv, void* vt, int* flag, bool fp8, ScaleRule rule, uint32_t* amax,
+                 float* vscale, cudaStream_t stream) {
+  const int64_t bh = v.shape[0] * v.shape[1];
+  const dim3 grid(unsigned(ldv / 32), unsigned(v.shape[3] / 32), unsigned(bh)), block(32, 8);
   with_typed(v, [&](auto* typed) {
     using T = std::remove_pointer_t<decltype(typed)>;
-    transpose_v_kernel<T><<<grid, dim3(32, 8), 0, stream>>>(typed, v.shape, v.stride, ldv, vt, flag);
+    if (fp8) {
+      check(cudaMemsetAsync(amax, 0, size_t(bh * v.shape[3]) * sizeof(uint32_t), stream), "cudaMemset");
+      const dim3 agrid(unsigned((v.shape[2] + 1023) / 1024), unsigned(v.shape[3] / 32), unsigned(bh));
+      v_amax_kernel<T><<<agrid, block, 0, stream>>>(typed, v.shape, v.stride, amax);
+      transpose_v_kernel<T, true><<<grid, block, 0, stream>>>(typed, v.shape, v.stride, ldv, vt, flag, amax, rule, vscale);
+    } else {
+      transpose_v_kernel<T, false><<<grid, block, 0, stream>>>(typed, v.shape, v.stride, ldv, vt, flag, nullptr, rule, nullptr);
+    }
   });
   check(cudaGetLastError(), "transpose kernel");
 }
@@ -63,7 +97,9 @@ void require_supported(const Problem& p) {
       throw Error("the CUDA backend computes MX 32-block formats (mxfp8-e4m3, mxfp8-e5m2, mxfp6-*, mxfp4); " +
                   std::string(fi.name) + " tiles run on --backend cpu for now");
   }
-  if (p.policy.pv != PV::bf16) throw Error("the CUDA backend supports pv=bf16 for now; pv=" + std::string(pv_name(p.policy.pv)) + " runs on --backend cpu");
+  if (p.policy.pv != PV::bf16 && p.policy.pv != PV::fp8)
+    throw Error("the CUDA prefill computes pv=bf16 and pv=fp8 (per-32-key-block scales on P and V do not map onto "
+                "Hopper's wgmma at speed: README); pv=" + std::string(pv_name(p.policy.pv)) + " runs on --backend cpu");
   if (p.policy.smooth_k) throw Error("smooth_k runs on --backend cpu for now");
   if (p.d != 64 && p.d != 128) throw Error("the CUDA backend supports head dims 64 and 128 (got " + std::to_string(p.d) + ")");
   for (const TensorView* t : {&p.q, &p.k, &p.v, &p.out})
@@ -88,8 +124,11 @@ void dma_attention(const Problem& p) {
   check(cudaMemsetAsync(flags, 0, 3 * sizeof(int), stream), "cudaMemset");
   const int64_t d = p.d, nb = d / 32;
   const int64_t ldv = (p.Nk + kTile - 1) / kTile * kTile;
-  uint16_t* vt = buf.alloc<uint16_t>(size_t(p.B * p.Hkv * d * ldv) * 2);
-  transpose_v(p.v, ldv, vt, flags + 2, stream);
+  const bool pv_fp8 = p.policy.pv == PV::fp8;
+  void* vt = buf.alloc<uint8_t>(size_t(p.B * p.Hkv * d * ldv) * (pv_fp8 ? 1 : 2));
+  uint32_t* vamax = pv_fp8 ? buf.alloc<uint32_t>(size_t(p.B * p.Hkv * d) * sizeof(uint32_t)) : nullptr;
+  float* vscale = pv_fp8 ? buf.alloc<float>(size_t(p.B * p.Hkv * d) * sizeof(float)) : nullptr;
+  transpose_v(p.v, ldv, vt, flags + 2, pv_fp8, p.policy.scale_rule, vamax, vscale, stream);
 
   const int nslots = p.policy.high == p.policy.low ? 1 : 2;
   const Format fmt[2] = {p.policy.high, p.policy.low};
@@ -128,6 +167,7 @@ void dma_attention(const Problem& p) {
   pp.nslots = nslots;
 
   pp.vt = vt;
+  pp.vscale = vscale;
   pp.ldv = ldv;
   pp.out = p.out.data;
   pp.out_sb = p.out.stride[0];

@@ -16,6 +16,7 @@
 // Online softmax in fp32; P rounded to bf16 (registers) times bf16 V (shared memory).
 #include <cmath>
 
+#include "cuda/fp8.cuh"
 #include "cuda/mma.cuh"
 #include "cuda/prefill.cuh"
 #include "cuda/tma.cuh"
@@ -34,14 +35,15 @@ constexpr float kLog2e = 1.4426950408889634f;
 
 // Shared memory (every tile 1024-byte aligned, as the swizzle needs):
 //   Q: [2 slots][BM rows][D bytes] swizzled, then Q scales as floats [2][BM][D/32];
-//   per stage: V^T as two [D][64 keys] bf16 halves (128-byte rows), K [BN][D bytes], the keys' row
-//   scales [BN] floats (folded tiles) and block scales [BN][D/32] E8M0 bytes (per-block tiles);
-//   then the stages' full/empty barriers and the Q-fold flags.
-template <int D>
+//   per stage: V^T as two [D][64 keys] bf16 halves (128-byte rows), or with kF8V (pv = fp8) as one
+//   [D][128 keys] E4M3 tile, K [BN][D bytes], the keys' row scales [BN] floats (folded tiles) and
+//   block scales [BN][D/32] E8M0 bytes (per-block tiles); then the stages' full/empty barriers and
+//   the Q-fold flags.
+template <int D, bool kF8V>
 struct Smem {
   static constexpr int kNb = D / 32;
   static constexpr int kQK = BN * D;                 // one K tile or one Q slot
-  static constexpr int kVHalf = D * 128, kVt = 2 * kVHalf;
+  static constexpr int kVHalf = D * 128, kVt = kF8V ? kVHalf : 2 * kVHalf;
   static constexpr int kQ = 2 * kQK, kQs = 2 * BM * kNb * 4;
   static constexpr int kStage = kVt + kQK + 1024;  // + BN floats and BN * kNb bytes (<= 1024 for D <= 128)
   static constexpr uint32_t kTx = kVt + kQK + BN * 4 + BN * kNb;  // bytes a stage's copies bring
@@ -121,14 +123,51 @@ template <int D>
 __device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&a)[BN / 16][4], wg::Desc svt) {
   wg::fence();  // as in issue_chain
 #pragma unroll
-  for (int kc = 0; kc < BN / 16; ++kc) wg::mma_bf16_rs<D>(o, a[kc], (svt + ((kc / 4) * Smem<D>::kVHalf + (kc % 4) * 32)).u64());
+  for (int kc = 0; kc < BN / 16; ++kc) wg::mma_bf16_rs<D>(o, a[kc], (svt + ((kc / 4) * Smem<D, false>::kVHalf + (kc % 4) * 32)).u64());
+}
+
+// pv = fp8: o = P.V over one key tile into a fresh accumulator, 32 keys per wgmma (E4M3 P in the
+// A-fragment order pv_fp8_key, V^T's keys stored in the same order). A fresh accumulator a tile,
+// added to the running output in fp32 by the caller: Hopper's FP8 wgmma keeps about 13 bits of its
+// sums (GpuMma.WgmmaFp8DotPrecision), too few for a running sum over thousands of keys.
+template <int D>
+__device__ __forceinline__ void issue_pv_fp8(float (&o)[D / 2], const uint32_t (&a)[BN / 32][4], wg::Desc svt) {
+  wg::fence();
+  wg::mma_fp8_rs<D, false>(o, a[0], svt.u64());
+#pragma unroll
+  for (int kc = 1; kc < BN / 32; ++kc) wg::mma_fp8_rs<D, true>(o, a[kc], (svt + kc * 32).u64());
+}
+
+// P's A fragments (the accumulator layout, acc_col) as bf16, or as E4M3 (kF8V; P already carries
+// 2^kPvFp8Shift) in pv_fp8_key order: a[kc] = rows g, g+8 at logical keys 4t.., then 16+4t...
+template <bool kF8V>
+__device__ __forceinline__ void pack_p(const float (&s)[BN / 2], uint32_t (&a)[kF8V ? BN / 32 : BN / 16][4]) {
+  if constexpr (kF8V) {
+#pragma unroll
+    for (int kc = 0; kc < BN / 32; ++kc) {
+      const float* q = s + 16 * kc;  // columns 32kc..32kc+31: q[4n + e] is column 8n + 2t + e%2 of row half e/2
+      a[kc][0] = fp8x2_encode<false>(q[0], q[1]) | uint32_t(fp8x2_encode<false>(q[4], q[5])) << 16;
+      a[kc][1] = fp8x2_encode<false>(q[2], q[3]) | uint32_t(fp8x2_encode<false>(q[6], q[7])) << 16;
+      a[kc][2] = fp8x2_encode<false>(q[8], q[9]) | uint32_t(fp8x2_encode<false>(q[12], q[13])) << 16;
+      a[kc][3] = fp8x2_encode<false>(q[10], q[11]) | uint32_t(fp8x2_encode<false>(q[14], q[15])) << 16;
+    }
+  } else {
+#pragma unroll
+    for (int kc = 0; kc < BN / 16; ++kc) {
+      const float* q0 = s + 8 * kc;  // registers of columns 16kc..16kc+7 (4) and 16kc+8.. (4)
+      a[kc][0] = bf16x2_rn(q0[0], q0[1]);
+      a[kc][1] = bf16x2_rn(q0[2], q0[3]);
+      a[kc][2] = bf16x2_rn(q0[4], q0[5]);
+      a[kc][3] = bf16x2_rn(q0[6], q0[7]);
+    }
+  }
 }
 
 // This warpgroup's 64 Q rows of both slots from the quantize pass's tensor-core form: FP8 bytes into
 // swizzled shared memory (every load issued before any store), block scales as floats, and
 // q_folded[slot][wgi] cleared where a row keeps several scales. Rows outside [0, Nq) are zeros with
 // scale 0. Each warpgroup loads its own rows, so warpgroup 1's run under warpgroup 0's first tile.
-template <int D>
+template <int D, bool kF8V>
 __device__ __forceinline__ void load_q(const PrefillParams& p, int b, int h, int64_t pos0, int64_t off, int wgi,
                                        uint8_t* sQ, float* sQs, int (*q_folded)[2]) {
   constexpr int NB = D / 32, kChunks = D / 16, kLoads = 2 * 64 * kChunks / 128;
@@ -146,7 +185,7 @@ __device__ __forceinline__ void load_q(const PrefillParams& p, int b, int h, int
 #pragma unroll
   for (int k = 0; k < kLoads; ++k) {
     const int i = tid + 128 * k, s = i / (64 * kChunks), r = wgi * 64 + i / kChunks % 64, chunk = i % kChunks;
-    *reinterpret_cast<uint4*>(sQ + s * Smem<D>::kQK + wg::swizzled<D>(r, chunk * 16)) = w[k];
+    *reinterpret_cast<uint4*>(sQ + s * Smem<D, kF8V>::kQK + wg::swizzled<D>(r, chunk * 16)) = w[k];
   }
   // One (slot, row) a thread: its scales, and whether they agree.
   const int s = tid / 64, r = wgi * 64 + tid % 64;
@@ -164,9 +203,9 @@ __device__ __forceinline__ void load_q(const PrefillParams& p, int b, int h, int
   if (!uniform) q_folded[s][wgi] = 0;
 }
 
-template <int D, class TOut>
+template <int D, class TOut, bool kF8V>
 __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_constant__ PrefillParams p) {
-  using S = Smem<D>;
+  using S = Smem<D, kF8V>;
   constexpr int NB = S::kNb;
   extern __shared__ __align__(1024) uint8_t smem[];
   uint8_t* sQ = smem;
@@ -215,7 +254,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
         tma::arrive_expect(&full[st], S::kTx);
         tma::load_3d(sK(st), &p.kmap[slot], 0, j * BN, bh, &full[st]);
         tma::load_3d(sVt(st), &p.vmap, j * BN, 0, bh, &full[st]);
-        tma::load_3d(sVt(st) + S::kVHalf, &p.vmap, j * BN + BN / 2, 0, bh, &full[st]);
+        if (!kF8V) tma::load_3d(sVt(st) + S::kVHalf, &p.vmap, j * BN + BN / 2, 0, bh, &full[st]);
         tma::load_bytes(sKr(st), p.krs[slot] + kv_tile0 + int64_t(j) * BN, BN * 4, &full[st]);
         tma::load_bytes(sKb(st), p.ks[slot] + (kv_tile0 + int64_t(j) * BN) * NB, BN * NB, &full[st]);
       }
@@ -229,7 +268,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   const int me = 1 + wgi, other = 2 - wgi;
   if (wgi == 1 && tiles > 0) wg::bar_arrive(1, kConsumers);
   // Each warpgroup brings in its Q rows while the producer's first copies are in flight.
-  load_q<D>(p, b, h, pos0, off, wgi, sQ, sQs, q_folded);
+  load_q<D, kF8V>(p, b, h, pos0, off, wgi, sQ, sQs, q_folded);
   wg::fence_async_smem();       // Q bytes written by st.shared are read by wgmma
   wg::bar_sync(3 + wgi, 128);   // the warpgroup's Q rows, scales and fold flag are ready
 
@@ -252,15 +291,21 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  // pv = fp8: the P.V in flight (a fresh accumulator a tile) and the factor o takes before it is
+  // added (the alpha of the tile whose P it holds). The shift makes P's E4M3 codes p * 2^8 (the
+  // exponent subtracts it: free); l carries it too, so O / l is unchanged and the LSE subtracts it.
+  float opv[kF8V ? D / 2 : 1];
+  float alpha_pv[2] = {1.0f, 1.0f};
+  constexpr float kShift = kF8V ? float(kPvFp8Shift) : 0.0f;
   // bf16 P of the previous tile (a wgmma operand until it retires). Zero before the first tile, whose
   // P.V then adds 0 * V_0 (finite: the pre-pass rejects non-finite V): P.V is issued on every tile, so
   // its commit is never empty. A commit of a group that may be empty (the P.V under `if (j > 0)`) made
   // ptxas append a dummy wgmma to it every tile, and wait<1> then retired P.V together with S_j, so
   // the softmax never ran under P.V; committing inside the `if` made ptxas serialise every wgmma
   // (session 10, SASS).
-  uint32_t a[BN / 16][4];
+  uint32_t a[kF8V ? BN / 32 : BN / 16][4];
 #pragma unroll
-  for (int kc = 0; kc < BN / 16; ++kc) a[kc][0] = a[kc][1] = a[kc][2] = a[kc][3] = 0u;
+  for (int kc = 0; kc < (kF8V ? BN / 32 : BN / 16); ++kc) a[kc][0] = a[kc][1] = a[kc][2] = a[kc][3] = 0u;
 
   // Tile j's key scales (kts): one scale for the whole tile (> 0), one a key (0), or several a key
   // (< 0). Read a tile ahead: a global load's latency on the loop's critical path cost as much as the
@@ -277,6 +322,29 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   // instructions a tile).
   int st = 0, prev = kStages - 1;
   uint32_t phase = 0;
+  // P_{j-1}.V_{j-1} (bf16 into o; E4M3 into opv, added to o after it retires).
+  auto issue_pv_any = [&](int stage) {
+    if constexpr (kF8V)
+      issue_pv_fp8<D>(opv, a, dv0 + stage * S::kStage);
+    else
+      issue_pv<D>(o, a, dv0 + stage * S::kStage);
+  };
+  auto retire_pv = [&]() {
+    if constexpr (!kF8V) {
+      wg::pin(o);
+    } else {
+      wg::pin(opv);
+#pragma unroll
+      for (int i = 0; i < D / 2; ++i) o[i] = fmaf(o[i], alpha_pv[(i / 2) % 2], opv[i]);
+    }
+  };
+  // After P.V retires (at tile j; the last one at tiles): with kF8V, o = o * alpha(P's tile) + opv in
+  // fp32; its A registers (P_{j-1}) were live until here, and tile j-1's stage is free.
+  auto pv_retired = [&](int j) {
+    retire_pv();
+    wg::pin(a);
+    if (j > 0) tma::arrive(&empty[prev]);
+  };
   for (int j = 0; j < tiles; ++j) {
     const int slot = slot_of(j);
     const float kts_j = kts_next;
@@ -293,15 +361,30 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     // tiles) the row's Q scale; rows outside the output get 1 so their masked -inf stay -inf.
     float c[2] = {kLog2e, kLog2e};
     wg::bar_sync(me, kConsumers);
-    if (folded) {  // S_j, then P_{j-1}.V_{j-1}; S_j's softmax runs while the latter executes
+    // bf16 P.V: S_j, then P_{j-1}.V_{j-1}, whose execution the softmax of S_j overlaps. kF8V:
+    // P_{j-1}.V_{j-1} first, retired (and added to o) while S_j executes: its fresh accumulator
+    // live during the softmax as well would need ~250 registers (ptxas spilled at 240).
+    if constexpr (kF8V) {
+      issue_pv_any(pv_stage);
+      wg::commit();
+    }
+    if (folded) {
       if (e5m2)
         issue_chain<D, true>(s, sq, sk);
       else
         issue_chain<D, false>(s, sq, sk);
-      issue_pv<D>(o, a, dv0 + pv_stage * S::kStage);
-      wg::commit();
+      if constexpr (!kF8V) {
+        issue_pv_any(pv_stage);
+        wg::commit();
+      }
       if (wgi == 0 || j + 1 < tiles) wg::bar_arrive(other, kConsumers);
-      wg::wait<1>();
+      if constexpr (kF8V) {
+        wg::wait<1>();
+        pv_retired(j);
+        wg::wait<0>();
+      } else {
+        wg::wait<1>();
+      }
       wg::pin(s);
       // Keys folded to one tile scale (the common MXFP4 case) take it here, in the row factor: no
       // per-key multiply of S (64 FMULs and 16 shared loads a tile).
@@ -312,9 +395,15 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       c[1] = kmax[1] >= 0 ? p.scale * kLog2e * sqs[8 * NB] * kf : 1.0f;
       if (kts_j <= 0.0f) scale_by_keys(s, sKr(st), t);
     } else {
-      issue_pv<D>(o, a, dv0 + pv_stage * S::kStage);
-      wg::commit();
+      if constexpr (!kF8V) {
+        issue_pv_any(pv_stage);
+        wg::commit();
+      }
       if (wgi == 0 || j + 1 < tiles) wg::bar_arrive(other, kConsumers);
+      if constexpr (kF8V) {  // (the blocks' first wait would retire it anyway; opv is free for their partial sums)
+        wg::wait<0>();
+        pv_retired(j);
+      }
       if (e5m2)
         scores_per_block<D, true>(s, sq, sqs, sk, sKb(st), p.scale, t);
       else
@@ -338,7 +427,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       const float mnew = fmaxf(m[r], quad_max(mx[r]) * c[r]);
       // A row that has seen no key yet keeps its state (as if the tile were skipped).
       alpha[r] = mnew == -INFINITY ? 1.0f : exp2_approx(m[r] - mnew);
-      mref[r] = mnew == -INFINITY ? 0.0f : mnew;
+      mref[r] = mnew == -INFINITY ? 0.0f : mnew - kShift;
       m[r] = mnew;
       l[r] *= alpha[r];
     }
@@ -348,30 +437,26 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       l[(i / 2) % 2] += s[i];
     }
 
-    wg::wait<0>();  // P_{j-1}.V_{j-1} has retired ...
-    wg::pin(o);
-    wg::pin(a);  // ... so its A registers (P_{j-1}) were live until here
-    if (j > 0) tma::arrive(&empty[prev]);  // this warpgroup is done with tile j-1's stage
-    if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f))  // late tiles rarely raise a row's max
+    if constexpr (kF8V) {  // o takes alpha_j when P_j.V_j is added (next tile)
+      alpha_pv[0] = alpha[0];
+      alpha_pv[1] = alpha[1];
+    } else {
+      wg::wait<0>();  // P_{j-1}.V_{j-1} has retired
+      pv_retired(j);
+      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f))  // late tiles rarely raise a row's max
 #pragma unroll
-      for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) % 2];
-#pragma unroll
-    for (int kc = 0; kc < BN / 16; ++kc) {
-      const float* q0 = s + 8 * kc;  // registers of columns 16kc..16kc+7 (4) and 16kc+8.. (4)
-      a[kc][0] = bf16x2_rn(q0[0], q0[1]);
-      a[kc][1] = bf16x2_rn(q0[2], q0[3]);
-      a[kc][2] = bf16x2_rn(q0[4], q0[5]);
-      a[kc][3] = bf16x2_rn(q0[6], q0[7]);
+        for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) % 2];
     }
+    pack_p<kF8V>(s, a);
     prev = st;
     phase ^= st == kStages - 1;
     st = st == kStages - 1 ? 0 : st + 1;
   }
   if (tiles > 0) {  // the last tile's P.V
-    issue_pv<D>(o, a, dv0 + prev * S::kStage);
+    issue_pv_any(prev);
     wg::commit();
     wg::wait<0>();
-    wg::pin(o);
+    retire_pv();
   }
 
   // out = O / l, lse = m + log l; rows that saw no key write zeros and -inf.
@@ -380,14 +465,17 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     const float lr = quad_sum(l[r]);
     if (!valid[r]) continue;
     TOut* orow = static_cast<TOut*>(p.out) + b * p.out_sb + h * p.out_sh + row[r] * p.out_sn;
+    const float* vs = kF8V ? p.vscale + (int64_t(b) * p.Hkv + hk) * D : nullptr;  // V's channel scales
 #pragma unroll
     for (int i = 0; i < D / 2; ++i)
-      if ((i / 2) % 2 == r) orow[acc_col(i, t)] = from_float<TOut>(lr > 0.0f ? o[i] / lr : 0.0f);
-    if (p.lse && t == 0) p.lse[(int64_t(b) * p.Hq + h) * p.Nq + row[r]] = lr > 0.0f ? m[r] / kLog2e + logf(lr) : -INFINITY;
+      if ((i / 2) % 2 == r)
+        orow[acc_col(i, t)] = from_float<TOut>(lr > 0.0f ? (kF8V ? o[i] * vs[acc_col(i, t)] : o[i]) / lr : 0.0f);
+    if (p.lse && t == 0)
+      p.lse[(int64_t(b) * p.Hq + h) * p.Nq + row[r]] = lr > 0.0f ? m[r] / kLog2e + (logf(lr) - kShift * 0.69314718f) : -INFINITY;
   }
 }
 
-template <int D, class TOut>
+template <int D, class TOut, bool kF8V>
 void launch(PrefillParams p, int64_t blocks, int batch, cudaStream_t stream) {
   // TMA maps: K bytes [B*Hkv][Nk][D] in boxes of one tile (zeros past Nk), swizzled like wg::swizzled<D>;
   // V^T bf16 [B*Hkv][D][ldv] in boxes of 64 keys x D (128-byte rows).
@@ -396,30 +484,36 @@ void launch(PrefillParams p, int64_t blocks, int batch, cudaStream_t stream) {
     if (p.k8[s])
       p.kmap[s] = tensor_map_3d(p.k8[s], CU_TENSOR_MAP_DATA_TYPE_UINT8, {D, nk, bh}, {D, nk * D}, {D, BN, 1},
                                 D == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B);
-  p.vmap = tensor_map_3d(p.vt, CU_TENSOR_MAP_DATA_TYPE_UINT16, {ldv, D, bh}, {ldv * 2, D * ldv * 2}, {BN / 2, D, 1},
-                         CU_TENSOR_MAP_SWIZZLE_128B);
-  constexpr int bytes = Smem<D>::kBytes;
-  auto kernel = prefill_kernel<D, TOut>;
+  // (pv = fp8: E4M3 V^T in boxes of 128 keys x D.)
+  if constexpr (kF8V)
+    p.vmap = tensor_map_3d(p.vt, CU_TENSOR_MAP_DATA_TYPE_UINT8, {ldv, D, bh}, {ldv, D * ldv}, {BN, D, 1},
+                           CU_TENSOR_MAP_SWIZZLE_128B);
+  else
+    p.vmap = tensor_map_3d(p.vt, CU_TENSOR_MAP_DATA_TYPE_UINT16, {ldv, D, bh}, {ldv * 2, D * ldv * 2}, {BN / 2, D, 1},
+                           CU_TENSOR_MAP_SWIZZLE_128B);
+  constexpr int bytes = Smem<D, kF8V>::kBytes;
+  auto kernel = prefill_kernel<D, TOut, kF8V>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   kernel<<<dim3(unsigned(blocks), unsigned(p.Hq), unsigned(batch)), kThreads, bytes, stream>>>(p);
 }
 
-template <int D>
+template <int D, bool kF8V>
 void launch_d(const PrefillParams& p, DType out, int64_t blocks, int batch, cudaStream_t stream) {
   switch (out) {
-    case DType::f32: return launch<D, float>(p, blocks, batch, stream);
-    case DType::f16: return launch<D, fp16>(p, blocks, batch, stream);
-    case DType::bf16: return launch<D, bf16>(p, blocks, batch, stream);
+    case DType::f32: return launch<D, float, kF8V>(p, blocks, batch, stream);
+    case DType::f16: return launch<D, fp16, kF8V>(p, blocks, batch, stream);
+    case DType::bf16: return launch<D, bf16, kF8V>(p, blocks, batch, stream);
   }
 }
 
 }  // namespace
 
 void launch_prefill(const PrefillParams& p, int d, DType out_dtype, int64_t blocks, int batch, cudaStream_t stream) {
+  const bool f8v = p.vscale != nullptr;  // pv = fp8
   if (d == 64)
-    launch_d<64>(p, out_dtype, blocks, batch, stream);
+    f8v ? launch_d<64, true>(p, out_dtype, blocks, batch, stream) : launch_d<64, false>(p, out_dtype, blocks, batch, stream);
   else if (d == 128)
-    launch_d<128>(p, out_dtype, blocks, batch, stream);
+    f8v ? launch_d<128, true>(p, out_dtype, blocks, batch, stream) : launch_d<128, false>(p, out_dtype, blocks, batch, stream);
   else
     throw Error("the CUDA prefill kernel supports head dims 64 and 128 (got " + std::to_string(d) + ")");
   const cudaError_t err = cudaGetLastError();

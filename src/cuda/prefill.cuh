@@ -1,6 +1,6 @@
 // The DMA prefill kernel's parameters. Inputs are prepared by attention_cuda.cu: Q and K rows in the
 // tensor-core form of each format (FP8 bytes + E8M0 scales, one set per slot: 0 = high, 1 = low;
-// scales folded into the codes where exact), V as bf16, transposed.
+// scales folded into the codes where exact), V transposed: bf16, or E4M3 with per-channel scales (pv = fp8).
 #pragma once
 #include <cuda.h>
 #include <cuda_runtime.h>
@@ -23,7 +23,9 @@ struct PrefillParams {
   const float* krs[2];   // [B*Hkv, ldv]: a key's one scale when its blocks share it (else < 0)
   const float* kts[2];   // [B*Hkv, ldv/128] (fold_key_tiles): the tile's one key scale, 0 where each key
                          // has one scale of its own, < 0 where some key keeps several
-  const uint16_t* vt;    // bf16 bits, [B*Hkv, d, ldv]: V transposed, zeros past Nk
+  const void* vt;        // [B*Hkv, d, ldv]: V transposed, zeros past Nk; bf16 bits, or for pv = fp8 E4M3
+                         // bytes whose 32-key blocks hold their keys in pv_fp8_key order
+  const float* vscale;   // pv = fp8: [B*Hkv, d], each channel's scale (else null)
   int64_t ldv;           // a multiple of 128 (the key tile)
   void* out;             // [B,Hq,Nq,d], unit stride on d
   int64_t out_sb, out_sh, out_sn;
@@ -35,6 +37,12 @@ struct PrefillParams {
   int64_t first_block;  // the first 128-position block (positions can be negative when Nq > Nk)
   int64_t blocks;       // number of query blocks (the grid's x)
 };
+
+// pv = fp8: the wgmma's A fragment of P (E4M3, k = 32 from registers; wgmma.cuh) holds, at logical
+// key L of a 32-key block, the S accumulator's column pv_fp8_key(L) (a quad's thread t has columns
+// 2t, 2t+1 of every 8 there, and logical keys 4t..4t+3, 16+4t..16+4t+3 in the fragment). V^T stores
+// each block's keys in this order, so P's registers go to the tensor cores without a shuffle.
+__host__ __device__ constexpr int pv_fp8_key(int L) { return 16 * (L / 16) + 8 * (L % 4 / 2) + 2 * (L % 16 / 4) + L % 2; }
 
 constexpr int kPrefillRows = 128;  // query positions per CTA (8 warps x 16): one query tile
 

@@ -89,7 +89,10 @@ __device__ __forceinline__ void pin(uint32_t (&regs)[R][C]) {
 }
 
 #define DM_ACC8(o) "+f"(d[o]), "+f"(d[o + 1]), "+f"(d[o + 2]), "+f"(d[o + 3]), "+f"(d[o + 4]), "+f"(d[o + 5]), "+f"(d[o + 6]), "+f"(d[o + 7])
+#define DM_OUT8(o) "=f"(d[o]), "=f"(d[o + 1]), "=f"(d[o + 2]), "=f"(d[o + 3]), "=f"(d[o + 4]), "=f"(d[o + 5]), "=f"(d[o + 6]), "=f"(d[o + 7])
 #define DM_ACC32 DM_ACC8(0), DM_ACC8(8), DM_ACC8(16), DM_ACC8(24)
+#define DM_OUT32 DM_OUT8(0), DM_OUT8(8), DM_OUT8(16), DM_OUT8(24)
+#define DM_OUT64 DM_OUT32, DM_OUT8(32), DM_OUT8(40), DM_OUT8(48), DM_OUT8(56)
 #define DM_ACC64 DM_ACC32, DM_ACC8(32), DM_ACC8(40), DM_ACC8(48), DM_ACC8(56)
 #define DM_REGS32                                                                                                   \
   "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29," \
@@ -139,9 +142,38 @@ __device__ __forceinline__ void mma_bf16_rs(float (&d)[N / 2], const uint32_t (&
   }
 }
 
+// d (+)= A.B over K = 32 E4M3 elements, A [64 x 32] from registers (warp w supplies rows 16w..16w+15
+// in the mma.sync m16n8k32 A layout: a[0] row g, k 4t..4t+3; a[1] row g+8; a[2], a[3] the same at
+// k + 16) and B [N x 32] K-major in shared memory. kAcc = false starts from zero with d write-only
+// ("=f"): a "+f" on a fresh accumulator makes ptxas keep its old values live for nothing.
+template <int N, bool kAcc>
+__device__ __forceinline__ void mma_fp8_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t b) {
+  if constexpr (N == 128 && kAcc)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " DM_REGS64
+                 ", {%64,%65,%66,%67}, %68, p, 1, 1;\n}\n"
+                 : DM_ACC64 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+  else if constexpr (N == 128)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\nwgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3 " DM_REGS64
+                 ", {%64,%65,%66,%67}, %68, p, 1, 1;\n}\n"
+                 : DM_OUT64 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+  else if constexpr (kAcc)
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\nwgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " DM_REGS32
+                 ", {%32,%33,%34,%35}, %36, p, 1, 1;\n}\n"
+                 : DM_ACC32 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+  else {
+    static_assert(N == 64);
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 0, 0;\nwgmma.mma_async.sync.aligned.m64n64k32.f32.e4m3.e4m3 " DM_REGS32
+                 ", {%32,%33,%34,%35}, %36, p, 1, 1;\n}\n"
+                 : DM_OUT32 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b));
+  }
+}
+
 #undef DM_ACC8
 #undef DM_ACC32
 #undef DM_ACC64
+#undef DM_OUT8
+#undef DM_OUT32
+#undef DM_OUT64
 #undef DM_REGS32
 #undef DM_REGS64
 

@@ -115,7 +115,9 @@ TEST(GpuPrefill, MatchesCpuOracleOnRealActivations) {
     const QKV x{read_npy_tensor(base + "q.npy", "q"), read_npy_tensor(base + "k.npy", "k"), read_npy_tensor(base + "v.npy", "v")};
     Policy sink;
     sink.sink_tiles = 1;
-    for (const Policy& pol : {Policy{}, sink, Policy::all(Format::mxfp4)})
+    Policy fp8;
+    fp8.pv = PV::fp8;
+    for (const Policy& pol : {Policy{}, sink, Policy::all(Format::mxfp4), fp8})
       check_qkv({9, 3, 512, 512, 64, true, pol, layer == 1 ? "real layer 1" : "real layer 20"}, x, DType::f16);
   }
 }
@@ -140,6 +142,39 @@ TEST(GpuPrefill, MatchesCpuOracle) {
   const uint64_t seed = fresh_seed();
   std::printf("seed %llu\n", (unsigned long long)seed);
   for (size_t i = 0; i < std::size(cases); ++i) check_case(cases[i], i % 3 == 0 ? DType::f16 : DType::f32, seed + i);
+}
+
+// pv = fp8 (E4M3 P.V with per-channel V scales, a fresh accumulator a key tile): the same shapes
+// and corners, the long ones included (the fp32 sum over tiles), V scaled per channel over 2^12 so
+// the channel scales differ.
+TEST(GpuPrefill, PvFp8MatchesCpuOracle) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
+  auto fp8 = [](Policy p) {
+    p.pv = PV::fp8;
+    return p;
+  };
+  const Case cases[] = {
+      {1, 1, 1, 1, 64, true, fp8(Policy{}), "fp8 P.V N=1"},
+      {4, 1, 77, 77, 128, true, fp8(Policy{}), "fp8 P.V N=77 MQA"},
+      {8, 8, 128, 128, 64, false, fp8(Policy{}), "fp8 P.V N=128 MHA"},
+      {4, 1, 1000, 1000, 128, true, fp8(Policy{e4, f4, 2, 1}), "fp8 P.V diag2 sink1"},
+      {8, 1, 300, 1000, 64, true, fp8(Policy{}), "fp8 P.V Nq<Nk"},
+      {4, 4, 1000, 300, 128, true, fp8(Policy{}), "fp8 P.V Nq>Nk"},
+      {2, 2, 2000, 2000, 64, false, fp8(Policy{e4, e4, 0, 0}), "fp8 P.V all-high non-causal"},
+      {4, 2, 4096, 4096, 128, true, fp8(Policy{f4, f4, 0, 0}), "fp8 P.V N=4096 all-low"},
+      {4, 1, 16384, 16384, 128, true, fp8(Policy{}), "fp8 P.V N=16384 GQA 4"},
+  };
+  const uint64_t seed = fresh_seed();
+  for (size_t i = 0; i < std::size(cases); ++i) {
+    const Case& c = cases[i];
+    const DType dt = i % 2 ? DType::bf16 : DType::f32;
+    QKV x = random_qkv({1, c.hq, c.hkv, c.nq, c.nk, c.d}, seed + i, dt);
+    std::vector<float> v = x.v.to_floats();
+    for (size_t e = 0; e < v.size(); ++e) v[e] *= std::ldexp(1.0f, int(e % size_t(c.d)) % 13 - 6);
+    x.v = HostTensor::from_floats(v, x.v.shape(), dt);
+    check_qkv(c, x, dt);
+  }
 }
 
 // Scales every 32-element block of the chosen rows outside [lo, hi) by f (r: the row within its head).
@@ -232,6 +267,11 @@ TEST(GpuPrefill, RejectsWhatItCannotDo) {
   o = {};
   o.policy.pv = PV::mxfp8;
   EXPECT_THROW(attention_on_device(x.q.view(), x.k.view(), x.v.view(), out.view(), nullptr, o), Error);
+  o.policy.pv = PV::fp8;  // non-finite V through the fp8 V pass
+  std::vector<float> v = x.v.to_floats();
+  v[5] = INFINITY;
+  const HostTensor vn = HostTensor::from_floats(v, x.v.shape());
+  EXPECT_THROW(attention_on_device(x.q.view(), x.k.view(), vn.view(), out.view(), nullptr, o), Error);
   std::vector<float> q = x.q.to_floats();
   q[3] = std::nanf("");
   const HostTensor qn = HostTensor::from_floats(q, x.q.shape());
