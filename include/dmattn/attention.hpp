@@ -16,6 +16,9 @@
 //    tile's keys and each column of V quantized to MXFP8 E4M3 in 32-key blocks (policy.scale_rule;
 //    keys past Nk are zeros), blockwise as for S. Caveat: a V block that straddles a causal
 //    boundary shares one scale, so a masked key's V can change the rounding of visible keys' V.
+//    pv=mxfp4: the same with V in MXFP4. pv=fp8: sum over the tile of E4M3(p * 2^8) * E4M3 codes
+//    of V (each column under one E8M0 scale from its amax over all Nk keys, policy.scale_rule),
+//    times the column's scale and 2^-8 (the same caveat, over the whole sequence).
 //  - out = acc / l; lse = m + log(l).
 //  - policy.smooth_k: K minus its per-channel mean (over Nk, per batch and KV head) is what gets
 //    quantized; lse adds back scale * q.mean(K) so it keeps its meaning.
