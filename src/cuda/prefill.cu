@@ -54,17 +54,6 @@ struct Smem {
   static_assert(kQ % 1024 == 0 && kQs % 1024 == 0 && kStage % 1024 == 0);
 };
 
-// A position in the ring of kStages stages: the stage and the parity of its current fill (counters:
-// 64-bit j % 3 and j / 3 cost ~40 instructions a tile). The producer and the consumers walk it alike.
-struct Ring {
-  int st = 0;
-  uint32_t phase = 0;
-  __device__ __forceinline__ void next() {
-    phase ^= st == kStages - 1;
-    st = st == kStages - 1 ? 0 : st + 1;
-  }
-};
-
 // The accumulator register i of a m64nN tile holds column 8*(i/4) + 2t + (i%2) of row half (i/2)%2.
 __device__ __forceinline__ int acc_col(int i, int t) { return 8 * (i / 4) + 2 * t + (i % 2); }
 
@@ -259,10 +248,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     wg::regs_dec<24>();
     if (threadIdx.x == kConsumers) {
       const int bh = b * p.Hkv + hk;
-      Ring ring;
-      for (int j = 0; j < tiles; ++j, ring.next()) {
-        const int slot = slot_of(j), st = ring.st;
-        if (j >= kStages) tma::wait(&empty[st], ring.phase ^ 1);
+      for (int j = 0, st = 0, phase = 0; j < tiles; ++j, phase ^= (st == kStages - 1), st = (st + 1) % kStages) {
+        const int slot = slot_of(j);
+        if (j >= kStages) tma::wait(&empty[st], uint32_t(phase ^ 1));
         tma::arrive_expect(&full[st], S::kTx);
         tma::load_3d(sK(st), &p.kmap[slot], 0, j * BN, bh, &full[st]);
         tma::load_3d(sVt(st), &p.vmap, j * BN, 0, bh, &full[st]);
@@ -324,16 +312,16 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   // tile's softmax.
   const float* kts0 = p.kts[0] + kv_tile0 / BN;
   const float* kts1 = nslots == 2 ? p.kts[1] + kv_tile0 / BN : kts0;  // (a select: an indexed pair went to local memory)
-  int slot_next = tiles > 0 ? slot_of(0) : 0;
-  float kts_next = tiles > 0 ? (slot_next ? kts1 : kts0)[0] : 0.0f;
+  float kts_next = tiles > 0 ? (slot_of(0) ? kts1 : kts0)[0] : 0.0f;
   // Each slot's element type in registers: indexing the parameter by slot cost a stalled constant load per tile (ncu).
   const bool e5m2_high = p.elem[0] == Elem::e5m2, e5m2_low = p.elem[1] == Elem::e5m2;
   // wgmma descriptors of the warpgroup's Q slots and of stage 0's K and V^T (stage st: + st * kStage).
   const wg::Desc dq0 = wg::make_desc<D>(sQ + wgi * 64 * D), dq1 = dq0 + S::kQK, dk0 = wg::make_desc<D>(sK(0)),
                  dv0 = wg::make_desc<128>(sVt(0));
-  // Tile j's stage (ring) and tile j-1's (prev).
-  Ring ring;
-  int prev = kStages - 1;
+  // Stage st of tile j and the parity of its fill, kept as counters (64-bit j % 3 and j / 3 cost ~40
+  // instructions a tile).
+  int st = 0, prev = kStages - 1;
+  uint32_t phase = 0;
   // P_{j-1}.V_{j-1} (bf16 into o; E4M3 into opv, added to o after it retires).
   auto issue_pv_any = [&](int stage) {
     if constexpr (kF8V)
@@ -358,18 +346,15 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     if (j > 0) tma::arrive(&empty[prev]);
   };
   for (int j = 0; j < tiles; ++j) {
-    const int slot = slot_next, st = ring.st;
+    const int slot = slot_of(j);
     const float kts_j = kts_next;
-    if (j + 1 < tiles) {
-      slot_next = slot_of(j + 1);
-      kts_next = (slot_next ? kts1 : kts0)[j + 1];
-    }
+    if (j + 1 < tiles) kts_next = (slot_of(j + 1) ? kts1 : kts0)[j + 1];
     const bool e5m2 = slot ? e5m2_low : e5m2_high;
     const bool folded = kts_j >= 0.0f && q_folded[slot][wgi];
     const int pv_stage = j > 0 ? prev : st;  // P_{j-1}.V_{j-1}'s V (tile 0's at j = 0, with P = 0)
     const wg::Desc sq = slot ? dq1 : dq0, sk = dk0 + st * S::kStage;
     const float* sqs = sQs + (slot * BM + wgi * 64 + warp * 16 + g) * NB;
-    tma::wait(&full[st], ring.phase);
+    tma::wait(&full[st], phase);
 
     float s[BN / 2];
     // After the scores, logit * log2(e) = s * c[r]: c holds the softmax scale, log2(e) and (folded
@@ -464,7 +449,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     }
     pack_p<kF8V>(s, a);
     prev = st;
-    ring.next();
+    phase ^= st == kStages - 1;
+    st = st == kStages - 1 ? 0 : st + 1;
   }
   if (tiles > 0) {  // the last tile's P.V
     issue_pv_any(prev);

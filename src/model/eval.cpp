@@ -58,12 +58,6 @@ std::vector<EvalConfig> default_eval_configs() {
   Policy v4only = Policy::all(Format::bf16);  // V's cost alone: Q and K in bf16
   v4only.pv = PV::mxfp4;
   c.push_back({"all-bf16 pv=mxfp4", v4only});
-  Policy pvf8;  // the GPU prefill's FP8 P.V (E4M3 P at 2^-8, per-channel V scales)
-  pvf8.pv = PV::fp8;
-  c.push_back({"DMA diag=1 sinks=0 pv=fp8", pvf8});
-  Policy f8only = Policy::all(Format::bf16);
-  f8only.pv = PV::fp8;
-  c.push_back({"all-bf16 pv=fp8", f8only});
   // K smoothing (not in the paper): the same policies with K's channel mean removed first.
   for (EvalConfig e : {EvalConfig{"all-MXFP8 E4M3", Policy::all(Format::mxfp8_e4m3)},
                        EvalConfig{"all-MXFP4", Policy::all(Format::mxfp4)}, EvalConfig{"DMA diag=1 sinks=0", Policy{}},
