@@ -1,12 +1,13 @@
 // In-process timing of dmattn's CUDA attention() on device-resident bf16 inputs (no files, so large
 // N fits): B=1, causal, GQA; prints one line per (N, d, policy): "dmattn <policy> N d ms TFLOP/s".
 // compare_sdpa.py runs it for the shapes whose .npy files would be too large for the CLI route.
-// Usage: bench_prefill_cuda N d [iters]
+// Usage: bench_prefill_cuda N d [iters [policy]]   (policy: one of the names below; default all)
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 #include <vector>
 
 #include "dmattn/attention.hpp"
@@ -22,6 +23,7 @@ int main(int argc, char** argv) {
   }
   const int64_t N = std::atoll(argv[1]), d = std::atoll(argv[2]), HQ = 32, HKV = 8;
   const int iters = argc > 3 ? std::atoi(argv[3]) : 5;
+  const std::string only = argc > 4 ? argv[4] : "";
   Rng rng(7);
   auto upload = [&](int64_t heads) {
     std::vector<uint16_t> h(static_cast<size_t>(heads * N * d));
@@ -49,6 +51,7 @@ int main(int argc, char** argv) {
   cudaEventCreate(&a);
   cudaEventCreate(&b);
   for (const Named& pol : policies) {
+    if (!only.empty() && only != pol.name) continue;
     AttentionOptions o;
     o.causal = true;
     o.policy = pol.policy;

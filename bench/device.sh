@@ -81,14 +81,14 @@ if [ "${QUICK:-0}" = 1 ]; then  # correctness of the GPU tests + the main benchm
     grep -E "^  [a-z_:<>0-9, ]+\(|gpu__time_duration" "$OUT/ncu_decode_small.txt" | sed -E 's/\(.*//' | paste - - | head -4
   fi
   if [ "${PROFILE:-0}" = 1 ] && [ "$PART" != decode ]; then  # where the prefill kernel's time goes (one launch, N=8192)
-    ncu --kernel-name regex:prefill_kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight --section WarpStateStats \
-      --section SchedulerStats --section Occupancy $B/bench/bench_prefill_cuda 8192 128 1 >"$OUT/ncu_prefill.txt" 2>&1
+    ncu --clock-control none --kernel-name regex:prefill_kernel --launch-skip 1 --launch-count 1 --section SpeedOfLight --section WarpStateStats \
+      --section SchedulerStats --section Occupancy $B/bench/bench_prefill_cuda 8192 128 1 ${PROFILE_POLICY:-DMA-default} >"$OUT/ncu_prefill.txt" 2>&1
     grep -E "Throughput|Duration|Occupancy|Registers|Stall|Issued|Eligible|No Eligible|cycles being stalled" "$OUT/ncu_prefill.txt" | head -40
     # Stall reasons per issued instruction and the tensor / MUFU pipes' activity (a separate call: metric names vary).
-    ncu --kernel-name regex:prefill_kernel --launch-skip 1 --launch-count 1 --metrics \
-      'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active' \
-      $B/bench/bench_prefill_cuda 8192 128 1 >"$OUT/ncu_prefill_stalls.txt" 2>&1
-    grep -E "gmma|pipe_xu|stalled" "$OUT/ncu_prefill_stalls.txt" | awk '$NF+0 > 0.05 || /pipe/' | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | head -24
+    ncu --clock-control none --kernel-name regex:prefill_kernel --launch-skip 1 --launch-count 1 --metrics \
+      'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,smsp__inst_executed.sum' \
+      $B/bench/bench_prefill_cuda 8192 128 1 ${PROFILE_POLICY:-DMA-default} >"$OUT/ncu_prefill_stalls.txt" 2>&1
+    grep -E "gmma|pipe_xu|stalled|inst_executed" "$OUT/ncu_prefill_stalls.txt" | awk '$NF+0 > 0.05 || /pipe/' | sed -E 's/smsp__average_warps_issue_stalled_//; s/_per_issue_active.ratio//' | head -24
   fi
   if [ "${BREAKDOWN:-0}" = 1 ]; then  # one N=4096 call kernel by kernel (ncu), and event timings against BASE=dir's binaries
     ncu --metrics gpu__time_duration.sum --launch-skip 6 --launch-count 6 $B/bench/bench_prefill_cuda 4096 128 1 \
@@ -112,8 +112,8 @@ for n,h in (('q',32),('k',8),('v',8)): np.save('/tmp/bd_'+n+'.npy', r.standard_n
       ncu -i "$OUT/$name.ncu-rep" --page details >"$OUT/$name.txt" 2>&1; rm -f "$OUT/$name.ncu-rep"
       echo "$name: $(wc -l <"$OUT/$name.csv") SASS rows"
     }
-    src_csv src_decode_mxfp4 decode_kernel 3 $B/bench/bench_decode_cuda mxfp4 16 32768
-    src_csv src_prefill prefill_kernel 1 $B/bench/bench_prefill_cuda 8192 128 1
+    [ "$PART" != prefill ] && src_csv src_decode_mxfp4 decode_kernel 3 $B/bench/bench_decode_cuda mxfp4 16 32768
+    src_csv src_prefill prefill_kernel 1 $B/bench/bench_prefill_cuda 8192 128 1 ${PROFILE_POLICY:-DMA-default}
     ncu --kernel-name regex:quantize_rows --launch-skip 1 --launch-count 1 --section SpeedOfLight --section MemoryWorkloadAnalysis \
       --section WarpStateStats --section Occupancy $B/bench/bench_quantize_cuda >"$OUT/ncu_quantize.txt" 2>&1
     grep -E "Throughput|Duration|Occupancy|Registers|Stall|Issued|cycles being stalled" "$OUT/ncu_quantize.txt" | head -20
