@@ -73,7 +73,10 @@ __device__ __forceinline__ void emit(const QuantTarget& q, ScaleRule rule, const
 constexpr int kUnits = 2;
 
 // 32-bit indices: 64-bit division costs the GPU far more than the quantization itself.
-template <class T, bool kVector>
+// kPair: the element types of the two targets fixed at compile time (the prefill pre-pass's
+// E4M3 + E2M1), so both encoders inline into one straight line the scheduler can interleave; else
+// (kPair = false) chosen at run time by a switch per target.
+template <class T, bool kVector, bool kPair>
 __global__ void __launch_bounds__(256) quantize_rows_kernel(const T* __restrict__ x, Geometry g, uint32_t nblocks,
                                                             ScaleRule rule, QuantTarget t0, QuantTarget t1, Elem e0,
                                                             Elem e1, int targets, int* nonfinite) {
@@ -115,8 +118,13 @@ __global__ void __launch_bounds__(256) quantize_rows_kernel(const T* __restrict_
     bool bad;
     block_stats(v, amax, bad);
     if (bad && nonfinite && l[u].part == 0) atomicOr(nonfinite, 1);
-    with_elem(e0, [&](auto e) { emit<decltype(e)::value>(t0, rule, v, amax, bad, l[u]); });
-    if (targets == 2) with_elem(e1, [&](auto e) { emit<decltype(e)::value>(t1, rule, v, amax, bad, l[u]); });
+    if constexpr (kPair) {
+      emit<Elem::e4m3>(t0, rule, v, amax, bad, l[u]);
+      emit<Elem::e2m1>(t1, rule, v, amax, bad, l[u]);
+    } else {
+      with_elem(e0, [&](auto e) { emit<decltype(e)::value>(t0, rule, v, amax, bad, l[u]); });
+      if (targets == 2) with_elem(e1, [&](auto e) { emit<decltype(e)::value>(t1, rule, v, amax, bad, l[u]); });
+    }
   }
 }
 
@@ -152,14 +160,18 @@ void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first
   const bool vec = rows_16byte_aligned(x);
   // A tensor this large (2^35 elements) cannot sit on one GPU next to its quantized copies.
   if (nblocks * 4 + threads * kUnits >= (int64_t(1) << 32)) throw Error("quantize_rows: tensor too large (2^35 elements or more)");
+  const bool pair = vec && targets == 2 && e0 == Elem::e4m3 && e1 == Elem::e2m1;
   with_typed(x, [&](auto* typed) {
     using T = std::remove_pointer_t<decltype(typed)>;
-    if (vec)
-      quantize_rows_kernel<T, true><<<grid, threads, 0, stream>>>(typed, g, uint32_t(nblocks), rule, first, second, e0, e1,
-                                                                  targets, nonfinite);
+    auto go = [&](auto kernel) {
+      kernel<<<grid, threads, 0, stream>>>(typed, g, uint32_t(nblocks), rule, first, second, e0, e1, targets, nonfinite);
+    };
+    if (pair)
+      go(quantize_rows_kernel<T, true, true>);
+    else if (vec)
+      go(quantize_rows_kernel<T, true, false>);
     else
-      quantize_rows_kernel<T, false><<<grid, threads, 0, stream>>>(typed, g, uint32_t(nblocks), rule, first, second, e0, e1,
-                                                                   targets, nonfinite);
+      go(quantize_rows_kernel<T, false, false>);
   });
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw Error(std::string("quantize_rows: launch failed: ") + cudaGetErrorString(err));
