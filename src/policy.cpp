@@ -1,5 +1,7 @@
 #include "dmattn/policy.hpp"
 
+#include <utility>
+
 #include "dmattn/attention.hpp"
 #include "dmattn/error.hpp"
 
@@ -12,20 +14,20 @@ std::string Policy::describe() const {
          (smooth_k ? " smooth_k" : "");
 }
 
+namespace {
+constexpr std::pair<PV, std::string_view> kPvNames[] = {
+    {PV::bf16, "bf16"}, {PV::mxfp8, "mxfp8"}, {PV::mxfp4, "mxfp4"}, {PV::fp8, "fp8"}};
+}  // namespace
+
 std::string_view pv_name(PV p) {
-  switch (p) {
-    case PV::bf16: return "bf16";
-    case PV::mxfp8: return "mxfp8";
-    case PV::mxfp4: return "mxfp4";
-    default: return "fp8";
-  }
+  for (const auto& [pv, name] : kPvNames)
+    if (pv == p) return name;
+  return "?";
 }
 
 PV parse_pv(std::string_view name) {
-  if (name == "bf16") return PV::bf16;
-  if (name == "mxfp8") return PV::mxfp8;
-  if (name == "mxfp4") return PV::mxfp4;
-  if (name == "fp8") return PV::fp8;
+  for (const auto& [pv, n] : kPvNames)
+    if (n == name) return pv;
   throw Error("unknown pv mode '" + std::string(name) + "' (choose bf16|mxfp8|mxfp4|fp8)");
 }
 
