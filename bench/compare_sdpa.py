@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Same-run comparison on the GPU: dmattn (CUDA backend, via `dmattn run --backend cuda`) against
+"""Same-run comparison on the GPU: dmattn (CUDA backend; quality through `dmattn run --backend cuda`, time
+in-process on device-resident bf16 tensors with bf16 output, as SDPA is timed, plus the CLI's own time) against
 PyTorch SDPA bf16 (flash and cuDNN backends), the unfused quantize->dequantize->SDPA pipeline and,
 where importable (bench/device.sh installs the wheel scripts/device_deps.sh fetched), SageAttention
 1.0.6 (INT8 Q.K^T, fp16 P.V, Triton), with the ceilings measured in the same run (bf16 and fp8
@@ -129,7 +130,20 @@ for N in Ns:
         if r.returncode != 0 or not m:
             print(f"{pol}: failed: {r.stderr.strip()}")
             continue
-        res[pol] = (float(m.group(1)) * 1e3, rel(torch.from_numpy(np.load(o)).to(dev)))
+        err = rel(torch.from_numpy(np.load(o)).to(dev))
+        res[pol] = (float("nan"), err)  # timed below, in-process
+        if pol == "dmattn DMA default":  # the CLI's own time: fp16 in, f32 out, LSE, on staged copies
+            res[pol + " (CLI)"] = (float(m.group(1)) * 1e3, err)
+    # The times of the dmattn rows: the C++ API on device-resident bf16 tensors, bf16 out, no LSE (what SDPA
+    # is timed doing), from bench_prefill_cuda on fresh N(0,1) inputs of the same shapes.
+    r = subprocess.run([os.path.join(build, "bench", "bench_prefill_cuda"), str(N), "128", "10"], capture_output=True, text=True)
+    for line in r.stdout.splitlines():
+        _, pol, _, _, ms, _ = line.split()
+        name = {"DMA-default": "dmattn DMA default", "DMA-pv-fp8": "dmattn DMA pv=fp8"}.get(pol, "dmattn " + pol)
+        if name in res:
+            res[name] = (float(ms), res[name][1])
+    if r.returncode != 0:
+        print(f"bench_prefill_cuda N={N}: failed: {r.stderr.strip()}")
     best = min(v[0] for k_, v in res.items() if k_.startswith("sdpa"))
     for name, (ms, err) in res.items():
         rows.append((N, name, ms, flops / ms / 1e9, best / ms, err))
