@@ -129,6 +129,14 @@ TEST_F(Cli, DmaRunAndCompare) {
   EXPECT_GT(rel, 1e-4);
   EXPECT_LT(rel, 0.2);
   EXPECT_NE(c.out.find("nan_count 0"), std::string::npos);
+  // pv=fp8 through the CLI: the run's line names it, the result stays close to exact; decode refuses it.
+  const Proc f = run(fill(kQKV, dir) + " --causal --pv fp8 --backend cpu");
+  ASSERT_EQ(f.code, 0) << f.err;
+  EXPECT_NE(f.err.find("pv=fp8"), std::string::npos) << f.err;
+  const Proc cf = run("compare " + p("o.npy") + " " + p("exact.npy"));
+  ASSERT_EQ(std::sscanf(cf.out.c_str(), "rel_l2 %lf", &rel), 1) << cf.out;
+  EXPECT_LT(rel, 0.2);
+  expect_error(fill(kQKV, dir).replace(0, 3, "decode") + " --pv fp8", "pv=fp8");
 }
 
 TEST_F(Cli, QuantizeDequantizeRoundTrip) {

@@ -83,8 +83,10 @@ def test_pv_modes():
     err = lambda o: np.linalg.norm(o - exact) / np.linalg.norm(exact)  # noqa: E731
     e8 = err(dmattn.attention(q, k, v, causal=True, high="bf16", low="bf16", pv="mxfp8"))
     e4 = err(dmattn.attention(q, k, v, causal=True, high="bf16", low="bf16", pv="mxfp4"))
+    f8 = err(dmattn.attention(q, k, v, causal=True, high="bf16", low="bf16", pv="fp8"))
     assert 0 < e8 < e4 < 0.2  # V's 4-bit codes cost more than 8-bit ones, and only V is quantized here
-    assert dmattn.Policy(pv="mxfp4").pv == "mxfp4"
+    assert 0 < f8 < 2 * e8  # E4M3 like mxfp8, with coarser scales (one per channel, P's fixed)
+    assert dmattn.Policy(pv="mxfp4").pv == "mxfp4" and dmattn.Policy(pv="fp8").pv == "fp8"
     with pytest.raises(ValueError, match="pv"):
         dmattn.Policy(pv="mxfp2")
 
