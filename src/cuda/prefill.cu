@@ -13,7 +13,9 @@
 // that is exact, for Q here and for K by the quantize pass), all of d runs as one wgmma chain and
 // the row x key scales multiply S once; otherwise one wgmma per 32-wide block, promoted with the
 // block scales on the CUDA cores.
-// Online softmax in fp32; P rounded to bf16 (registers) times bf16 V (shared memory).
+// Online softmax in fp32; P rounded to bf16 (registers) times bf16 V (shared memory), or with pv = fp8
+// (kF8V) P in E4M3 times E4M3 V with per-channel scales, one wgmma chain a tile into a fresh
+// accumulator that is added to O in fp32.
 #include <cmath>
 
 #include "cuda/fp8.cuh"
