@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "cpu/parallel.hpp"
 #include "dmattn/numeric.hpp"
@@ -101,16 +102,14 @@ ValueRows prepare_values(const std::vector<float>& vf, int64_t nk, int d, PV pv,
     for (int64_t i = 0; i < nk * d; ++i) V.v[size_t(i)] = round_bf16(vf[size_t(i)]);
     return V;
   }
-  if (pv == PV::fp8) {  // one E8M0 scale a channel from its amax over the nk keys (the MX rule for E4M3)
+  if (pv == PV::fp8) {  // each channel as one MX block over the nk keys: one E8M0 scale, E4M3 codes
     V.s.assign(size_t(d), 0.0f);
     parallel_for(d, threads, [&](int64_t i) {
-      float amax = 0.0f;
-      for (int64_t n = 0; n < nk; ++n) amax = std::max(amax, std::fabs(vf[size_t(n * d + i)]));
-      const uint8_t sc = choose_e8m0(amax, Elem::e4m3, rule);
-      const float inv = inverse_e8m0(sc);
-      for (int64_t n = 0; n < nk; ++n)
-        V.v[size_t(n * d + i)] = decode_elem(Elem::e4m3, encode_elem(Elem::e4m3, vf[size_t(n * d + i)] * inv));
-      V.s[size_t(i)] = decode_e8m0(sc);
+      std::vector<float> col(static_cast<size_t>(nk));
+      std::vector<uint8_t> codes(static_cast<size_t>(nk));
+      for (int64_t n = 0; n < nk; ++n) col[size_t(n)] = vf[size_t(n * d + i)];
+      V.s[size_t(i)] = decode_e8m0(quantize_mx_block(col.data(), int(nk), Elem::e4m3, rule, codes.data()));
+      for (int64_t n = 0; n < nk; ++n) V.v[size_t(n * d + i)] = decode_elem(Elem::e4m3, codes[size_t(n)]);
     });
     return V;
   }
