@@ -1,5 +1,6 @@
-// The CUDA backend: input checks on the device, the quantize pre-pass (Q and K in both formats,
-// V to bf16 or, for pv = fp8, E4M3 with per-channel scales), the prefill kernel; and staging of host tensors for callers that hold them there.
+// The CUDA backend: input checks on the device, the quantize pre-pass (Q and K in both formats, V to
+// bf16 or, for pv = fp8, E4M3 with per-channel scales), the prefill kernel; and staging of host
+// tensors for callers that hold them there.
 #include <cuda_runtime.h>
 
 #include <string>
