@@ -36,6 +36,30 @@ else
 fi
 
 [ -n "${PREBUILT:-}" ] && [ "${QUICK:-0}" != 1 ] && { echo "PREBUILT needs QUICK=1"; exit 2; }
+# AB="dirA dirB" (each laid out as PREBUILT): a variant against a baseline in one run. The GPU tests
+# matching AB_TESTS in each dir's last binary, then bench_prefill_cuda alternating between the dirs,
+# three pairs per N in AB_N, policy AB_POLICY; medians per dir last.
+if [ -n "${AB:-}" ]; then
+  last=${AB##* }
+  $last/tests/dmattn_gpu_tests --gtest_filter="${AB_TESTS:-GpuPrefill*}" >"$OUT/ab_tests.log" 2>&1
+  echo "tests ($last, ${AB_TESTS:-GpuPrefill*}): rc=$? $(grep -cE '^\[       OK' "$OUT/ab_tests.log") passed; $(grep -E '^\[  FAILED' "$OUT/ab_tests.log" | head -3)"
+  for n in ${AB_N:-4096 16384}; do
+    it=$( ((n >= 65536)) && echo 2 || { ((n >= 16384)) && echo 5 || echo 20; })
+    for rep in 1 2 3; do
+      for dir in $AB; do echo "$dir $($dir/bench/bench_prefill_cuda "$n" 128 "$it" "${AB_POLICY:-DMA-default}")"; done
+    done
+  done | tee "$OUT/ab.txt"
+  python3 - "$OUT/ab.txt" <<'PY'
+import sys, statistics, collections
+t = collections.defaultdict(list)
+for line in open(sys.argv[1]):
+    f = line.split()
+    if len(f) >= 6: t[(int(f[3]), f[0])].append(float(f[5]))
+for (n, d), v in sorted(t.items()): print(f"N={n:6d} {d:28s} median {statistics.median(v):.4f} ms  all {' '.join(f'{x:.4f}' for x in v)}")
+PY
+  cp "$OUT/ab.txt" "$RESULT_DIR/"
+  exit 0
+fi
 if [ "${QUICK:-0}" = 1 ]; then  # correctness of the GPU tests + the main benchmark row, sanitizers on small cases
   filter=$([ "$PART" = decode ] && echo '*Decode*:*Quantize*' || echo '*')
   # One process per test: a crash (or a sticky CUDA error) in one leaves the others' results intact.
