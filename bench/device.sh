@@ -23,19 +23,6 @@ B=${PREBUILT:-build-sm90}
 declare -A row
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 
-if [ -n "${PREBUILT:-}" ]; then
-  row[build]="prebuilt ($B)"
-  SKIP_PYTHON=1
-else
-  cmake -S . -B $B -G Ninja -DDMATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DDMATTN_DEPS="$PWD/.deps" -DPython_EXECUTABLE="$(command -v python3)" \
-    >"$OUT/configure.log" 2>&1 && cmake --build $B -j16 >"$OUT/build.log" 2>&1
-  row[build]=$([ $? -eq 0 ] && echo ok || echo FAILED)
-  grep -A2 "Function properties for .*prefill_kernel" "$OUT/build.log" | grep -E "spill|Used" | sort | uniq -c
-  cuobjdump -sass $B/CMakeFiles/dmattn.dir/src/cuda/prefill.cu.o 2>/dev/null | grep -oE "(HGMMA|QGMMA)\.[A-Za-z0-9.]*" | sort | uniq -c \
-    | tee "$OUT/sass_gmma.txt"
-fi
-
-[ -n "${PREBUILT:-}" ] && [ "${QUICK:-0}" != 1 ] && { echo "PREBUILT needs QUICK=1"; exit 2; }
 # AB="dirA dirB" (each laid out as PREBUILT): a variant against a baseline in one run. The GPU tests
 # matching AB_TESTS in each dir's last binary, then bench_prefill_cuda alternating between the dirs,
 # three pairs per N in AB_N, policy AB_POLICY; medians per dir last.
@@ -43,6 +30,10 @@ if [ -n "${AB:-}" ]; then
   last=${AB##* }
   $last/tests/dmattn_gpu_tests --gtest_filter="${AB_TESTS:-GpuPrefill*}" >"$OUT/ab_tests.log" 2>&1
   echo "tests ($last, ${AB_TESTS:-GpuPrefill*}): rc=$? $(grep -cE '^\[       OK' "$OUT/ab_tests.log") passed; $(grep -E '^\[  FAILED' "$OUT/ab_tests.log" | head -3)"
+  if [ "${AB_QUANT:-0}" = 1 ]; then  # the quantize pass too: each dir's bench_quantize_cuda, alternating
+    for rep in 1 2 3; do for dir in $AB; do echo "== $dir"; $dir/bench/bench_quantize_cuda | tail -4; done; done \
+      | tee "$OUT/ab_quantize.txt"
+  fi
   for n in ${AB_N:-4096 16384}; do
     it=$( ((n >= 65536)) && echo 2 || { ((n >= 16384)) && echo 5 || echo 20; })
     for rep in 1 2 3; do
@@ -60,6 +51,20 @@ PY
   cp "$OUT/ab.txt" "$RESULT_DIR/"
   exit 0
 fi
+
+if [ -n "${PREBUILT:-}" ]; then
+  row[build]="prebuilt ($B)"
+  SKIP_PYTHON=1
+else
+  cmake -S . -B $B -G Ninja -DDMATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DDMATTN_DEPS="$PWD/.deps" -DPython_EXECUTABLE="$(command -v python3)" \
+    >"$OUT/configure.log" 2>&1 && cmake --build $B -j16 >"$OUT/build.log" 2>&1
+  row[build]=$([ $? -eq 0 ] && echo ok || echo FAILED)
+  grep -A2 "Function properties for .*prefill_kernel" "$OUT/build.log" | grep -E "spill|Used" | sort | uniq -c
+  cuobjdump -sass $B/CMakeFiles/dmattn.dir/src/cuda/prefill.cu.o 2>/dev/null | grep -oE "(HGMMA|QGMMA)\.[A-Za-z0-9.]*" | sort | uniq -c \
+    | tee "$OUT/sass_gmma.txt"
+fi
+
+[ -n "${PREBUILT:-}" ] && [ "${QUICK:-0}" != 1 ] && { echo "PREBUILT needs QUICK=1"; exit 2; }
 if [ "${QUICK:-0}" = 1 ]; then  # correctness of the GPU tests + the main benchmark row, sanitizers on small cases
   filter=$([ "$PART" = decode ] && echo '*Decode*:*Quantize*' || echo '*')
   # One process per test: a crash (or a sticky CUDA error) in one leaves the others' results intact.

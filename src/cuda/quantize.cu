@@ -42,11 +42,11 @@ struct Lanes {
 };
 
 // One target: scale, codes (optionally as FP8 bytes, folded), stores, row-scale flags.
-template <Elem E>
+template <Elem E, bool kHalf>
 __device__ __forceinline__ void emit(const QuantTarget& q, ScaleRule rule, const float (&v)[kPerLane], float amax,
                                      bool bad, const Lanes& l) {
   uint2 w;
-  const uint8_t sc = encode_lane<E>(rule, v, amax, bad, q.fp8_bytes, q.fold, l.row_lanes, w);
+  const uint8_t sc = encode_lane<E, kHalf>(rule, v, amax, bad, q.fp8_bytes, q.fold, l.row_lanes, w);
   if (l.active) {
     const int64_t d = l.nblk * kBlock;
     const int64_t first = int64_t(l.row) * d + int64_t(l.c) * kBlock + l.part * kPerLane;  // element index of w's first code
@@ -118,12 +118,13 @@ __global__ void __launch_bounds__(256) quantize_rows_kernel(const T* __restrict_
     bool bad;
     block_stats(v, amax, bad);
     if (bad && nonfinite && l[u].part == 0) atomicOr(nonfinite, 1);
+    constexpr bool kHalf = sizeof(T) == 2;  // bf16 / fp16: E2M1 rounds in f16 pairs
     if constexpr (kPair) {
-      emit<Elem::e4m3>(t0, rule, v, amax, bad, l[u]);
-      emit<Elem::e2m1>(t1, rule, v, amax, bad, l[u]);
+      emit<Elem::e4m3, kHalf>(t0, rule, v, amax, bad, l[u]);
+      emit<Elem::e2m1, kHalf>(t1, rule, v, amax, bad, l[u]);
     } else {
-      with_elem(e0, [&](auto e) { emit<decltype(e)::value>(t0, rule, v, amax, bad, l[u]); });
-      if (targets == 2) with_elem(e1, [&](auto e) { emit<decltype(e)::value>(t1, rule, v, amax, bad, l[u]); });
+      with_elem(e0, [&](auto e) { emit<decltype(e)::value, kHalf>(t0, rule, v, amax, bad, l[u]); });
+      if (targets == 2) with_elem(e1, [&](auto e) { emit<decltype(e)::value, kHalf>(t1, rule, v, amax, bad, l[u]); });
     }
   }
 }

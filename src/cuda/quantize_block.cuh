@@ -52,24 +52,107 @@ __device__ __forceinline__ uint32_t shift_fp8x4(uint32_t w, int k, bool& exact) 
   return out;
 }
 
+// f16x2 arithmetic, round to nearest, subnormals kept (no .ftz), never contracted.
+__device__ __forceinline__ uint32_t hadd2_rn(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("add.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+__device__ __forceinline__ uint32_t hsub2_rn(uint32_t a, uint32_t b) {
+  uint32_t d;
+  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
+// Two values already divided by their block's scale, rounded to E2M1 values (nearest-even,
+// saturating at 6: the codec's encode_e2m1) and returned as an f16 pair, lo in the low half, signs
+// kept (a negative value that rounds to zero gives -0, the codec's code 8). Exact only where both
+// values are f16 values already, as a bf16 or fp16 input divided by a power of two is down to 2^-17
+// (smaller ones round to 0 either way): an f32 input would round twice. Per half: the binade's
+// exponent, clamped to [1, 4] (below 1 E2M1 keeps the step 0.5 of [1, 2)), names a power of two M
+// whose f16 ulp is the E2M1 step there; (a + M) - M rounds a to that step. Ten instructions for two
+// values, where the codec's float-bit encoder takes about ten for one.
+__device__ __forceinline__ uint32_t e2m1_round_f16x2(float lo, float hi) {
+  uint32_t h;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(hi), "f"(lo));
+  const uint32_t a = h & 0x7FFF7FFFu;
+  const uint32_t e = __vminu2(__vmaxu2(a & 0x7C007C00u, 0x3C003C00u), 0x44004400u);  // 1.0 .. 4.0
+  const uint32_t m = e + 0x24002400u;                                                // x 2^9: ulp = step
+  uint32_t r = hsub2_rn(hadd2_rn(a, m), m);
+  asm("min.f16x2 %0, %0, %1;" : "+r"(r) : "r"(0x46004600u));  // 6.0: saturate
+  return r | (h & 0x80008000u);
+}
+
+// Four f16 pairs of E2M1 values (e2m1_round_f16x2, elements 0..7 in order) as eight E2M1 nibbles,
+// low nibble first. Times 2^-14 an E2M1 value's f16 bits are its code << 9 (0.5 -> 2^-15 = 0x0200,
+// 6 -> 1.5 x 2^-12 = 0x0E00), sign at bit 15: byte 1 of each half is s000ccc0.
+__device__ __forceinline__ uint32_t e2m1_nibbles(const uint32_t (&r)[4]) {
+  uint32_t t[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) t[i] = hmul2_rn(r[i], 0x04000400u);
+  uint32_t h[2];
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    const uint32_t g = prmt(t[2 * i], t[2 * i + 1], 0x7531u);            // elements 4i..4i+3, s000ccc0 each
+    const uint32_t n = ((g >> 1) & 0x07070707u) | ((g >> 4) & 0x08080808u);  // a nibble a byte
+    h[i] = n | (n >> 4);                                                  // bytes 0 and 2 hold two nibbles
+  }
+  return prmt(h[0], h[1], 0x6420u);
+}
+
+// Four f16 pairs (elements 0..7) as eight FP8 bytes, element 0 in the low byte of x; every value is
+// an E4M3 value (E2M1 values, shifted by at most 2^-8: see encode_lane), so the conversion is exact.
+__device__ __forceinline__ uint2 e4m3_bytes_of_f16x2(const uint32_t (&r)[4]) {
+  uint32_t b[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) b[i] = f16x2_to_fp8x2<false>(r[i]);
+  return make_uint2(b[0] | b[1] << 16, b[2] | b[3] << 16);
+}
+
 // One lane's share (kPerLane elements) of a 32-block held by 4 consecutive lanes, whose amax and
 // non-finite flag the caller has combined: the block's E8M0 scale (returned) and the packed codes
 // (above); with fp8_bytes, the codes as FP8 bytes (E5M2 for E5M2, E4M3 for every other element,
 // which holds its values exactly), and with fold as well, shifted to the largest scale of the row's
 // row_lanes lanes where every block of the row stays exact (then all its blocks return that
 // scale). Bit-identical to the codec (GpuQuantize). Every lane of the warp must call it (shuffles).
-template <Elem E>
+// kHalf: the values came from bf16 or fp16, which lets E2M1 round two values at a time in f16.
+template <Elem E, bool kHalf>
 __device__ __forceinline__ uint8_t encode_lane(ScaleRule rule, const float (&v)[kPerLane], float amax, bool bad,
                                                bool fp8_bytes, bool fold, int row_lanes, uint2& w) {
   constexpr bool kE5M2 = E == Elem::e5m2;
   uint8_t sc = bad ? kE8M0NaN : choose_e8m0(amax, E, rule);
+  int smax = sc;  // with fold: the row's largest scale (uniform across the grid: every lane shuffles)
+  if (fold)
+    for (int s = 4; s < row_lanes; s <<= 1) smax = max(smax, __shfl_xor_sync(0xffffffffu, smax, s));
+  const int k = int(sc) - smax;  // <= 0: with fold, this block's values shift down by 2^k
   // 2^-X as one factor: a product by a power of two rounds once, exactly like the codec's ldexp.
   const float inv = inverse_e8m0(sc);
+  bool shifted = false;  // f holds the folded bytes already (E2M1 from f16, k >= -8)
+  uint2 f = make_uint2(0u, 0u);
   if constexpr (E == Elem::e4m3 || E == Elem::e5m2) {
     uint32_t p[4];
 #pragma unroll
     for (int i = 0; i < 4; ++i) p[i] = fp8x2_encode<kE5M2>(v[2 * i] * inv, v[2 * i + 1] * inv);
     w = make_uint2(p[0] | p[1] << 16, p[2] | p[3] << 16);
+  } else if constexpr (E == Elem::e2m1 && kHalf) {
+    uint32_t r[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) r[i] = e2m1_round_f16x2(v[2 * i] * inv, v[2 * i + 1] * inv);
+    if (fp8_bytes) {
+      w = e4m3_bytes_of_f16x2(r);
+      // Every E2M1 value times 2^k, -8 <= k <= 0, is an E4M3 value (the smallest, 0.5 x 2^-8 and
+      // 1.5 x 2^-8, are multiples of E4M3's 2^-9): the shift is exact, in f16 and in the bytes.
+      if (fold && k >= -8) {
+        const uint32_t p = uint32_t(15 + k) << 10, pk = p | p << 16;
+        uint32_t q[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) q[i] = hmul2_rn(r[i], pk);
+        f = e4m3_bytes_of_f16x2(q);
+        shifted = true;
+      }
+    } else {
+      w = make_uint2(e2m1_nibbles(r), 0u);
+    }
   } else if constexpr (E == Elem::e2m1) {
     // encode_e2m1_fast without its NaN test (a non-finite block's codes are zeroed below), the sign
     // moved straight from bit 31 to bit 4i + 3.
@@ -94,11 +177,8 @@ __device__ __forceinline__ uint8_t encode_lane(ScaleRule rule, const float (&v)[
   }
   if (sc == kE8M0NaN) w = make_uint2(0u, 0u);  // the NaN scale carries the block; its codes are zeros
   if (fold) {  // uniform across the grid: every lane takes part in the shuffles
-    int smax = sc;
-    for (int s = 4; s < row_lanes; s <<= 1) smax = max(smax, __shfl_xor_sync(0xffffffffu, smax, s));
-    const int k = int(sc) - smax;  // <= 0: this block's values shift down by 2^k
     bool exact = !bad && smax != kE8M0NaN;
-    const uint2 f = make_uint2(shift_fp8x4<kE5M2>(w.x, k, exact), shift_fp8x4<kE5M2>(w.y, k, exact));
+    if (!shifted) f = make_uint2(shift_fp8x4<kE5M2>(w.x, k, exact), shift_fp8x4<kE5M2>(w.y, k, exact));
     for (int s = 1; s < row_lanes; s <<= 1) exact &= __shfl_xor_sync(0xffffffffu, int(exact), s) != 0;
     if (exact) {
       w = f;

@@ -5,7 +5,9 @@
 
 #include "gpu_test.hpp"
 
+#include <algorithm>
 #include <cmath>
+#include <string>
 #include <cstdio>
 #include <vector>
 
@@ -181,6 +183,93 @@ TEST(GpuQuantize, FoldingKeepsValuesAndUnifiesRowScales) {
     }
     cudaFree(dx);
   }
+}
+
+// The prefill's pre-pass forms on 16-bit inputs (the pass's (E4M3, E2M1) instance, whose E2M1
+// rounds in f16 pairs): Q's (FP8 bytes, folded) and K's (with row scales) keep every value of the
+// codec. MXFP4 rows whose block scales span at most 2^8 fold (the shift stays exact); rows holding a
+// block 2^-10 below the rest (its 0.5s and 1.5s would fall under E4M3's 2^-9) keep their scales.
+TEST(GpuQuantize, PrefillPairFormsKeepValues) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  for (DType dt : {DType::bf16, DType::f16})
+    for (int64_t d : {64, 128}) {
+      const int64_t H = 3, N = 200, rows = H * N, nb = d / 32, pad = 256;
+      Rng rng(31 + d);
+      std::vector<float> x(size_t(rows * d));
+      for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < d; ++i) {  // block levels 2^0..2^8 over a per-row level; every 7th row one block at 2^-10
+          const int level = r % 7 == 0 && i / 32 == 1 ? -10 : int((i / 32 * 3 + r) % 9);
+          x[size_t(r * d + i)] = float(rng.normal() * std::ldexp(1.0, level + int(r % 5) - 2));
+        }
+      HostTensor host = HostTensor::from_floats(x, {1, H, N, d}, dt);
+      const std::vector<float> rounded = host.to_floats();
+      void* dx;
+      CUDA_OK(cudaMalloc(&dx, host.nbytes()));
+      CUDA_OK(cudaMemcpy(dx, host.bytes(), host.nbytes(), cudaMemcpyHostToDevice));
+      const TensorView view = TensorView::contiguous(dx, dt, {1, H, N, d}, Device::cuda);
+      const Format fmt[2] = {Format::mxfp8_e4m3, Format::mxfp4};
+      std::vector<float> want[2];
+      std::vector<uint8_t> want_scales[2];
+      for (int t = 0; t < 2; ++t) {
+        const Quantized q = quantize(rounded.data(), rows, d, fmt[t], ScaleRule::ocp);
+        want[t] = dequantize(q);
+        want_scales[t] = q.scales;
+      }
+      for (bool row_scales : {false, true}) {
+        uint8_t *codes[2], *scales[2];
+        float* rs[2];
+        int* uni[2];
+        cuda::QuantTarget tg[2];
+        const int64_t srows = row_scales ? H * pad : rows;
+        for (int t = 0; t < 2; ++t) {
+          CUDA_OK(cudaMalloc(&codes[t], size_t(rows * d)));
+          CUDA_OK(cudaMalloc(&scales[t], size_t(srows * nb)));
+          CUDA_OK(cudaMalloc(&rs[t], size_t(H * pad) * sizeof(float)));
+          CUDA_OK(cudaMalloc(&uni[t], size_t(H * 2) * sizeof(int)));
+          CUDA_OK(cudaMemset(codes[t], 0xA5, size_t(rows * d)));  // poison
+          CUDA_OK(cudaMemset(scales[t], 0xA5, size_t(srows * nb)));
+          CUDA_OK(cudaMemset(rs[t], 0, size_t(H * pad) * sizeof(float)));
+          CUDA_OK(cudaMemset(uni[t], 1, size_t(H * 2) * sizeof(int)));
+          tg[t] = row_scales ? cuda::QuantTarget{fmt[t], codes[t], scales[t], true, true, rs[t], pad, uni[t]}
+                             : cuda::QuantTarget{fmt[t], codes[t], scales[t], true, true};
+        }
+        cuda::quantize_rows(view, ScaleRule::ocp, tg[0], tg[1], nullptr);
+        for (int t = 0; t < 2; ++t) {
+          std::vector<uint8_t> gc(size_t(rows * d)), gs(size_t(srows * nb));
+          std::vector<float> grs(size_t(H * pad));
+          CUDA_OK(cudaMemcpy(gc.data(), codes[t], gc.size(), cudaMemcpyDeviceToHost));
+          CUDA_OK(cudaMemcpy(gs.data(), scales[t], gs.size(), cudaMemcpyDeviceToHost));
+          CUDA_OK(cudaMemcpy(grs.data(), rs[t], grs.size() * sizeof(float), cudaMemcpyDeviceToHost));
+          const std::string what = std::string(format_name(fmt[t])) + " " + std::string(dtype_name(dt)) + " d=" +
+                                   std::to_string(d) + (row_scales ? " (K form)" : " (Q form)");
+          int64_t folded = 0;
+          for (int64_t r = 0; r < rows; ++r) {
+            const int64_t slot = row_scales ? r / N * pad + r % N : r;
+            bool uniform = true;
+            int lo = 255, hi = 0;
+            for (int64_t c = 0; c < nb; ++c) {
+              uniform &= gs[size_t(slot * nb + c)] == gs[size_t(slot * nb)];
+              lo = std::min<int>(lo, want_scales[t][size_t(r * nb + c)]);
+              hi = std::max<int>(hi, want_scales[t][size_t(r * nb + c)]);
+            }
+            for (int64_t i = 0; i < d; ++i) {
+              const float got = decode_elem(Elem::e4m3, gc[size_t(r * d + i)]) * decode_e8m0(gs[size_t(slot * nb + i / 32)]);
+              ASSERT_EQ(got, want[t][size_t(r * d + i)]) << what << " row " << r << " elem " << i;
+            }
+            if (row_scales) ASSERT_EQ(grs[size_t(slot)], uniform ? decode_e8m0(gs[size_t(slot * nb)]) : -1.0f) << what << " row " << r;
+            if (fmt[t] == Format::mxfp4 && hi - lo <= 8) ASSERT_TRUE(uniform) << what << " row " << r;
+            if (fmt[t] == Format::mxfp4 && r % 7 == 0) ASSERT_FALSE(uniform) << what << " row " << r;
+            folded += uniform;
+          }
+          std::printf("[pair fold] %s: %lld of %lld rows folded\n", what.c_str(), (long long)folded, (long long)rows);
+          cudaFree(codes[t]);
+          cudaFree(scales[t]);
+          cudaFree(rs[t]);
+          cudaFree(uni[t]);
+        }
+      }
+      cudaFree(dx);
+    }
 }
 
 // fold_key_tiles after the pre-pass: values unchanged (every element's FP8 byte x its block scale is
