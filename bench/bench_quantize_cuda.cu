@@ -66,6 +66,8 @@ int main() {
   CK(cudaMalloc(&r4, rows * 4));
   CK(cudaMalloc(&u8, rows / 128 * 4));
   CK(cudaMalloc(&u4, rows / 128 * 4));
+  CK(cudaMemset(u8, 0, rows / 128 * 4));
+  CK(cudaMemset(u4, 0, rows / 128 * 4));
   const float qp_ms = time_ms(
       [&] {
         cuda::quantize_rows(v, ScaleRule::ocp, {Format::mxfp8_e4m3, f8, s8, true, true, r8, N, u8},

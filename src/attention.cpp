@@ -76,6 +76,7 @@ Problem validate(const TensorView& q, const TensorView& k, const TensorView& v, 
   p.policy = pol;
   p.threads = o.threads;
   p.stream = o.stream;
+  p.check_finite = o.check_finite;
   p.q_pos0 = o.q_offset.value_or(p.Nk - p.Nq);
   p.k_pos0 = o.k_offset.value_or(0);
   if (p.k_pos0 % kTile != 0)

@@ -267,6 +267,25 @@ TEST(Decode, TokenByTokenEqualsPrefillOnRealActivations) {
   }
 }
 
+// The GPU decode's instance and splits (plain C++): three CTAs an SM where the grid then fills the GPU
+// in one wave (B=16 x Hkv=8 at 32k, session 10's win), two where three would cost a wave more than
+// the SM rate gives back (B=64 at 8k, B=1 at 32k, where session 10's fixed three ran slower), and
+// two wherever three do not fit.
+TEST(Decode, PlanWeighsCtasAnSmAgainstWaves) {
+  using dmattn::cuda::decode_plan;
+  const int sms = 132;
+  EXPECT_EQ(decode_plan(128, 256, sms, true).ctas_per_sm, 3);  // B=16, 32k
+  EXPECT_EQ(decode_plan(128, 256, sms, true).splits, 3);       // 384 CTAs on 396 slots
+  EXPECT_EQ(decode_plan(512, 64, sms, true).ctas_per_sm, 2);   // B=64, 8k
+  EXPECT_EQ(decode_plan(512, 64, sms, true).splits, 1);
+  EXPECT_EQ(decode_plan(8, 256, sms, true).ctas_per_sm, 2);    // B=1, 32k
+  EXPECT_EQ(decode_plan(512, 1024, sms, true).ctas_per_sm, 3);  // B=64, 128k
+  EXPECT_EQ(decode_plan(128, 256, sms, false).ctas_per_sm, 2);  // three do not fit this instance
+  EXPECT_EQ(decode_plan(128, 256, sms, false).splits, 2);
+  EXPECT_EQ(decode_plan(128, 256, sms, true, 5).splits, 5);    // asked-for splits are kept
+  EXPECT_EQ(decode_plan(8, 3, sms, true, 9).splits, 3);        // ... up to the pages
+}
+
 // The GPU decode's automatic split count (plain C++, so checked here): whole waves of CTAs, no
 // split for a batch that already fills the GPU, many for a single long sequence.
 TEST(Decode, AutomaticSplitsFillWholeWaves) {

@@ -47,7 +47,7 @@ def _check_same_kind(q, k, v):
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, high: str = "mxfp8-e4m3",
               low: str = "mxfp4", diag_tiles: int = 1, sink_tiles: int = 0, pv: str = "bf16",
               scale_rule: str = "ocp", return_lse: bool = False, layout: str = "bhnd", policy: Policy | None = None,
-              q_offset: int | None = None, k_offset: int | None = None):
+              q_offset: int | None = None, k_offset: int | None = None, check_finite: bool = True):
     """DMA attention of q, k, v; returns an array of q's kind, dtype and device (and the LSE).
 
     Args:
@@ -75,6 +75,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, high
       q_offset, k_offset: absolute positions of the first query and the first key, to attend a
         block of a longer sequence (mask and tiles use them; k_offset a multiple of 128). Default:
         the queries are the last Nq of the Nk positions. CPU only for now.
+      check_finite: raise on NaN/Inf inputs (default). On CUDA this reads flags back from the GPU,
+        so the call waits for its result; False keeps it stream-ordered like any torch op, and a
+        NaN/Inf input then shows as NaN in the output rows it reaches.
 
     Returns: out (and lse when return_lse) on q's device; CUDA work runs on torch's current stream.
     Raises: DmattnError (a ValueError) for bad shapes, dtypes, strides, NaN/Inf inputs or
@@ -101,12 +104,12 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, high
             on_device = torch.cuda.device(q.device)
         with on_device:
             attention_into(q.detach(), k.detach(), v.detach(), out, lse, causal, scale, policy, layout, stream,
-                           q_offset, k_offset)
+                           q_offset, k_offset, check_finite)
     else:
         import numpy as np
         out = np.empty(q.shape, dtype=q.dtype)
         lse = np.empty((B, Hq, Nq), dtype=np.float32) if return_lse else None
-        attention_into(q, k, v, out, lse, causal, scale, policy, layout, stream, q_offset, k_offset)
+        attention_into(q, k, v, out, lse, causal, scale, policy, layout, stream, q_offset, k_offset, check_finite)
     return (out, lse) if return_lse else out
 
 

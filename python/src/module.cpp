@@ -72,7 +72,7 @@ float* lse_of(const std::optional<nb::ndarray<>>& lse, const TensorView& q) {
 void attention_into(const nb::ndarray<>& q, const nb::ndarray<>& k, const nb::ndarray<>& v, const nb::ndarray<>& out,
                     std::optional<nb::ndarray<>> lse, bool causal, std::optional<float> scale, const Policy& policy,
                     const std::string& layout, uintptr_t stream, std::optional<int64_t> q_offset,
-                    std::optional<int64_t> k_offset) {
+                    std::optional<int64_t> k_offset, bool check_finite) {
   const TensorView tq = view_of(q, "q", layout), tk = view_of(k, "k", layout), tv = view_of(v, "v", layout),
                    to = view_of(out, "out", layout);
   float* lse_ptr = lse_of(lse, tq);
@@ -83,6 +83,7 @@ void attention_into(const nb::ndarray<>& q, const nb::ndarray<>& k, const nb::nd
   o.stream = reinterpret_cast<void*>(stream);
   o.q_offset = q_offset;
   o.k_offset = k_offset;
+  o.check_finite = check_finite;
   nb::gil_scoped_release unlocked;  // compute without holding the GIL
   attention(tq, tk, tv, to, lse_ptr, o);
 }
@@ -220,7 +221,7 @@ NB_MODULE(_dmattn, m) {
   m.def("attention_into", &attention_into, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"),
         nb::arg("lse").none(), nb::arg("causal"), nb::arg("scale").none(), nb::arg("policy"), nb::arg("layout"),
         nb::arg("stream"), nb::arg("q_offset").none() = nb::none(), nb::arg("k_offset").none() = nb::none(),
-        "DMA attention of q, k, v into out (and lse), all of one device.");
+        nb::arg("check_finite") = true, "DMA attention of q, k, v into out (and lse), all of one device.");
   m.def("quantize_rows", &quantize_rows, nb::arg("x"), nb::arg("format"), nb::arg("scale_rule"),
         "float32 [rows, cols] -> (codes, scales, tensor_scale), the CPU codec.");
   m.def("dequantize_rows", &dequantize_rows, nb::arg("codes"), nb::arg("scales"), nb::arg("format"), nb::arg("cols"),

@@ -136,23 +136,29 @@ void dma_attention(const Problem& p) {
   require_supported(p);
   const cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   Buffers buf(stream);
-  int* flags = buf.alloc<int>(3 * sizeof(int));
-  check(cudaMemsetAsync(flags, 0, 3 * sizeof(int), stream), "cudaMemset");
+  const int nslots = p.policy.high == p.policy.low ? 1 : 2;
   const int64_t d = p.d, nb = d / 32;
   const int64_t ldv = (p.Nk + kTile - 1) / kTile * kTile;
+  const int64_t k_tiles = p.B * p.Hkv * (ldv / kTile), k_pad_rows = p.B * p.Hkv * ldv;
+  // The pre-pass's zero-initialised scratch in one allocation and one memset: the NaN/Inf flags of
+  // Q, K, V (16 bytes), then per slot K's row scales (zeros past Nk) and tile-split flags, each slot
+  // 16-byte aligned (the kernel's bulk copies of row scales need it).
+  const int64_t slot_words = (k_pad_rows + k_tiles + 3) / 4 * 4;
+  const size_t zeroed = 16 + size_t(nslots * slot_words) * 4;
+  uint8_t* zero = buf.alloc<uint8_t>(zeroed);
+  check(cudaMemsetAsync(zero, 0, zeroed, stream), "cudaMemset");
+  int* flags = reinterpret_cast<int*>(zero);
   const bool pv_fp8 = p.policy.pv == PV::fp8;
   void* vt = buf.alloc<uint8_t>(size_t(p.B * p.Hkv * d * ldv) * (pv_fp8 ? 1 : 2));
   uint32_t* vamax = pv_fp8 ? buf.alloc<uint32_t>(size_t(p.B * p.Hkv * d) * sizeof(uint32_t)) : nullptr;
   float* vscale = pv_fp8 ? buf.alloc<float>(size_t(p.B * p.Hkv * d) * sizeof(float)) : nullptr;
   transpose_v(p.v, ldv, vt, flags + 2, pv_fp8, p.policy.scale_rule, vamax, vscale, stream);
 
-  const int nslots = p.policy.high == p.policy.low ? 1 : 2;
   const Format fmt[2] = {p.policy.high, p.policy.low};
   PrefillParams pp{};
   const int64_t q_rows = p.B * p.Hq * p.Nq, k_rows = p.B * p.Hkv * p.Nk;
   QuantTarget qt[2], kt[2];
-  float* kts[2] = {nullptr, nullptr};  // per key tile (fold_key_tiles): its one key scale, 0 or -1 (PrefillParams::kts)
-  const int64_t k_tiles = p.B * p.Hkv * (ldv / kTile);
+  KeyFold folds[2];
   for (int s = 0; s < nslots; ++s) {
     uint8_t* q8 = buf.alloc<uint8_t>(size_t(q_rows * d));
     uint8_t* qs = buf.alloc<uint8_t>(size_t(q_rows * nb));
@@ -160,26 +166,25 @@ void dma_attention(const Problem& p) {
     pp.q8[s] = q8;
     pp.qs[s] = qs;
     uint8_t* k8 = buf.alloc<uint8_t>(size_t(k_rows * d));
-    uint8_t* ks = buf.alloc<uint8_t>(size_t(p.B * p.Hkv * ldv * nb));  // padded rows (see QuantTarget)
-    float* krs = buf.alloc<float>(size_t(p.B * p.Hkv * ldv) * sizeof(float));
-    int* kuni = buf.alloc<int>(size_t(k_tiles) * sizeof(int));
-    check(cudaMemsetAsync(krs, 0, size_t(p.B * p.Hkv * ldv) * sizeof(float), stream), "cudaMemset");
-    check(cudaMemsetAsync(kuni, 1, size_t(k_tiles) * sizeof(int), stream), "cudaMemset");  // nonzero: uniform until shown not
-    kt[s] = {fmt[s], k8, ks, true, true, krs, ldv, kuni};
+    uint8_t* ks = buf.alloc<uint8_t>(size_t(k_pad_rows * nb));  // padded rows (see QuantTarget)
+    float* krs = reinterpret_cast<float*>(zero + 16) + s * slot_words;
+    int* ksplit = reinterpret_cast<int*>(krs + k_pad_rows);
+    kt[s] = {fmt[s], k8, ks, true, true, krs, ldv, ksplit};
     pp.krs[s] = krs;
-    kts[s] = buf.alloc<float>(size_t(k_tiles) * sizeof(float));
-    pp.kts[s] = kts[s];
+    // per key tile (fold_key_tiles): its one key scale, 0 or -1 (PrefillParams::kts)
+    float* kts = buf.alloc<float>(size_t(k_tiles) * sizeof(float));
+    pp.kts[s] = kts;
     pp.k8[s] = k8;
     pp.ks[s] = ks;
     pp.elem[s] = format_info(fmt[s]).elem;
+    folds[s] = {k8, ks, krs, ksplit, kts, pp.elem[s] == Elem::e5m2};
   }
   // The quantize pass reads every element of Q and K once and flags NaN/Inf on the way. (Q quantized
   // inside the prefill kernel instead was 5-12% slower at N = 16384: bench/RESULTS.md, session 8.)
   quantize_rows(p.q, p.policy.scale_rule, qt[0], nslots == 2 ? qt[1] : QuantTarget{}, stream, flags);
   quantize_rows(p.k, p.policy.scale_rule, kt[0], nslots == 2 ? kt[1] : QuantTarget{}, stream, flags + 1);
-  for (int s = 0; s < nslots; ++s)  // one scale per key tile where exact (always for MXFP4 keys within 2^8)
-    fold_key_tiles(kt[s].codes, kt[s].scales, kt[s].row_scale, kt[s].tile_uniform, kts[s],
-                   p.B * p.Hkv, p.Nk, ldv, d, pp.elem[s] == Elem::e5m2, stream);
+  // one scale per key tile where exact (always for MXFP4 keys within 2^8)
+  fold_key_tiles(folds, nslots, p.B * p.Hkv, p.Nk, ldv, d, stream);
   pp.nslots = nslots;
 
   pp.vt = vt;
@@ -189,6 +194,8 @@ void dma_attention(const Problem& p) {
   pp.out_sb = p.out.stride[0];
   pp.out_sh = p.out.stride[1];
   pp.out_sn = p.out.stride[2];
+  pp.out_pairs = reinterpret_cast<uintptr_t>(p.out.data) % (2 * dtype_size(p.out.dtype)) == 0 && p.out.stride[0] % 2 == 0 &&
+                 p.out.stride[1] % 2 == 0 && p.out.stride[2] % 2 == 0;
   pp.lse = p.lse;
   pp.Hq = int(p.Hq);
   pp.Hkv = int(p.Hkv);
@@ -201,6 +208,7 @@ void dma_attention(const Problem& p) {
   const int64_t blocks = hd::floor_div(p.Nk - 1, kPrefillRows) - pp.first_block + 1;
   pp.blocks = blocks;
   launch_prefill(pp, int(d), p.out.dtype, blocks, int(p.B), stream);
+  if (!p.check_finite) return;  // stream-ordered: the scratch buffers are freed after the work
   int bad[3];
   check(cudaMemcpyAsync(bad, flags, sizeof bad, cudaMemcpyDeviceToHost, stream), "DMA prefill");
   check(cudaStreamSynchronize(stream), "DMA prefill");  // the one sync

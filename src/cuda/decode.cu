@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <string>
 #include <type_traits>
 
@@ -37,12 +38,13 @@ namespace {
 constexpr int T = kTile;          // keys per page
 constexpr int kWarps = T / 32;    // warp w owns keys 32w..32w+31 of every page: one MX block of P
 constexpr int kThreads = 32 * kWarps;
-// CTAs an SM; registers and shared memory are sized for it. Three where V is MXFP4 and a CTA has 8
-// rows (168 registers, no spills; two stages a warp): 4-7% faster than two CTAs with four stages
-// (session 10 run 3: B=16 32k 361 vs 377 us; B=64 128k 5187 vs 5572 us), the kernel being
-// latency-bound at 8 warps an SM. The other instances spill at 168 registers (MXFP8 V, 16-row CTAs)
-// or need twice the stage bytes (bf16 V), and keep two.
-constexpr int ctas_per_sm(int vbits, int nr) { return vbits == 4 && nr == 1 ? 3 : 2; }
+// CTAs an SM (kCtas); registers and shared memory are sized for it. Two, or three where V is MXFP4 and a
+// CTA has 8 rows (168 registers, no spills; two stages a warp instead of four), which is 4-7% faster
+// where the grid fills the SM (session 10 run 3: B=16 32k 361 vs 377 us; B=64 128k 5187 vs 5572 us;
+// the kernel is latency-bound at 8 warps an SM) and slower where it does not (decode_plan chooses).
+// The other instances spill at 168 registers (MXFP8 V, 16-row CTAs) or need twice the stage bytes
+// (bf16 V), and keep two.
+constexpr bool three_fit(int vbits, int nr) { return vbits == 4 && nr == 1; }
 
 struct Params {
   PagedKV kv;
@@ -60,9 +62,8 @@ struct Params {
 // Shared memory. Each warp streams its own 32 keys of every page through its own kStages buffers
 // (so it waits for its own copies only); the warps meet once a page, to agree on the rows' maximum.
 // kNR: query rows per CTA in tiles of 8 (the N of mma.sync; more rows take more CTAs).
-template <int D, int kVB, int kNR>
+template <int D, int kVB, int kNR, int kCtas>
 struct Smem {  // byte offsets into dynamic shared memory
-  static constexpr int kCtas = ctas_per_sm(kVB, kNR);
   static constexpr bool kPV8 = kVB != 16;  // V in MX codes (8 or 4 bits)
   static constexpr int NB = D / 32, kRows = 8 * kNR, kVRow = kVB == 4 ? 16 : 32;  // V^T row bytes
 
@@ -246,16 +247,16 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
   return r;
 }
 
-// kStages pages per warp in flight; two or three CTAs of four warps share an SM (ctas_per_sm). Per
+// kStages pages per warp in flight; two or three CTAs of four warps share an SM (kCtas). Per
 // page, each warp: S^T of its 32 keys on the tensor cores, the rows' maxima exchanged through
 // shared memory (the one CTA barrier of the page: the oracle's softmax takes the page's maximum), P
 // in registers, O^T += V^T.P^T on the tensor cores into the warp's own accumulator of all d columns
 // (P^T's B fragments come from S^T's accumulators by movmatrix). Every warp rescales by the same
 // factors, so the warps' accumulators and sums add up at the end.
-template <int D, int kVB, int kNR>
-__global__ void __launch_bounds__(kThreads, ctas_per_sm(kVB, kNR)) decode_kernel(const Params p) {
+template <int D, int kVB, int kNR, int kCtas>
+__global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p) {
   constexpr int NB = D / 32, MD = D / 16;  // MD tiles of 16 columns of d in O^T
-  using S_ = Smem<D, kVB, kNR>;
+  using S_ = Smem<D, kVB, kNR, kCtas>;
   constexpr bool kPV8 = S_::kPV8;
   constexpr int kStages = S_::kStages, kRows = S_::kRows;
   extern __shared__ __align__(128) uint8_t smem[];
@@ -622,25 +623,29 @@ __global__ void merge_splits(const float* part, int64_t rows, int splits, int d,
   if (lse && c == 0) lse[row] = M + logf(lsum);
 }
 
-// ctas_per_sm CTAs an SM (Smem sizes the stages for it): run 19 measured the earlier block-synchronous
+// kCtas CTAs an SM (Smem sizes the stages for it): run 19 measured the earlier block-synchronous
 // kernel faster at two CTAs than at one CTA with twice the stages, session 10 three faster than two
-// for MXFP4 V (bench/RESULTS.md).
-template <int D, int kVB, int kNR>
+// for MXFP4 V where the grid fills the GPU (bench/RESULTS.md).
+template <int D, int kVB, int kNR, int kCtas>
 void launch(const Params& p, dim3 grid, cudaStream_t stream) {
-  constexpr int bytes = Smem<D, kVB, kNR>::kBytes;
-  check(cudaFuncSetAttribute(decode_kernel<D, kVB, kNR>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
+  constexpr int bytes = Smem<D, kVB, kNR, kCtas>::kBytes;
+  check(cudaFuncSetAttribute(decode_kernel<D, kVB, kNR, kCtas>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
         "decode kernel attribute");
-  decode_kernel<D, kVB, kNR><<<grid, kThreads, bytes, stream>>>(p);
+  decode_kernel<D, kVB, kNR, kCtas><<<grid, kThreads, bytes, stream>>>(p);
 }
 
-// One dispatch point for the kernel's instances: head dim x V's bits (16, 8, 4) x rows per CTA (8 or 16).
-void launch(const Params& p, dim3 grid, int d, int vbits, int nr, cudaStream_t stream) {
+// One dispatch point for the kernel's instances: head dim x V's bits (16, 8, 4) x rows per CTA (8 or
+// 16) x CTAs an SM (three only where three_fit).
+void launch(const Params& p, dim3 grid, int d, int vbits, int nr, int ctas, cudaStream_t stream) {
   auto go = [&](auto dc, auto vc) {
     constexpr int D = decltype(dc)::value, kVB = decltype(vc)::value;
-    if (nr == 1)
-      launch<D, kVB, 1>(p, grid, stream);
-    else
-      launch<D, kVB, 2>(p, grid, stream);
+    if (nr == 1) {
+      if constexpr (three_fit(kVB, 1))
+        if (ctas == 3) return launch<D, kVB, 1, 3>(p, grid, stream);
+      launch<D, kVB, 1, 2>(p, grid, stream);
+    } else {
+      launch<D, kVB, 2, 2>(p, grid, stream);
+    }
   };
   auto with_v = [&](auto dc) {
     if (vbits == 16)
@@ -685,7 +690,13 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   int dev = 0, sms = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
-  p.splits = std::min(splits > 0 ? splits : decode_auto_splits(S * Hkv * p.chunks, kv.max_pages, ctas_per_sm(vbits, nr) * sms), std::max(1, kv.max_pages));
+  DecodePlan plan = decode_plan(S * Hkv * p.chunks, kv.max_pages, sms, three_fit(vbits, nr), splits);
+  // DMATTN_DECODE_CTAS=2|3 forces the instance (the GPU tests run both; benchmarks compare them).
+  if (const char* force = std::getenv("DMATTN_DECODE_CTAS"); force && three_fit(vbits, nr) && (force[0] == '2' || force[0] == '3')) {
+    const int c = force[0] - '0';
+    plan = {c, splits > 0 ? std::min(splits, std::max(1, kv.max_pages)) : decode_auto_splits(S * Hkv * p.chunks, kv.max_pages, c * sms)};
+  }
+  p.splits = std::min(plan.splits, std::max(1, kv.max_pages));
   Buffers buf(stream);  // stream-ordered: freed after the enqueued work
   const int64_t rows = S * Hq * Nq;
   p.q = q.data;
@@ -697,7 +708,7 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   for (int sl = 0; sl < 2; ++sl) p.kelem[sl] = format_info(fmt[sl]).elem;
   p.part = buf.alloc<float>(size_t(rows * p.splits * (d + 2)) * sizeof(float));
   const dim3 grid(unsigned(p.splits), unsigned(Hkv * p.chunks), unsigned(S));
-  launch(p, grid, int(d), vbits, nr, stream);
+  launch(p, grid, int(d), vbits, nr, plan.ctas_per_sm, stream);
   check(cudaGetLastError(), "decode kernel");
   const unsigned mblocks = unsigned((rows * (d / 32) + 7) / 8);  // 8 warps a block, a warp per 32 columns of a row
   with_typed(out, [&](auto* typed) {

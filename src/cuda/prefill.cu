@@ -165,6 +165,16 @@ __device__ __forceinline__ void pack_p(const float (&s)[BN / 2], uint32_t (&a)[k
   }
 }
 
+// Two adjacent output elements (lo at dst[0]) rounded to nearest-even in one conversion and one store;
+// dst must be aligned to the pair.
+__device__ __forceinline__ void store_pair(float* dst, float lo, float hi) { *reinterpret_cast<float2*>(dst) = make_float2(lo, hi); }
+__device__ __forceinline__ void store_pair(bf16* dst, float lo, float hi) { *reinterpret_cast<uint32_t*>(dst) = bf16x2_rn(lo, hi); }
+__device__ __forceinline__ void store_pair(fp16* dst, float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  *reinterpret_cast<uint32_t*>(dst) = r;
+}
+
 // This warpgroup's 64 Q rows of both slots from the quantize pass's tensor-core form: FP8 bytes into
 // swizzled shared memory (every load issued before any store), block scales as floats, and
 // q_folded[slot][wgi] cleared where a row keeps several scales. Rows outside [0, Nq) are zeros with
@@ -470,16 +480,32 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
 #pragma unroll
     for (int k = 0; k < D / 4; ++k) vs[k] = vsrc[acc_col(k / 2 * 4 + k % 2, t)];
   }
-  // out = O / l, lse = m + log l; rows that saw no key write zeros and -inf.
+  // out = O / l, lse = m + log l; rows that saw no key write zeros and -inf. One reciprocal a row
+  // (a division an element was ~8 instructions with a slow-path branch; the products differ from
+  // the quotients by an ulp of fp32) and, where aligned, columns 2t and 2t+1 as one store.
+  auto out_value = [&](int i, int k) {  // register i of O, with V's channel scale k (pv = fp8)
+    if constexpr (kF8V)
+      return o[i] * vs[k];
+    else
+      return o[i];
+  };
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const float lr = quad_sum(l[r]);
     if (!valid[r]) continue;
+    const float inv = lr > 0.0f ? 1.0f / lr : 0.0f;
     TOut* orow = static_cast<TOut*>(p.out) + b * p.out_sb + h * p.out_sh + row[r] * p.out_sn;
 #pragma unroll
-    for (int i = 0; i < D / 2; ++i)
-      if ((i / 2) % 2 == r)
-        orow[acc_col(i, t)] = from_float<TOut>(lr > 0.0f ? (kF8V ? o[i] * vs[i / 4 * 2 + i % 2] : o[i]) / lr : 0.0f);
+    for (int n = 0; n < D / 8; ++n) {
+      const int i = 4 * n + 2 * r;  // registers i, i + 1: columns 8n + 2t, + 1 of row half r
+      const float x0 = out_value(i, 2 * n) * inv, x1 = out_value(i + 1, 2 * n + 1) * inv;
+      if (p.out_pairs) {
+        store_pair(orow + acc_col(i, t), x0, x1);
+      } else {
+        orow[acc_col(i, t)] = from_float<TOut>(x0);
+        orow[acc_col(i, t) + 1] = from_float<TOut>(x1);
+      }
+    }
     if (p.lse && t == 0)
       p.lse[(int64_t(b) * p.Hq + h) * p.Nq + row[r]] = lr > 0.0f ? m[r] / kLog2e + (logf(lr) - kShift * 0.69314718f) : -INFINITY;
   }

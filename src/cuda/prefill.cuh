@@ -29,6 +29,7 @@ struct PrefillParams {
   int64_t ldv;           // a multiple of 128 (the key tile)
   void* out;             // [B,Hq,Nq,d], unit stride on d
   int64_t out_sb, out_sh, out_sn;
+  bool out_pairs;       // out and its strides keep every even column's pair aligned (two elements a store)
   float* lse;  // [B,Hq,Nq] or null
   int Hq, Hkv, Nq, Nk;
   float scale;

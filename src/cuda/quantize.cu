@@ -63,7 +63,7 @@ __device__ __forceinline__ void emit(const QuantTarget& q, ScaleRule rule, const
     if (l.active && l.part == 0 && l.c == 0) {
       const bool uniform = equal && sc != kE8M0NaN;
       q.row_scale[int64_t(l.bh) * q.row_pad + l.n] = uniform ? decode_e8m0(sc) : -1.0f;
-      if (!uniform) atomicAnd(q.tile_uniform + int64_t(l.bh) * (q.row_pad / 128) + l.n / 128, 0);
+      if (!uniform) q.tile_split[int64_t(l.bh) * (q.row_pad / 128) + l.n / 128] = 1;  // every writer writes 1
     }
   }
 }
@@ -146,7 +146,7 @@ void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first
     if (!fi.has_codes || fi.block != kBlock)
       throw Error("quantize_rows: format " + std::string(fi.name) + " is not an MX 32-block format");
     if (!t->codes || !t->scales) throw Error("quantize_rows: missing output buffers");
-    if (t->row_scale && (!t->tile_uniform || t->row_pad < x.shape[2] || t->row_pad % 128 != 0 || !row_in_lanes))
+    if (t->row_scale && (!t->tile_split || t->row_pad < x.shape[2] || t->row_pad % 128 != 0 || !row_in_lanes))
       throw Error("quantize_rows: row scales need tile flags, row_pad >= N (a multiple of 128) and d/32 a power of two <= 8");
     if (t->fold && (!t->fp8_bytes || !row_in_lanes))
       throw Error("quantize_rows: folding needs the FP8-byte form and d/32 a power of two <= 8");
@@ -180,16 +180,23 @@ void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first
 
 namespace {
 
-// One CTA per (b*h, tile), a thread per key; the tile's decision is the AND of its keys' exactness.
+struct Folds {
+  KeyFold f[2];
+};
+
+// One CTA per (b*h, tile, K form), a thread per key; the tile's decision is the AND of its keys' exactness.
 template <int D, bool kE5M2>
-__global__ void __launch_bounds__(kTile) fold_key_tiles_kernel(uint8_t* codes, uint8_t* scales, float* row_scale,
-                                                              const int* tile_uniform, float* tile_scale, int64_t N,
-                                                              int64_t row_pad) {
+__global__ void __launch_bounds__(kTile) fold_key_tiles_kernel(const Folds folds, int64_t N, int64_t row_pad) {
   constexpr int NB = D / 32;
   __shared__ uint32_t warp_max[kTile / 32];
+  const KeyFold& fk = folds.f[blockIdx.z];
+  uint8_t* codes = fk.codes;
+  uint8_t* scales = fk.scales;
+  float* row_scale = fk.row_scale;
+  float* tile_scale = fk.tile_scale;
   const int64_t bh = blockIdx.y, tile = blockIdx.x, tiles = row_pad / kTile;
   const int64_t key = tile * kTile + threadIdx.x, slot = bh * row_pad + key;  // slot: index into row_scale
-  if (tile_uniform[bh * tiles + tile] == 0) {  // some key keeps several scales: nothing to fold
+  if (fk.tile_split[bh * tiles + tile] != 0) {  // some key keeps several scales: nothing to fold
     if (threadIdx.x == 0) tile_scale[bh * tiles + tile] = -1.0f;
     return;
   }
@@ -229,19 +236,26 @@ __global__ void __launch_bounds__(kTile) fold_key_tiles_kernel(uint8_t* codes, u
 
 }  // namespace
 
-void fold_key_tiles(uint8_t* codes, uint8_t* scales, float* row_scale, const int* tile_uniform, float* tile_scale,
-                    int64_t BH, int64_t N, int64_t row_pad, int64_t d, bool e5m2, cudaStream_t stream) {
+void fold_key_tiles(const KeyFold* folds, int count, int64_t BH, int64_t N, int64_t row_pad, int64_t d,
+                    cudaStream_t stream) {
   if (row_pad % kTile != 0 || row_pad < N) throw Error("fold_key_tiles: row_pad must cover N in whole tiles");
+  if (d != 64 && d != 128) throw Error("fold_key_tiles: head dims 64 and 128 only (got " + std::to_string(d) + ")");
+  if (count < 1 || count > 2) throw Error("fold_key_tiles: one or two K forms");
   if (BH == 0 || N == 0) return;
   if (BH > 65535) throw Error("fold_key_tiles: too many heads for the grid");
-  const dim3 grid(unsigned(row_pad / kTile), unsigned(BH));
-  auto go = [&](auto kernel) { kernel<<<grid, kTile, 0, stream>>>(codes, scales, row_scale, tile_uniform, tile_scale, N, row_pad); };
-  if (d == 64)
-    e5m2 ? go(fold_key_tiles_kernel<64, true>) : go(fold_key_tiles_kernel<64, false>);
-  else if (d == 128)
-    e5m2 ? go(fold_key_tiles_kernel<128, true>) : go(fold_key_tiles_kernel<128, false>);
-  else
-    throw Error("fold_key_tiles: head dims 64 and 128 only (got " + std::to_string(d) + ")");
+  // One launch for forms of one byte type (the usual E4M3 pair), else one each.
+  const int launches = count == 2 && folds[0].e5m2 != folds[1].e5m2 ? 2 : 1;
+  for (int l = 0; l < launches; ++l) {
+    const int n = launches == 2 ? 1 : count;
+    Folds f{};
+    for (int i = 0; i < n; ++i) f.f[i] = folds[l + i];
+    const dim3 grid(unsigned(row_pad / kTile), unsigned(BH), unsigned(n));
+    auto go = [&](auto kernel) { kernel<<<grid, kTile, 0, stream>>>(f, N, row_pad); };
+    if (d == 64)
+      f.f[0].e5m2 ? go(fold_key_tiles_kernel<64, true>) : go(fold_key_tiles_kernel<64, false>);
+    else
+      f.f[0].e5m2 ? go(fold_key_tiles_kernel<128, true>) : go(fold_key_tiles_kernel<128, false>);
+  }
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw Error(std::string("fold_key_tiles: launch failed: ") + cudaGetErrorString(err));
 }

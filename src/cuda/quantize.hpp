@@ -24,12 +24,13 @@ struct QuantTarget {
   bool fold = false;
   // Optional, for the prefill kernel: per row, the row's one scale as a float when all its blocks
   // share it (else -1), in [B*H][row_pad] (row_pad a multiple of 128, zeros past N are the
-  // caller's); and per 128-row tile of each (b, h), 0 where some row has no single scale (the
-  // caller sets the array to nonzero first). With row_scale set, `scales` is padded the same way:
-  // [B*H][row_pad][d/32], so a tile's block scales are one aligned run of bytes.
+  // caller's); and per 128-row tile of each (b, h), set nonzero where some row has no single scale
+  // (the caller zeroes the array first: one memset with the row scales). With row_scale set,
+  // `scales` is padded the same way: [B*H][row_pad][d/32], so a tile's block scales are one aligned
+  // run of bytes.
   float* row_scale = nullptr;
   int64_t row_pad = 0;
-  int* tile_uniform = nullptr;
+  int* tile_split = nullptr;
 };
 
 // Whether every row start of x ([B,H,N,d], unit stride on d) is 16-byte aligned: vector loads.
@@ -51,14 +52,23 @@ void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first
                    cudaStream_t stream, int* nonfinite = nullptr);
 
 // The prefill pre-pass's second step, on K's tensor-core form after quantize_rows (fold + row
-// scales): per 128-key tile of each (b, h) whose keys each carry one scale (tile_uniform), shift every
+// scales): per 128-key tile of each (b, h) whose keys each carry one scale (tile_split 0), shift every
 // key's FP8 bytes to the tile's largest key scale where that is exact for every key of the tile,
 // rewriting codes, block scales and row scales to match (values unchanged), and record the tile's
 // scale in tile_scale [B*H][row_pad/128] (0 where the tile keeps one scale a key, -1 where some key
 // keeps several: the prefill kernel's one per-tile read says both). The prefill kernel
 // then folds one scale per tile into its exponent instead of multiplying S by 128 key scales: MXFP4
 // keys fold whenever their scales span at most 2^8. codes: [B*H*N, d] bytes, E5M2 bytes when e5m2.
-void fold_key_tiles(uint8_t* codes, uint8_t* scales, float* row_scale, const int* tile_uniform, float* tile_scale,
-                    int64_t BH, int64_t N, int64_t row_pad, int64_t d, bool e5m2, cudaStream_t stream);
+// Several K forms (the policy's two formats) in one launch where their byte types agree.
+struct KeyFold {
+  uint8_t* codes;
+  uint8_t* scales;
+  float* row_scale;
+  const int* tile_split;
+  float* tile_scale;
+  bool e5m2;
+};
+void fold_key_tiles(const KeyFold* folds, int count, int64_t BH, int64_t N, int64_t row_pad, int64_t d,
+                    cudaStream_t stream);
 
 }  // namespace dmattn::cuda

@@ -266,6 +266,115 @@ TEST(GpuPrefill, LargeLogitsStayFiniteAndBounded) {
   }
 }
 
+// Every output type and layout the kernel writes: bf16, fp16 and f32 outputs, rows packed and rows
+// with an odd pitch (pairs of columns then unaligned: one element a store), equal bit for bit to the
+// f32 result rounded to the type (the kernel rounds the same fp32 value once), on device-resident
+// tensors; the pitch's extra column keeps its poison.
+TEST(GpuPrefill, WritesEveryOutputTypeAndLayout) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const int64_t H = 4, HKV = 2, N = 300, d = 128;
+  const QKV x = random_qkv({1, H, HKV, N, N, d}, fresh_seed(), DType::bf16);
+  auto upload = [](const HostTensor& t) {
+    void* p = nullptr;
+    EXPECT_EQ(cudaMalloc(&p, t.nbytes()), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(p, t.bytes(), t.nbytes(), cudaMemcpyHostToDevice), cudaSuccess);
+    return TensorView::contiguous(p, t.dtype(), t.shape(), Device::cuda);
+  };
+  const TensorView q = upload(x.q), k = upload(x.k), v = upload(x.v);
+  AttentionOptions o;
+  o.causal = true;
+  o.backend = Backend::cuda;
+  auto run = [&](DType dt, int64_t pitch, std::vector<uint8_t>& bytes) {
+    const size_t es = dtype_size(dt), n = size_t(H * N * pitch);
+    void* p = nullptr;
+    ASSERT_EQ(cudaMalloc(&p, n * es), cudaSuccess);
+    ASSERT_EQ(cudaMemset(p, 0xFF, n * es), cudaSuccess);  // poison: NaN in every type
+    TensorView out{p, dt, Device::cuda, {1, H, N, d}, {H * N * pitch, N * pitch, pitch, 1}};
+    attention(q, k, v, out, nullptr, o);
+    bytes.resize(n * es);
+    ASSERT_EQ(cudaMemcpy(bytes.data(), p, bytes.size(), cudaMemcpyDeviceToHost), cudaSuccess);
+    cudaFree(p);
+  };
+  std::vector<uint8_t> ref_bytes;
+  run(DType::f32, d, ref_bytes);
+  std::vector<float> ref(ref_bytes.size() / 4);
+  std::memcpy(ref.data(), ref_bytes.data(), ref_bytes.size());
+  for (DType dt : {DType::f32, DType::bf16, DType::f16})
+    for (int64_t pitch : {d, d + 1}) {
+      std::vector<uint8_t> got;
+      run(dt, pitch, got);
+      const size_t es = dtype_size(dt);
+      for (int64_t r = 0; r < H * N; ++r) {
+        for (int64_t c = 0; c < d; ++c) {
+          const float want = ref[size_t(r * d + c)];
+          uint32_t w = 0, g = 0;
+          if (dt == DType::f32) std::memcpy(&w, &want, 4);
+          else if (dt == DType::bf16) w = to_bf16(want).bits;
+          else w = to_fp16(want).bits;
+          std::memcpy(&g, got.data() + size_t(r * pitch + c) * es, es);
+          ASSERT_EQ(g, w) << dtype_name(dt) << " pitch " << pitch << " row " << r << " col " << c;
+        }
+        if (pitch > d) {
+          uint32_t pad = 0;
+          std::memcpy(&pad, got.data() + size_t(r * pitch + d) * es, es);
+          ASSERT_EQ(pad, es == 4 ? 0xFFFFFFFFu : 0xFFFFu) << dtype_name(dt) << " row " << r << ": the pitch's column was written";
+        }
+      }
+    }
+  for (const TensorView* t : {&q, &k, &v}) cudaFree(t->data);
+}
+
+// check_finite = false: the call only enqueues (no read-back); after a stream sync its output equals
+// the checked call's bit for bit, and a NaN in Q does not throw but turns exactly its own output row
+// to NaN (the other rows stay finite).
+TEST(GpuPrefill, UncheckedCallsAreStreamOrdered) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const int64_t H = 4, HKV = 2, N = 500, d = 64, bad_row = 1 * N + 321;  // head 1, row 321
+  QKV x = random_qkv({1, H, HKV, N, N, d}, fresh_seed(), DType::bf16);
+  auto upload = [](const HostTensor& t) {
+    void* p = nullptr;
+    EXPECT_EQ(cudaMalloc(&p, t.nbytes()), cudaSuccess);
+    EXPECT_EQ(cudaMemcpy(p, t.bytes(), t.nbytes(), cudaMemcpyHostToDevice), cudaSuccess);
+    return TensorView::contiguous(p, t.dtype(), t.shape(), Device::cuda);
+  };
+  const TensorView q = upload(x.q), k = upload(x.k), v = upload(x.v);
+  std::vector<float> qn = x.q.to_floats();
+  qn[size_t(bad_row * d + 7)] = std::nanf("");
+  const TensorView qbad = upload(HostTensor::from_floats(qn, x.q.shape(), DType::bf16));
+  const size_t n = size_t(H * N * d);
+  float *o1, *o2;
+  CUDA_OK(cudaMalloc(&o1, n * 4));
+  CUDA_OK(cudaMalloc(&o2, n * 4));
+  CUDA_OK(cudaMemset(o2, 0xFF, n * 4));
+  const TensorView out1 = TensorView::contiguous(o1, DType::f32, {1, H, N, d}, Device::cuda),
+                   out2 = TensorView::contiguous(o2, DType::f32, {1, H, N, d}, Device::cuda);
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreate(&stream));
+  AttentionOptions o;
+  o.causal = true;
+  o.backend = Backend::cuda;
+  o.stream = stream;
+  attention(q, k, v, out1, nullptr, o);
+  o.check_finite = false;
+  attention(q, k, v, out2, nullptr, o);
+  CUDA_OK(cudaStreamSynchronize(stream));
+  std::vector<float> a(n), b(n);
+  CUDA_OK(cudaMemcpy(a.data(), o1, n * 4, cudaMemcpyDeviceToHost));
+  CUDA_OK(cudaMemcpy(b.data(), o2, n * 4, cudaMemcpyDeviceToHost));
+  ASSERT_EQ(std::memcmp(a.data(), b.data(), n * 4), 0) << "unchecked call differs from the checked one";
+  o.check_finite = true;
+  EXPECT_THROW(attention(qbad, k, v, out2, nullptr, o), Error);
+  o.check_finite = false;
+  EXPECT_NO_THROW(attention(qbad, k, v, out2, nullptr, o));
+  CUDA_OK(cudaStreamSynchronize(stream));
+  CUDA_OK(cudaMemcpy(b.data(), o2, n * 4, cudaMemcpyDeviceToHost));
+  for (int64_t r = 0; r < H * N; ++r)
+    for (int64_t c = 0; c < d; ++c)
+      ASSERT_EQ(std::isnan(b[size_t(r * d + c)]), r == bad_row) << "row " << r << " col " << c;
+  cudaStreamDestroy(stream);
+  for (void* ptr : {q.data, k.data, v.data, qbad.data, static_cast<void*>(o1), static_cast<void*>(o2)}) cudaFree(ptr);
+}
+
 TEST(GpuPrefill, RejectsWhatItCannotDo) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const QKV x = random_qkv({1, 1, 1, 8, 8, 64}, 1);

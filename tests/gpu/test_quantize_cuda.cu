@@ -229,7 +229,7 @@ TEST(GpuQuantize, PrefillPairFormsKeepValues) {
           CUDA_OK(cudaMemset(codes[t], 0xA5, size_t(rows * d)));  // poison
           CUDA_OK(cudaMemset(scales[t], 0xA5, size_t(srows * nb)));
           CUDA_OK(cudaMemset(rs[t], 0, size_t(H * pad) * sizeof(float)));
-          CUDA_OK(cudaMemset(uni[t], 1, size_t(H * 2) * sizeof(int)));
+          CUDA_OK(cudaMemset(uni[t], 0, size_t(H * 2) * sizeof(int)));
           tg[t] = row_scales ? cuda::QuantTarget{fmt[t], codes[t], scales[t], true, true, rs[t], pad, uni[t]}
                              : cuda::QuantTarget{fmt[t], codes[t], scales[t], true, true};
         }
@@ -306,9 +306,10 @@ TEST(GpuQuantize, KeyTileFoldingKeepsValues) {
       CUDA_OK(cudaMemset(codes, 0xA5, size_t(BH * N * d)));
       CUDA_OK(cudaMemset(rs, 0, size_t(BH * pad) * sizeof(float)));
       CUDA_OK(cudaMemset(ts, 0xA5, size_t(BH * tiles) * sizeof(float)));  // poison: a negative value no tile gets
-      CUDA_OK(cudaMemset(uni, 1, size_t(BH * tiles) * sizeof(int)));
+      CUDA_OK(cudaMemset(uni, 0, size_t(BH * tiles) * sizeof(int)));
       cuda::quantize_rows(view, ScaleRule::ocp, {f, codes, scales, true, true, rs, pad, uni}, {}, nullptr);
-      cuda::fold_key_tiles(codes, scales, rs, uni, ts, BH, N, pad, d, false, nullptr);
+      const cuda::KeyFold fold{codes, scales, rs, uni, ts, false};
+      cuda::fold_key_tiles(&fold, 1, BH, N, pad, d, nullptr);
       std::vector<uint8_t> gc(size_t(BH * N * d)), gs(size_t(BH * pad * nb));
       std::vector<float> grs(size_t(BH * pad)), gts(size_t(BH * tiles));
       CUDA_OK(cudaMemcpy(gc.data(), codes, gc.size(), cudaMemcpyDeviceToHost));
@@ -319,7 +320,7 @@ TEST(GpuQuantize, KeyTileFoldingKeepsValues) {
       CUDA_OK(cudaMemcpy(guni.data(), uni, guni.size() * sizeof(int), cudaMemcpyDeviceToHost));
       if (f == Format::mxfp8_e4m3) {  // Gaussian rows at d >= 64: some key's E4M3 blocks keep different scales
         bool any_split = false;
-        for (int v : guni) any_split |= v == 0;
+        for (int v : guni) any_split |= v != 0;
         EXPECT_TRUE(any_split) << "d=" << d << ": the test data should exercise a non-uniform tile";
       }
       for (int64_t bh = 0; bh < BH; ++bh) {
@@ -331,7 +332,7 @@ TEST(GpuQuantize, KeyTileFoldingKeepsValues) {
           }
           const float tile_scale = gts[size_t(bh * tiles + key / 128)];
           // -1 exactly where some key of the tile keeps several scales (the kernel's per-block path).
-          ASSERT_EQ(tile_scale < 0.0f, guni[size_t(bh * tiles + key / 128)] == 0) << format_name(f) << " key " << r;
+          ASSERT_EQ(tile_scale < 0.0f, guni[size_t(bh * tiles + key / 128)] != 0) << format_name(f) << " key " << r;
           ASSERT_TRUE(tile_scale == -1.0f || tile_scale == 0.0f || tile_scale == grs[size_t(slot)]) << format_name(f) << " key " << r;
         }
         std::printf("[tile fold] %s d=%lld head %lld: tile scales %g %g %g\n", std::string(format_name(f)).c_str(),

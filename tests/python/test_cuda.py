@@ -80,3 +80,17 @@ def test_decode_on_cuda_matches_cpu():
     out1 = dmattn.decode(cache, seqs, q1.cuda())
     rel1 = ((out1.cpu().float() - ref1.float()).norm() / ref1.float().norm()).item()
     assert rel1 < 1e-2, rel1  # automatic splits on the GPU (P rounded per split) and bf16 output rounding
+
+
+def test_unchecked_call_is_stream_ordered():
+    """check_finite=False: no read-back, same result; a NaN row comes out NaN instead of raising."""
+    q, k, v = (t.cuda() for t in qkv(5))
+    want = dmattn.attention(q, k, v, causal=True)
+    got = dmattn.attention(q, k, v, causal=True, check_finite=False)
+    torch.cuda.current_stream().synchronize()
+    assert torch.equal(got, want)
+    bad = q.clone()
+    bad[0, 3, 600, 9] = float("nan")
+    out = dmattn.attention(bad, k, v, causal=True, check_finite=False)
+    rows_nan = out.isnan().any(dim=-1)
+    assert rows_nan[0, 3, 600] and rows_nan.sum().item() == 1

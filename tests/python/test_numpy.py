@@ -107,6 +107,8 @@ def test_bad_inputs_raise_clear_errors():
     bad[0, 1, 2, 3] = np.nan
     with pytest.raises(dmattn.DmattnError, match="non-finite|NaN"):
         dmattn.attention(bad, k, v)
+    with pytest.raises(dmattn.DmattnError, match="non-finite|NaN"):  # the CPU backend always checks
+        dmattn.attention(bad, k, v, check_finite=False)
     with pytest.raises(ValueError, match="layout"):
         dmattn.attention(q, k, v, layout="nbhd")
 
