@@ -188,6 +188,7 @@ void dma_attention(const Problem& p) {
   pp.nslots = nslots;
 
   pp.vt = vt;
+  pp.pv_fp8 = pv_fp8;
   pp.vscale = vscale;
   pp.ldv = ldv;
   pp.out = p.out.data;

@@ -341,7 +341,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     else
       issue_pv<D>(o, a, dv0 + stage * S::kStage);
   };
-  auto retire_pv = [&]() {
+  auto add_pv_result = [&]() {  // the retired P.V's result into o
     if constexpr (!kF8V) {
       wg::pin(o);
     } else {
@@ -351,9 +351,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     }
   };
   // After P.V retires (at tile j; the last one at tiles): with kF8V, o = o * alpha(P's tile) + opv in
-  // fp32; its A registers (P_{j-1}) were live until here, and tile j-1's stage is free.
-  auto pv_retired = [&](int j) {
-    retire_pv();
+  // fp32; its A registers (P_{j-1}) were live until here, and tile j-1's stage is released.
+  auto finish_pv = [&](int j) {
+    add_pv_result();
     wg::pin(a);
     if (j > 0) tma::arrive(&empty[prev]);
   };
@@ -392,7 +392,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       if (wgi == 0 || j + 1 < tiles) wg::bar_arrive(other, kConsumers);
       if constexpr (kF8V) {
         wg::wait<1>();
-        pv_retired(j);
+        finish_pv(j);
         wg::wait<0>();
       } else {
         wg::wait<1>();
@@ -414,7 +414,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       if (wgi == 0 || j + 1 < tiles) wg::bar_arrive(other, kConsumers);
       if constexpr (kF8V) {  // (the blocks' first wait would retire it anyway; opv is free for their partial sums)
         wg::wait<0>();
-        pv_retired(j);
+        finish_pv(j);
       }
       if (e5m2)
         scores_per_block<D, true>(s, sq, sqs, sk, sKb(st), p.scale, t);
@@ -454,7 +454,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       alpha_pv[1] = alpha[1];
     } else {
       wg::wait<0>();  // P_{j-1}.V_{j-1} has retired
-      pv_retired(j);
+      finish_pv(j);
       if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f))  // late tiles rarely raise a row's max
 #pragma unroll
         for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) % 2];
@@ -468,7 +468,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     issue_pv_any(prev);
     wg::commit();
     wg::wait<0>();
-    retire_pv();
+    add_pv_result();
   }
 
   // pv = fp8: V's scales for this thread's D/4 columns (acc_col), all loaded before any store: read
@@ -545,7 +545,7 @@ void launch_d(const PrefillParams& p, DType out, int64_t blocks, int batch, cuda
 }  // namespace
 
 void launch_prefill(const PrefillParams& p, int d, DType out_dtype, int64_t blocks, int batch, cudaStream_t stream) {
-  const bool f8v = p.vscale != nullptr;  // pv = fp8
+  const bool f8v = p.pv_fp8;
   if (d == 64)
     f8v ? launch_d<64, true>(p, out_dtype, blocks, batch, stream) : launch_d<64, false>(p, out_dtype, blocks, batch, stream);
   else if (d == 128)

@@ -25,6 +25,7 @@ struct PrefillParams {
                          // has one scale of its own, < 0 where some key keeps several
   const void* vt;        // [B*Hkv, d, ldv]: V transposed, zeros past Nk; bf16 bits, or for pv = fp8 E4M3
                          // bytes whose 32-key blocks hold their keys in pv_fp8_key order
+  bool pv_fp8;           // P.V in E4M3 (PV::fp8): vt holds E4M3 bytes, vscale the channel scales
   const float* vscale;   // pv = fp8: [B*Hkv, d], each channel's scale (else null)
   int64_t ldv;           // a multiple of 128 (the key tile)
   void* out;             // [B,Hq,Nq,d], unit stride on d
