@@ -29,7 +29,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 if [ -n "${AB:-}" ]; then
   last=${AB##* }
   $last/tests/dmattn_gpu_tests --gtest_filter="${AB_TESTS:-GpuPrefill*}" >"$OUT/ab_tests.log" 2>&1
-  echo "tests ($last, ${AB_TESTS:-GpuPrefill*}): rc=$? $(grep -cE '^\[       OK' "$OUT/ab_tests.log") passed; $(grep -E '^\[  FAILED' "$OUT/ab_tests.log" | head -3)"
+  trc=$?
+  echo "tests ($last, ${AB_TESTS:-GpuPrefill*}): rc=$trc $(grep -cE '^\[       OK' "$OUT/ab_tests.log") passed; $(grep -E '^\[  FAILED' "$OUT/ab_tests.log" | head -3)"
   if [ "${AB_QUANT:-0}" = 1 ]; then  # the quantize pass too: each dir's bench_quantize_cuda, alternating
     for rep in 1 2 3; do for dir in $AB; do echo "== $dir"; $dir/bench/bench_quantize_cuda | tail -4; done; done \
       | tee "$OUT/ab_quantize.txt"
@@ -49,7 +50,7 @@ for line in open(sys.argv[1]):
 for (n, d), v in sorted(t.items()): print(f"N={n:6d} {d:28s} median {statistics.median(v):.4f} ms  all {' '.join(f'{x:.4f}' for x in v)}")
 PY
   cp "$OUT/ab.txt" "$RESULT_DIR/"
-  exit 0
+  exit $trc  # the tests' status, so a following run can depend on it
 fi
 
 if [ -n "${PREBUILT:-}" ]; then

@@ -17,18 +17,24 @@ constexpr int kBlock = 32;
 // x / d for 32-bit x by one 64-bit high product: m = ceil(2^64 / d) makes the product's error below
 // 1/d for every x < 2^32 (x = q d + r: x m / 2^64 = q + r/d + x eps/(d 2^64), eps < d), so the
 // floor is exact. A runtime 32-bit division costs ~20 instructions; the pass did three per lane.
+// A power of two divides by a shift (the usual d/32 and often N and H).
 struct FastDiv {
   uint32_t d = 1;
   uint64_t m = 0;
+  int shift = -1;  // >= 0: d = 2^shift
   FastDiv() = default;
-  explicit FastDiv(uint32_t divisor) : d(divisor), m(divisor > 1 ? ~uint64_t(0) / divisor + 1 : 0) {}
-  __device__ __forceinline__ uint32_t div(uint32_t x) const { return d > 1 ? uint32_t(__umul64hi(x, m)) : x; }
+  explicit FastDiv(uint32_t divisor)
+      : d(divisor), m(divisor > 1 ? ~uint64_t(0) / divisor + 1 : 0), shift((divisor & (divisor - 1)) == 0 ? __builtin_ctz(divisor) : -1) {}
+  __device__ __forceinline__ uint32_t div(uint32_t x) const {
+    return shift >= 0 ? x >> shift : uint32_t(__umul64hi(x, m));
+  }
 };
 
 struct Geometry {
   int64_t H, N, nblk;            // heads, rows per head, 32-blocks per row
   int64_t sb, sh, sn;            // element strides of b, h, n
   FastDiv by_H, by_N, by_nblk;
+  bool packed;                   // rows back to back (sn = d, sh = N sn, sb = H sh): element offset = lane * 8
 };
 
 // Where a lane's kPerLane elements sit. Four lanes share one 32-block, so a warp reads and writes
@@ -95,9 +101,13 @@ __global__ void __launch_bounds__(256) quantize_rows_kernel(const T* __restrict_
     l[u].c = l[u].active ? blk - l[u].row * nblk : 0;
     l[u].bh = g.by_N.div(l[u].row);
     l[u].n = l[u].row - l[u].bh * N;
-    const uint32_t b = g.by_H.div(l[u].bh), h = l[u].bh - b * H;
-    const T* src =
-        x + int64_t(b) * g.sb + int64_t(h) * g.sh + int64_t(l[u].n) * g.sn + int64_t(l[u].c) * kBlock + l[u].part * kPerLane;
+    const T* src;
+    if (g.packed) {
+      src = x + int64_t(lane_id) * kPerLane;
+    } else {
+      const uint32_t b = g.by_H.div(l[u].bh), h = l[u].bh - b * H;
+      src = x + int64_t(b) * g.sb + int64_t(h) * g.sh + int64_t(l[u].n) * g.sn + int64_t(l[u].c) * kBlock + l[u].part * kPerLane;
+    }
     if constexpr (kVector) {  // 16-byte loads where the rows are 16-byte aligned
       static_assert(sizeof(raw[u]) % 16 == 0);
 #pragma unroll
@@ -152,7 +162,8 @@ void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first
       throw Error("quantize_rows: folding needs the FP8-byte form and d/32 a power of two <= 8");
   }
   Geometry g{x.shape[1], x.shape[2], nblk, x.stride[0], x.stride[1], x.stride[2], FastDiv(uint32_t(x.shape[1])),
-             FastDiv(uint32_t(x.shape[2])), FastDiv(uint32_t(nblk))};
+             FastDiv(uint32_t(x.shape[2])), FastDiv(uint32_t(nblk)),
+             x.stride[2] == x.shape[3] && x.stride[1] == x.shape[2] * x.stride[2] && x.stride[0] == x.shape[1] * x.stride[1]};
   const int64_t nblocks = x.shape[0] * x.shape[1] * x.shape[2] * g.nblk;
   if (nblocks == 0) return;
   const int threads = 256;

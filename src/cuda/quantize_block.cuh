@@ -52,6 +52,17 @@ __device__ __forceinline__ uint32_t shift_fp8x4(uint32_t w, int k, bool& exact) 
   return out;
 }
 
+// choose_e8m0 for a finite amax (the caller handles NaN/Inf): a normal amax (the usual case) from its
+// bits without branches; zero and subnormal ones through the codec's function.
+template <Elem E>
+__device__ __forceinline__ uint8_t choose_e8m0_finite(float amax, ScaleRule rule) {
+  const ElemSpec s = elem_spec(E);  // E is a template constant: folded
+  const uint32_t b = __float_as_uint(amax);
+  if (b < 0x00800000u) return choose_e8m0(amax, E, rule);
+  const int x = int(b >> 23) - 127 - s.emax + int(rule == ScaleRule::ceil && (b & 0x7FFFFFu) > (hd::bits_of(s.max) & 0x7FFFFFu));
+  return uint8_t(min(max(x, -127), 127) + 127);
+}
+
 // f16x2 arithmetic, round to nearest, subnormals kept (no .ftz), never contracted.
 __device__ __forceinline__ uint32_t hadd2_rn(uint32_t a, uint32_t b) {
   uint32_t d;
@@ -120,7 +131,7 @@ template <Elem E, bool kHalf>
 __device__ __forceinline__ uint8_t encode_lane(ScaleRule rule, const float (&v)[kPerLane], float amax, bool bad,
                                                bool fp8_bytes, bool fold, int row_lanes, uint2& w) {
   constexpr bool kE5M2 = E == Elem::e5m2;
-  uint8_t sc = bad ? kE8M0NaN : choose_e8m0(amax, E, rule);
+  uint8_t sc = bad ? kE8M0NaN : choose_e8m0_finite<E>(amax, rule);
   int smax = sc;  // with fold: the row's largest scale (uniform across the grid: every lane shuffles)
   if (fold)
     for (int s = 4; s < row_lanes; s <<= 1) smax = max(smax, __shfl_xor_sync(0xffffffffu, smax, s));

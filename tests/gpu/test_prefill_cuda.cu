@@ -147,7 +147,9 @@ TEST(GpuPrefill, MatchesCpuOracle) {
   };
   const uint64_t seed = fresh_seed();
   std::printf("seed %llu\n", (unsigned long long)seed);
-  for (size_t i = 0; i < std::size(cases); ++i) check_case(cases[i], i % 3 == 0 ? DType::f16 : DType::f32, seed + i);
+  // Every input dtype over the cases (16-bit V takes the vectorised V transpose, f32 the generic one).
+  const DType dtypes[3] = {DType::f16, DType::bf16, DType::f32};
+  for (size_t i = 0; i < std::size(cases); ++i) check_case(cases[i], dtypes[i % 3], seed + i);
 }
 
 // pv = fp8 (E4M3 P.V with per-channel V scales, a fresh accumulator a key tile): the same shapes
@@ -390,6 +392,11 @@ TEST(GpuPrefill, RejectsWhatItCannotDo) {
   v[5] = INFINITY;
   const HostTensor vn = HostTensor::from_floats(v, x.v.shape());
   EXPECT_THROW(attention_on_device(x.q.view(), x.k.view(), vn.view(), out.view(), nullptr, o), Error);
+  for (DType dt : {DType::bf16, DType::f16, DType::f32}) {  // non-finite V through the bf16 V pass (both kernels)
+    const HostTensor vb = HostTensor::from_floats(v, x.v.shape(), dt), qb = HostTensor::from_floats(x.q.to_floats(), x.q.shape(), dt),
+                     kb = HostTensor::from_floats(x.k.to_floats(), x.k.shape(), dt);
+    EXPECT_THROW(attention_on_device(qb.view(), kb.view(), vb.view(), out.view(), nullptr, {}), Error) << dtype_name(dt);
+  }
   std::vector<float> q = x.q.to_floats();
   q[3] = std::nanf("");
   const HostTensor qn = HostTensor::from_floats(q, x.q.shape());
