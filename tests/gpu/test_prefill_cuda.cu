@@ -201,6 +201,14 @@ bool q_chosen(int64_t r) { return (r / 64) % 2 == 0 && r % 5 == 0; }
 bool k_chosen(int64_t r) { return (r / 128) % 3 == 0 && r % 11 == 0; }
 const Policy kSpreadPolicies[] = {Policy{}, Policy::all(Format::mxfp4), Policy{Format::mxfp8_e4m3, Format::mxfp4, 2, 1}};
 
+// A contiguous device copy of a host tensor (the caller frees .data).
+TensorView to_device(const HostTensor& t) {
+  void* p = nullptr;
+  EXPECT_EQ(cudaMalloc(&p, t.nbytes()), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(p, t.bytes(), t.nbytes(), cudaMemcpyHostToDevice), cudaSuccess);
+  return TensorView::contiguous(p, t.dtype(), t.shape(), Device::cuda);
+}
+
 }  // namespace
 
 // Rows whose 32-blocks differ in magnitude by 2^10 cannot fold their scales into FP8 codes, so
@@ -276,13 +284,7 @@ TEST(GpuPrefill, WritesEveryOutputTypeAndLayout) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const int64_t H = 4, HKV = 2, N = 300, d = 128;
   const QKV x = random_qkv({1, H, HKV, N, N, d}, fresh_seed(), DType::bf16);
-  auto upload = [](const HostTensor& t) {
-    void* p = nullptr;
-    EXPECT_EQ(cudaMalloc(&p, t.nbytes()), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(p, t.bytes(), t.nbytes(), cudaMemcpyHostToDevice), cudaSuccess);
-    return TensorView::contiguous(p, t.dtype(), t.shape(), Device::cuda);
-  };
-  const TensorView q = upload(x.q), k = upload(x.k), v = upload(x.v);
+  const TensorView q = to_device(x.q), k = to_device(x.k), v = to_device(x.v);
   AttentionOptions o;
   o.causal = true;
   o.backend = Backend::cuda;
@@ -333,16 +335,10 @@ TEST(GpuPrefill, UncheckedCallsAreStreamOrdered) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const int64_t H = 4, HKV = 2, N = 500, d = 64, bad_row = 1 * N + 321;  // head 1, row 321
   QKV x = random_qkv({1, H, HKV, N, N, d}, fresh_seed(), DType::bf16);
-  auto upload = [](const HostTensor& t) {
-    void* p = nullptr;
-    EXPECT_EQ(cudaMalloc(&p, t.nbytes()), cudaSuccess);
-    EXPECT_EQ(cudaMemcpy(p, t.bytes(), t.nbytes(), cudaMemcpyHostToDevice), cudaSuccess);
-    return TensorView::contiguous(p, t.dtype(), t.shape(), Device::cuda);
-  };
-  const TensorView q = upload(x.q), k = upload(x.k), v = upload(x.v);
+  const TensorView q = to_device(x.q), k = to_device(x.k), v = to_device(x.v);
   std::vector<float> qn = x.q.to_floats();
   qn[size_t(bad_row * d + 7)] = std::nanf("");
-  const TensorView qbad = upload(HostTensor::from_floats(qn, x.q.shape(), DType::bf16));
+  const TensorView qbad = to_device(HostTensor::from_floats(qn, x.q.shape(), DType::bf16));
   const size_t n = size_t(H * N * d);
   float *o1, *o2;
   CUDA_OK(cudaMalloc(&o1, n * 4));
