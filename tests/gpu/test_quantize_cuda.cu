@@ -78,6 +78,67 @@ TEST(GpuQuantize, MatchesCpuCodecBitForBit) {
   }
 }
 
+// Every finite bf16 and fp16 value below 8 in magnitude, as element of a block whose amax element (4)
+// pins the E2M1 scale at 1: the quantize pass's f16-pair rounding (16-bit inputs) against the codec
+// for each of them, in both the nibble and the FP8-byte forms, with the other formats of the pair.
+TEST(GpuQuantize, E2M1OfEvery16BitValue) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  for (DType dt : {DType::bf16, DType::f16}) {
+    std::vector<float> vals;
+    for (uint32_t bits = 0; bits < 0x10000u; ++bits) {
+      const float x = dt == DType::bf16 ? to_float(bf16{uint16_t(bits)}) : to_float(fp16{uint16_t(bits)});
+      if (std::isfinite(x) && std::fabs(x) < 8.0f) vals.push_back(x);
+    }
+    const int64_t blocks = int64_t(vals.size() + 30) / 31, d = 32;
+    std::vector<float> x(size_t(blocks * d), 0.0f);
+    for (int64_t b = 0; b < blocks; ++b) {
+      x[size_t(b * d)] = b % 2 ? -4.0f : 4.0f;  // the block's amax: scale 2^0 (OCP, E2M1)
+      for (int64_t i = 1; i < d; ++i) {
+        const size_t at = size_t(b * 31 + i - 1);
+        x[size_t(b * d + i)] = at < vals.size() ? vals[at] : 0.0f;
+      }
+    }
+    const HostTensor host = HostTensor::from_floats(x, {1, 1, blocks, d}, dt);
+    void* dx;
+    CUDA_OK(cudaMalloc(&dx, host.nbytes()));
+    CUDA_OK(cudaMemcpy(dx, host.bytes(), host.nbytes(), cudaMemcpyHostToDevice));
+    const TensorView view = TensorView::contiguous(dx, dt, {1, 1, blocks, d}, Device::cuda);
+    const std::vector<float> rounded = host.to_floats();
+    for (ScaleRule rule : {ScaleRule::ocp, ScaleRule::ceil}) {
+      const Quantized want = quantize(rounded.data(), blocks, d, Format::mxfp4, rule);
+      const std::vector<float> want_values = dequantize(want);
+      uint8_t *c8, *s8, *c4, *s4, *b4, *bs4;
+      CUDA_OK(cudaMalloc(&c8, size_t(blocks * d)));
+      CUDA_OK(cudaMalloc(&s8, size_t(blocks)));
+      CUDA_OK(cudaMalloc(&c4, want.codes.size()));
+      CUDA_OK(cudaMalloc(&s4, size_t(blocks)));
+      CUDA_OK(cudaMalloc(&b4, size_t(blocks * d)));
+      CUDA_OK(cudaMalloc(&bs4, size_t(blocks)));
+      CUDA_OK(cudaMemset(c4, 0xA5, want.codes.size()));  // poison
+      CUDA_OK(cudaMemset(b4, 0xA5, size_t(blocks * d)));
+      // The (E4M3, E2M1) pair in the nibble form, then in the FP8-byte form (no fold: one block a row).
+      cuda::quantize_rows(view, rule, {Format::mxfp8_e4m3, c8, s8}, {Format::mxfp4, c4, s4}, nullptr);
+      cuda::quantize_rows(view, rule, {Format::mxfp8_e4m3, c8, s8, true}, {Format::mxfp4, b4, bs4, true}, nullptr);
+      const size_t nb = static_cast<size_t>(blocks);
+      std::vector<uint8_t> g4(want.codes.size()), gs4(nb), gb4(nb * 32), gbs4(nb);
+      CUDA_OK(cudaMemcpy(g4.data(), c4, g4.size(), cudaMemcpyDeviceToHost));
+      CUDA_OK(cudaMemcpy(gs4.data(), s4, gs4.size(), cudaMemcpyDeviceToHost));
+      CUDA_OK(cudaMemcpy(gb4.data(), b4, gb4.size(), cudaMemcpyDeviceToHost));
+      CUDA_OK(cudaMemcpy(gbs4.data(), bs4, gbs4.size(), cudaMemcpyDeviceToHost));
+      EXPECT_EQ(gs4, want.scales) << dtype_name(dt);
+      EXPECT_EQ(gbs4, want.scales) << dtype_name(dt);
+      for (size_t i = 0; i < g4.size(); ++i)
+        ASSERT_EQ(g4[i], want.codes[i]) << dtype_name(dt) << " byte " << i << ": values " << rounded[2 * i] << ", "
+                                        << rounded[2 * i + 1];
+      for (size_t i = 0; i < gb4.size(); ++i)
+        ASSERT_EQ(decode_elem(Elem::e4m3, gb4[i]) * decode_e8m0(gbs4[i / 32]), want_values[i])
+            << dtype_name(dt) << " element " << i << ": value " << rounded[i];
+      for (uint8_t* p : {c8, s8, c4, s4, b4, bs4}) cudaFree(p);
+    }
+    cudaFree(dx);
+  }
+}
+
 TEST(GpuQuantize, RejectsWhatItCannotDo) {
   SKIP_WITHOUT_CUDA_DEVICE();
   uint8_t* buf;
