@@ -284,6 +284,10 @@ TEST(Decode, PlanWeighsCtasAnSmAgainstWaves) {
   EXPECT_EQ(decode_plan(128, 256, sms, false).splits, 2);
   EXPECT_EQ(decode_plan(128, 256, sms, true, 5).splits, 5);    // asked-for splits are kept
   EXPECT_EQ(decode_plan(8, 3, sms, true, 9).splits, 3);        // ... up to the pages
+  EXPECT_EQ(decode_plan(512, 64, sms, true, 0, 3).ctas_per_sm, 3);  // a forced instance (DMATTN_DECODE_CTAS) ...
+  EXPECT_EQ(decode_plan(512, 64, sms, true, 0, 3).splits, 3);       // ... with its own automatic splits
+  EXPECT_EQ(decode_plan(128, 256, sms, true, 0, 2).ctas_per_sm, 2);
+  EXPECT_EQ(decode_plan(128, 256, sms, false, 0, 3).ctas_per_sm, 2);  // three forced where they do not fit: two
 }
 
 // The GPU decode's automatic split count (plain C++, so checked here): whole waves of CTAs, no

@@ -56,6 +56,13 @@ __device__ __forceinline__ uint32_t bf16x2_rn(float lo, float hi) {
   return r;
 }
 
+// The same to f16 (nearest-even, overflow to inf, subnormals kept).
+__device__ __forceinline__ uint32_t f16x2_rn(float lo, float hi) {
+  uint32_t r;
+  asm("cvt.rn.f16x2.f32 %0, %1, %2;\n" : "=r"(r) : "f"(hi), "f"(lo));
+  return r;
+}
+
 // 2^x on the special-function unit (flushes subnormal results to zero; 2^-inf = 0).
 __device__ __forceinline__ float exp2_approx(float x) {
   float r;

@@ -169,11 +169,7 @@ __device__ __forceinline__ void pack_p(const float (&s)[BN / 2], uint32_t (&a)[k
 // dst must be aligned to the pair.
 __device__ __forceinline__ void store_pair(float* dst, float lo, float hi) { *reinterpret_cast<float2*>(dst) = make_float2(lo, hi); }
 __device__ __forceinline__ void store_pair(bf16* dst, float lo, float hi) { *reinterpret_cast<uint32_t*>(dst) = bf16x2_rn(lo, hi); }
-__device__ __forceinline__ void store_pair(fp16* dst, float lo, float hi) {
-  uint32_t r;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
-  *reinterpret_cast<uint32_t*>(dst) = r;
-}
+__device__ __forceinline__ void store_pair(fp16* dst, float lo, float hi) { *reinterpret_cast<uint32_t*>(dst) = f16x2_rn(lo, hi); }
 
 // This warpgroup's 64 Q rows of both slots from the quantize pass's tensor-core form: FP8 bytes into
 // swizzled shared memory (every load issued before any store), block scales as floats, and

@@ -19,12 +19,11 @@ constexpr int kBlock = 32;
 // floor is exact. A runtime 32-bit division costs ~20 instructions; the pass did three per lane.
 // A power of two divides by a shift (the usual d/32 and often N and H).
 struct FastDiv {
-  uint32_t d = 1;
   uint64_t m = 0;
-  int shift = -1;  // >= 0: d = 2^shift
+  int shift = 0;  // >= 0: the divisor is 2^shift (1 included); else m
   FastDiv() = default;
   explicit FastDiv(uint32_t divisor)
-      : d(divisor), m(divisor > 1 ? ~uint64_t(0) / divisor + 1 : 0), shift((divisor & (divisor - 1)) == 0 ? __builtin_ctz(divisor) : -1) {}
+      : m(divisor > 1 ? ~uint64_t(0) / divisor + 1 : 0), shift((divisor & (divisor - 1)) == 0 ? __builtin_ctz(divisor) : -1) {}
   __device__ __forceinline__ uint32_t div(uint32_t x) const {
     return shift >= 0 ? x >> shift : uint32_t(__umul64hi(x, m));
   }

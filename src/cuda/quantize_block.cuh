@@ -5,6 +5,7 @@
 #include <type_traits>
 
 #include "cuda/fp8.cuh"
+#include "cuda/mma.cuh"
 #include "dmattn/mx_codec.hpp"
 #include "dmattn/numeric.hpp"
 
@@ -84,8 +85,7 @@ __device__ __forceinline__ uint32_t hsub2_rn(uint32_t a, uint32_t b) {
 // whose f16 ulp is the E2M1 step there; (a + M) - M rounds a to that step. Ten instructions for two
 // values, where the codec's float-bit encoder takes about ten for one.
 __device__ __forceinline__ uint32_t e2m1_round_f16x2(float lo, float hi) {
-  uint32_t h;
-  asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(h) : "f"(hi), "f"(lo));
+  const uint32_t h = f16x2_rn(lo, hi);
   const uint32_t a = h & 0x7FFF7FFFu;
   const uint32_t e = __vminu2(__vmaxu2(a & 0x7C007C00u, 0x3C003C00u), 0x44004400u);  // 1.0 .. 4.0
   const uint32_t m = e + 0x24002400u;                                                // x 2^9: ulp = step

@@ -29,21 +29,23 @@ inline int decode_auto_splits(int64_t ctas, int max_pages, int slots) {
 // SM, not 1/2: the time of a plan is waves x (pages per split + 1) x CTAs an SM / that SM rate.
 // This picks three at B=16 32k and two at B=64 8k and B=1 32k, where session 10's fixed three ran
 // 10% and 5% slower. `splits` > 0: that many (capped at the pages), the instance chosen for them.
+// `only` = 2 or 3: that instance (3 only where three fit), with its splits.
 struct DecodePlan {
   int ctas_per_sm = 2, splits = 1;
 };
-inline DecodePlan decode_plan(int64_t ctas, int max_pages, int sms, bool three_fit, int splits = 0) {
+inline DecodePlan decode_plan(int64_t ctas, int max_pages, int sms, bool three_fit, int splits = 0, int only = 0) {
   constexpr double kRate3 = 1.045;  // an SM's page rate at three CTAs / at two
   const int np = std::max(1, max_pages);
   sms = std::max(1, sms);
   DecodePlan best;
   double best_time = 0.0;
-  for (int c = 2; c <= (three_fit ? 3 : 2); ++c) {
+  const int lo = only == 3 && three_fit ? 3 : 2, hi = only == 2 || !three_fit ? 2 : 3;
+  for (int c = lo; c <= hi; ++c) {
     const int slots = c * sms;
     const int s = splits > 0 ? std::min(splits, np) : decode_auto_splits(ctas, max_pages, slots);
     const double waves = double((ctas * s + slots - 1) / slots);
     const double time = waves * ((np + s - 1) / s + 1) * c / (c == 3 ? kRate3 : 1.0);
-    if (c == 2 || time < best_time) best = {c, s}, best_time = time;
+    if (c == lo || time < best_time) best = {c, s}, best_time = time;
   }
   return best;
 }
