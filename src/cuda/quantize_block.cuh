@@ -19,10 +19,18 @@ constexpr int kPerLane = 8;
 // four (E2M1 -> E4M3 bytes) elements an instruction, and keep branches out of the element loop: the
 // per-element encoder with a branch per element cost ~50 instructions an element (session 9 SASS).
 //
-// f16x2 multiply, round to nearest, subnormals kept (no .ftz): the fold's shift below.
-__device__ __forceinline__ uint32_t hmul2_rn(uint32_t a, uint32_t b) {
+// f16x2 arithmetic a kOp b (kOp '+', '-' or '*'), round to nearest, subnormals kept (no .ftz), never
+// contracted: the fold's shifts and the E2M1 rounding below.
+template <char kOp>
+__device__ __forceinline__ uint32_t h2_rn(uint32_t a, uint32_t b) {
+  static_assert(kOp == '+' || kOp == '-' || kOp == '*');
   uint32_t d;
-  asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  if constexpr (kOp == '+')
+    asm("add.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  else if constexpr (kOp == '-')
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  else
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
   return d;
 }
 
@@ -44,7 +52,7 @@ __device__ __forceinline__ uint32_t shift_fp8x4(uint32_t w, int k, bool& exact) 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const uint32_t x = fp8x2_to_f16x2<kE5M2>(w >> (16 * h));
-    const uint32_t y = hmul2_rn(x, scale2);
+    const uint32_t y = h2_rn<'*'>(x, scale2);
     const uint32_t f = f16x2_to_fp8x2<kE5M2>(y);
     const uint32_t xm = x & 0x7FFF7FFFu, ym = y & 0x7FFF7FFFu;
     exact &= fp8x2_to_f16x2<kE5M2>(f) == y && ((xm & 0xFFFFu) == 0 || (ym & 0xFFFFu) != 0) && ((xm >> 16) == 0 || (ym >> 16) != 0);
@@ -64,17 +72,6 @@ __device__ __forceinline__ uint8_t choose_e8m0_finite(float amax, ScaleRule rule
   return uint8_t(min(max(x, -127), 127) + 127);
 }
 
-// f16x2 arithmetic, round to nearest, subnormals kept (no .ftz), never contracted.
-__device__ __forceinline__ uint32_t hadd2_rn(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("add.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
-__device__ __forceinline__ uint32_t hsub2_rn(uint32_t a, uint32_t b) {
-  uint32_t d;
-  asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
 
 // Two values already divided by their block's scale, rounded to E2M1 values (nearest-even,
 // saturating at 6: the codec's encode_e2m1) and returned as an f16 pair, lo in the low half, signs
@@ -89,7 +86,7 @@ __device__ __forceinline__ uint32_t e2m1_round_f16x2(float lo, float hi) {
   const uint32_t a = h & 0x7FFF7FFFu;
   const uint32_t e = __vminu2(__vmaxu2(a & 0x7C007C00u, 0x3C003C00u), 0x44004400u);  // 1.0 .. 4.0
   const uint32_t m = e + 0x24002400u;                                                // x 2^9: ulp = step
-  uint32_t r = hsub2_rn(hadd2_rn(a, m), m);
+  uint32_t r = h2_rn<'-'>(h2_rn<'+'>(a, m), m);
   asm("min.f16x2 %0, %0, %1;" : "+r"(r) : "r"(0x46004600u));  // 6.0: saturate
   return r | (h & 0x80008000u);
 }
@@ -100,7 +97,7 @@ __device__ __forceinline__ uint32_t e2m1_round_f16x2(float lo, float hi) {
 __device__ __forceinline__ uint32_t e2m1_nibbles(const uint32_t (&r)[4]) {
   uint32_t t[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) t[i] = hmul2_rn(r[i], 0x04000400u);
+  for (int i = 0; i < 4; ++i) t[i] = h2_rn<'*'>(r[i], 0x04000400u);
   uint32_t h[2];
 #pragma unroll
   for (int i = 0; i < 2; ++i) {
@@ -157,7 +154,7 @@ __device__ __forceinline__ uint8_t encode_lane(ScaleRule rule, const float (&v)[
         const uint32_t p = uint32_t(15 + k) << 10, pk = p | p << 16;
         uint32_t q[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) q[i] = hmul2_rn(r[i], pk);
+        for (int i = 0; i < 4; ++i) q[i] = h2_rn<'*'>(r[i], pk);
         f = e4m3_bytes_of_f16x2(q);
         shifted = true;
       }
