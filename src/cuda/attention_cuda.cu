@@ -203,7 +203,6 @@ void dma_attention(const Problem& p) {
   void* vt = buf.alloc<uint8_t>(size_t(p.B * p.Hkv * d * ldv) * (pv_fp8 ? 1 : 2));
   uint32_t* vamax = pv_fp8 ? buf.alloc<uint32_t>(size_t(p.B * p.Hkv * d) * sizeof(uint32_t)) : nullptr;
   float* vscale = pv_fp8 ? buf.alloc<float>(size_t(p.B * p.Hkv * d) * sizeof(float)) : nullptr;
-  transpose_v(p.v, ldv, vt, flags + 2, pv_fp8, p.policy.scale_rule, vamax, vscale, stream);
 
   const Format fmt[2] = {p.policy.high, p.policy.low};
   PrefillParams pp{};
@@ -230,12 +229,17 @@ void dma_attention(const Problem& p) {
     pp.elem[s] = format_info(fmt[s]).elem;
     folds[s] = {k8, ks, krs, ksplit, kts, pp.elem[s] == Elem::e5m2};
   }
+  // The pre-pass's three independent jobs run concurrently: V on one side stream, K and its tile fold
+  // on the other, Q (the largest) on the caller's stream; the prefill waits for all three.
+  StreamFork fork(stream);
+  transpose_v(p.v, ldv, vt, flags + 2, pv_fp8, p.policy.scale_rule, vamax, vscale, fork.side(0));
   // The quantize pass reads every element of Q and K once and flags NaN/Inf on the way. (Q quantized
   // inside the prefill kernel instead was 5-12% slower at N = 16384: bench/RESULTS.md, session 8.)
-  quantize_rows(p.q, p.policy.scale_rule, qt[0], nslots == 2 ? qt[1] : QuantTarget{}, stream, flags);
-  quantize_rows(p.k, p.policy.scale_rule, kt[0], nslots == 2 ? kt[1] : QuantTarget{}, stream, flags + 1);
+  quantize_rows(p.k, p.policy.scale_rule, kt[0], nslots == 2 ? kt[1] : QuantTarget{}, fork.side(1), flags + 1);
   // one scale per key tile where exact (always for MXFP4 keys within 2^8)
-  fold_key_tiles(folds, nslots, p.B * p.Hkv, p.Nk, ldv, d, stream);
+  fold_key_tiles(folds, nslots, p.B * p.Hkv, p.Nk, ldv, d, fork.side(1));
+  quantize_rows(p.q, p.policy.scale_rule, qt[0], nslots == 2 ? qt[1] : QuantTarget{}, stream, flags);
+  fork.join();
   pp.nslots = nslots;
 
   pp.vt = vt;

@@ -3,6 +3,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <array>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -111,6 +112,72 @@ struct Buffers {
   ~Buffers() {
     for (void* p : ptrs) cudaFreeAsync(p, stream);
   }
+};
+
+// Independent pre-pass work on side streams: side(i) is ordered after everything enqueued on `main`
+// before the fork, and `main` waits for all of it when the fork ends (join(), or the destructor when
+// an error unwinds, before the caller's Buffers free their memory on `main`). The side streams are
+// non-blocking, so they overlap work on the legacy default stream too, and per host thread and device,
+// so concurrent callers never share an event between record and wait.
+class StreamFork {
+ public:
+  static constexpr int kSides = 2;
+  explicit StreamFork(cudaStream_t main) : main_(main), s_(sides()) {
+    check(cudaEventRecord(s_.fork, main_), "cudaEventRecord");
+    for (cudaStream_t side : s_.stream) check(cudaStreamWaitEvent(side, s_.fork, 0), "cudaStreamWaitEvent");
+  }
+  cudaStream_t side(int i) const { return s_.stream[i]; }
+  void join() {
+    if (joined_) return;
+    joined_ = true;
+    for (int i = 0; i < kSides; ++i) {
+      check(cudaEventRecord(s_.done[i], s_.stream[i]), "cudaEventRecord");
+      check(cudaStreamWaitEvent(main_, s_.done[i], 0), "cudaStreamWaitEvent");
+    }
+  }
+  ~StreamFork() {
+    if (joined_) return;
+    joined_ = true;
+    for (int i = 0; i < kSides; ++i) {
+      cudaEventRecord(s_.done[i], s_.stream[i]);
+      cudaStreamWaitEvent(main_, s_.done[i], 0);
+    }
+  }
+  StreamFork(const StreamFork&) = delete;
+  StreamFork& operator=(const StreamFork&) = delete;
+
+ private:
+  struct Sides {
+    std::array<cudaStream_t, kSides> stream{};
+    cudaEvent_t fork = nullptr;
+    std::array<cudaEvent_t, kSides> done{};
+  };
+  // Created on first use and kept for the thread's life (destroying them at thread exit could run
+  // after the CUDA context is gone).
+  static Sides& sides() {
+    constexpr int kMaxDevices = 64;
+    thread_local std::array<Sides*, kMaxDevices> per_device{};
+    int dev = 0;
+    check(cudaGetDevice(&dev), "cudaGetDevice");
+    if (dev >= kMaxDevices) throw Error("device index out of range for the side streams");
+    if (!per_device[dev]) {
+      auto* s = new Sides;
+      for (int i = 0; i < kSides; ++i) {
+        // The highest priority: the side work is small and latency-bound, so its blocks go ahead of the
+        // main stream's queued ones instead of waiting for them to drain.
+        int low = 0, high = 0;
+        check(cudaDeviceGetStreamPriorityRange(&low, &high), "cudaDeviceGetStreamPriorityRange");
+        check(cudaStreamCreateWithPriority(&s->stream[i], cudaStreamNonBlocking, high), "cudaStreamCreate");
+        check(cudaEventCreateWithFlags(&s->done[i], cudaEventDisableTiming), "cudaEventCreate");
+      }
+      check(cudaEventCreateWithFlags(&s->fork, cudaEventDisableTiming), "cudaEventCreate");
+      per_device[dev] = s;
+    }
+    return *per_device[dev];
+  }
+  cudaStream_t main_;
+  Sides& s_;
+  bool joined_ = false;
 };
 
 }  // namespace dmattn::cuda

@@ -373,6 +373,60 @@ TEST(GpuPrefill, UncheckedCallsAreStreamOrdered) {
   for (void* ptr : {q.data, k.data, v.data, qbad.data, static_cast<void*>(o1), static_cast<void*>(o2)}) cudaFree(ptr);
 }
 
+namespace {
+// Holds its stream for about `ns` nanoseconds: work enqueued after it runs late.
+__global__ void hold_stream(long long ns) {
+  const long long t0 = clock64();  // cycles; ~2 GHz at most, so ns cycles last >= ns / 2 ns
+  while (clock64() - t0 < ns) {
+  }
+}
+}  // namespace
+
+// The pre-pass runs on side streams (V, and K with its tile fold) next to Q on the caller's stream:
+// each must start only after the caller's earlier work, and the prefill only after all of them. Here
+// the caller's stream writes K and V late (behind a ~10 ms hold), over poisoned buffers, right before
+// the call: a side stream that did not wait would read the poison; a prefill that did not wait for
+// the side streams would read unfinished K or V codes. Bit-identical to a call on settled inputs.
+TEST(GpuPrefill, PrePassStreamsFollowTheCallersStream) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const int64_t H = 8, HKV = 2, N = 1000, d = 128;
+  QKV x = random_qkv({1, H, HKV, N, N, d}, fresh_seed(), DType::bf16);
+  const TensorView q = to_device(x.q), k = to_device(x.k), v = to_device(x.v);
+  const TensorView k2 = to_device(x.k), v2 = to_device(x.v);
+  const size_t n = size_t(H * N * d), kv_bytes = x.k.nbytes();
+  float *o1, *o2;
+  CUDA_OK(cudaMalloc(&o1, n * 4));
+  CUDA_OK(cudaMalloc(&o2, n * 4));
+  const TensorView out1 = TensorView::contiguous(o1, DType::f32, {1, H, N, d}, Device::cuda),
+                   out2 = TensorView::contiguous(o2, DType::f32, {1, H, N, d}, Device::cuda);
+  AttentionOptions o;
+  o.causal = true;
+  o.backend = Backend::cuda;
+  attention(q, k, v, out1, nullptr, o);  // settled inputs, default stream
+  CUDA_OK(cudaDeviceSynchronize());
+  cudaStream_t stream;
+  CUDA_OK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  for (bool check : {true, false}) {
+    CUDA_OK(cudaMemset(k2.data, 0x7B, kv_bytes));  // finite poison (bf16 0x7B7B ~ 1.3e36)
+    CUDA_OK(cudaMemset(v2.data, 0x3C, kv_bytes));
+    CUDA_OK(cudaMemset(o2, 0xFF, n * 4));
+    CUDA_OK(cudaDeviceSynchronize());
+    hold_stream<<<1, 1, 0, stream>>>(20'000'000);
+    CUDA_OK(cudaMemcpyAsync(k2.data, k.data, kv_bytes, cudaMemcpyDeviceToDevice, stream));
+    CUDA_OK(cudaMemcpyAsync(v2.data, v.data, kv_bytes, cudaMemcpyDeviceToDevice, stream));
+    o.stream = stream;
+    o.check_finite = check;
+    attention(q, k2, v2, out2, nullptr, o);
+    CUDA_OK(cudaStreamSynchronize(stream));
+    std::vector<float> a(n), b(n);
+    CUDA_OK(cudaMemcpy(a.data(), o1, n * 4, cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(b.data(), o2, n * 4, cudaMemcpyDeviceToHost));
+    ASSERT_EQ(std::memcmp(a.data(), b.data(), n * 4), 0) << "check_finite=" << check << ": the call did not follow its stream";
+  }
+  cudaStreamDestroy(stream);
+  for (void* ptr : {q.data, k.data, v.data, k2.data, v2.data, static_cast<void*>(o1), static_cast<void*>(o2)}) cudaFree(ptr);
+}
+
 TEST(GpuPrefill, RejectsWhatItCannotDo) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const QKV x = random_qkv({1, 1, 1, 8, 8, 64}, 1);
