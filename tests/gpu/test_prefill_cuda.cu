@@ -202,6 +202,14 @@ bool k_chosen(int64_t r) { return (r / 128) % 3 == 0 && r % 11 == 0; }
 const Policy kSpreadPolicies[] = {Policy{}, Policy::all(Format::mxfp4), Policy{Format::mxfp8_e4m3, Format::mxfp4, 2, 1}};
 
 // A contiguous device copy of a host tensor (the caller frees .data).
+// Whether two device buffers of n floats are bit-identical.
+bool device_equal(const float* x, const float* y, size_t n) {
+  std::vector<float> a(n), b(n);
+  EXPECT_EQ(cudaMemcpy(a.data(), x, n * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  EXPECT_EQ(cudaMemcpy(b.data(), y, n * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+  return std::memcmp(a.data(), b.data(), n * 4) == 0;
+}
+
 TensorView to_device(const HostTensor& t) {
   void* p = nullptr;
   EXPECT_EQ(cudaMalloc(&p, t.nbytes()), cudaSuccess);
@@ -356,15 +364,13 @@ TEST(GpuPrefill, UncheckedCallsAreStreamOrdered) {
   o.check_finite = false;
   attention(q, k, v, out2, nullptr, o);
   CUDA_OK(cudaStreamSynchronize(stream));
-  std::vector<float> a(n), b(n);
-  CUDA_OK(cudaMemcpy(a.data(), o1, n * 4, cudaMemcpyDeviceToHost));
-  CUDA_OK(cudaMemcpy(b.data(), o2, n * 4, cudaMemcpyDeviceToHost));
-  ASSERT_EQ(std::memcmp(a.data(), b.data(), n * 4), 0) << "unchecked call differs from the checked one";
+  ASSERT_TRUE(device_equal(o1, o2, n)) << "unchecked call differs from the checked one";
   o.check_finite = true;
   EXPECT_THROW(attention(qbad, k, v, out2, nullptr, o), Error);
   o.check_finite = false;
   EXPECT_NO_THROW(attention(qbad, k, v, out2, nullptr, o));
   CUDA_OK(cudaStreamSynchronize(stream));
+  std::vector<float> b(n);
   CUDA_OK(cudaMemcpy(b.data(), o2, n * 4, cudaMemcpyDeviceToHost));
   for (int64_t r = 0; r < H * N; ++r)
     for (int64_t c = 0; c < d; ++c)
@@ -418,10 +424,7 @@ TEST(GpuPrefill, PrePassStreamsFollowTheCallersStream) {
     o.check_finite = check;
     attention(q, k2, v2, out2, nullptr, o);
     CUDA_OK(cudaStreamSynchronize(stream));
-    std::vector<float> a(n), b(n);
-    CUDA_OK(cudaMemcpy(a.data(), o1, n * 4, cudaMemcpyDeviceToHost));
-    CUDA_OK(cudaMemcpy(b.data(), o2, n * 4, cudaMemcpyDeviceToHost));
-    ASSERT_EQ(std::memcmp(a.data(), b.data(), n * 4), 0) << "check_finite=" << check << ": the call did not follow its stream";
+    ASSERT_TRUE(device_equal(o1, o2, n)) << "check_finite=" << check << ": the call did not follow its stream";
   }
   cudaStreamDestroy(stream);
   for (void* ptr : {q.data, k.data, v.data, k2.data, v2.data, static_cast<void*>(o1), static_cast<void*>(o2)}) cudaFree(ptr);
