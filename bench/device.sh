@@ -25,20 +25,28 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 
 # AB="dirA dirB" (each laid out as PREBUILT): a variant against a baseline in one run. The GPU tests
 # matching AB_TESTS in each dir's last binary, then bench_prefill_cuda alternating between the dirs,
-# three pairs per N in AB_N, policy AB_POLICY; medians per dir last.
+# three pairs per N in AB_N, policy AB_POLICY; medians per dir last. AB_QUANT=1 adds the quantize bench,
+# AB_RACE=1 racecheck on the last dir with the prefill grid capped at 2 CTAs; AB_TIMEOUT (s) limits the tests.
 if [ -n "${AB:-}" ]; then
   last=${AB##* }
-  $last/tests/dmattn_gpu_tests --gtest_filter="${AB_TESTS:-GpuPrefill*}" >"$OUT/ab_tests.log" 2>&1
+  # A time limit on each step: a variant that hangs (a deadlock) must not spend the whole device call.
+  timeout "${AB_TIMEOUT:-240}" $last/tests/dmattn_gpu_tests --gtest_filter="${AB_TESTS:-GpuPrefill*}" >"$OUT/ab_tests.log" 2>&1
   trc=$?
   echo "tests ($last, ${AB_TESTS:-GpuPrefill*}): rc=$trc $(grep -cE '^\[       OK' "$OUT/ab_tests.log") passed; $(grep -E '^\[  FAILED' "$OUT/ab_tests.log" | head -3)"
+  [ $trc -eq 124 ] && { echo "the tests timed out: no timings"; exit $trc; }
+  if [ "${AB_RACE:-0}" = 1 ]; then  # racecheck on a small prefill case, the grid capped so each CTA walks several items
+    DMATTN_PREFILL_CTAS=2 timeout "${AB_TIMEOUT:-240}" compute-sanitizer --tool racecheck --error-exitcode 9 $last/tests/dmattn_gpu_tests \
+      --gtest_filter=GpuPrefill.MatchesCpuOracleWhereScalesDoNotFold >"$OUT/ab_racecheck.log" 2>&1
+    echo "racecheck ($last, 2 CTAs): rc=$? $(grep -m1 SUMMARY "$OUT/ab_racecheck.log")"
+  fi
   if [ "${AB_QUANT:-0}" = 1 ]; then  # the quantize pass too: each dir's bench_quantize_cuda, alternating
-    for rep in 1 2 3; do for dir in $AB; do echo "== $dir"; $dir/bench/bench_quantize_cuda | tail -4; done; done \
+    for rep in 1 2 3; do for dir in $AB; do echo "== $dir"; timeout 60 $dir/bench/bench_quantize_cuda | tail -4; done; done \
       | tee "$OUT/ab_quantize.txt"
   fi
   for n in ${AB_N:-4096 16384}; do
     it=$( ((n >= 65536)) && echo 2 || { ((n >= 16384)) && echo 5 || echo 20; })
     for rep in 1 2 3; do
-      for dir in $AB; do echo "$dir $($dir/bench/bench_prefill_cuda "$n" 128 "$it" "${AB_POLICY:-DMA-default}")"; done
+      for dir in $AB; do echo "$dir $(timeout 120 $dir/bench/bench_prefill_cuda "$n" 128 "$it" "${AB_POLICY:-DMA-default}")"; done
     done
   done | tee "$OUT/ab.txt"
   python3 - "$OUT/ab.txt" <<'PY'
