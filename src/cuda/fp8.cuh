@@ -3,6 +3,8 @@
 #pragma once
 #include <cstdint>
 
+#include "cuda/e2m1_bytes.hpp"  // prmt and the E2M1 widenings (host-testable)
+
 namespace dmattn::cuda {
 
 // Two values in one conversion: lo in the low byte.
@@ -45,23 +47,6 @@ __device__ __forceinline__ float fp8_decode(uint8_t b) {
   float f;
   asm("{.reg .b16 lo, hi; mov.b32 {lo, hi}, %1; cvt.f32.f16 %0, lo;}" : "=f"(f) : "r"(h2));
   return f;
-}
-
-// PTX prmt (byte permute of the 8 bytes of a and b), its sign-replicating mode included.
-__device__ __forceinline__ uint32_t prmt(uint32_t a, uint32_t b, uint32_t sel) {
-  uint32_t d;
-  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
-  return d;
-}
-
-// Four E2M1 codes (low 16 bits, low nibble first) -> four E4M3 bytes holding their values (exact:
-// every E2M1 value is an E4M3 value), for the decode kernel's FP8 mma and the quantize pass's
-// tensor-core form: the magnitude by a byte permute of the 8-entry table, the sign by a permute in
-// its sign-replicating mode (nibble i's sign bit lands on the top bit of the byte it selects).
-__device__ __forceinline__ uint32_t e2m1x4_to_e4m3x4(uint32_t x) {
-  const uint32_t mag = prmt(0x3C383000u, 0x4C484440u, x & 0x7777u);  // 0 .5 1 1.5 | 2 3 4 6
-  const uint32_t neg = prmt(x << 4, x, 0xD9C8u);                      // 0xFF where the code is negative
-  return mag | (neg & 0x80808080u);
 }
 
 }  // namespace dmattn::cuda
