@@ -25,8 +25,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 
 # AB="dirA dirB" (each laid out as PREBUILT): a variant against a baseline in one run. The GPU tests
 # matching AB_TESTS in each dir's last binary, then bench_prefill_cuda alternating between the dirs,
-# three pairs per N in AB_N, policy AB_POLICY; medians per dir last. AB_QUANT=1 adds the quantize bench,
-# AB_RACE=1 racecheck on the last dir with the prefill grid capped at 2 CTAs; AB_TIMEOUT (s) limits the tests.
+# three rounds per N in AB_N (AB_N= none), policy AB_POLICY; medians per dir last. AB_QUANT=1 adds the quantize
+# bench, AB_DECODE="pv:B:ctx ..." (e.g. mxfp4:16:32768) bench_decode_cuda the same way, AB_RACE=1 racecheck on
+# the last dir with the prefill grid capped at 2 CTAs; AB_TIMEOUT (s) limits the tests.
 if [ -n "${AB:-}" ]; then
   last=${AB##* }
   # A time limit on each step: a variant that hangs (a deadlock) must not spend the whole device call.
@@ -43,21 +44,21 @@ if [ -n "${AB:-}" ]; then
     for rep in 1 2 3; do for dir in $AB; do echo "== $dir"; timeout 60 $dir/bench/bench_quantize_cuda | tail -4; done; done \
       | tee "$OUT/ab_quantize.txt"
   fi
-  for n in ${AB_N:-4096 16384}; do
+  for spec in ${AB_DECODE:-}; do  # decode: "dir dmattn-pv B ctx us us_sync GB/s bytes" lines
+    IFS=: read -r pv b ctx <<<"$spec"
+    for rep in 1 2 3; do
+      for dir in $AB; do echo "$dir $(timeout 120 $dir/bench/bench_decode_cuda "$pv" "$b" "$ctx" | grep '^dmattn-')"; done
+    done
+  done | tee "$OUT/ab_decode.txt"
+  python3 bench/ab_medians.py "$OUT/ab_decode.txt" 4 us 1 2 3  # per (pv, B, ctx) and dir
+  for n in ${AB_N-4096 16384}; do
     it=$( ((n >= 65536)) && echo 2 || { ((n >= 16384)) && echo 5 || echo 20; })
     for rep in 1 2 3; do
       for dir in $AB; do echo "$dir $(timeout 120 $dir/bench/bench_prefill_cuda "$n" 128 "$it" "${AB_POLICY:-DMA-default}")"; done
     done
   done | tee "$OUT/ab.txt"
-  python3 - "$OUT/ab.txt" <<'PY'
-import sys, statistics, collections
-t = collections.defaultdict(list)
-for line in open(sys.argv[1]):
-    f = line.split()
-    if len(f) >= 6: t[(int(f[3]), f[0])].append(float(f[5]))
-for (n, d), v in sorted(t.items()): print(f"N={n:6d} {d:28s} median {statistics.median(v):.4f} ms  all {' '.join(f'{x:.4f}' for x in v)}")
-PY
-  cp "$OUT/ab.txt" "$RESULT_DIR/"
+  python3 bench/ab_medians.py "$OUT/ab.txt" 5 ms 3  # per N and dir
+  cp "$OUT/ab.txt" "$OUT/ab_decode.txt" "$RESULT_DIR/"
   exit $trc  # the tests' status, so a following run can depend on it
 fi
 
