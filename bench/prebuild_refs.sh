@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Builds, here, the sm_90a binaries of several git refs (each from its own worktree, laid out as
+# bench/prebuild.sh lays out build-prebuilt) into build-exp/NAME, and packs their bench/ and tests/ into
+# build-exp.tar.xz: about 3 MB a build, so one device call can carry many for an A/B run
+# (the working tree that travels is limited to 64 MiB; an unpacked build is ~17 MB).
+# usage: bash bench/prebuild_refs.sh NAME=REF[=CUDA_FLAGS] ...
+#   e.g. base=main imma=wip-decode-imma poly8=wip-exp2-poly=-DDMATTN_EXP2_POLY_EVERY=8
+# On the device (carry build-exp.tar.xz): tar -xJf build-exp.tar.xz && AB="build-exp/base build-exp/imma" bash bench/device.sh
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root=$PWD
+packed=()
+for spec in "$@"; do
+  IFS='=' read -r name ref flags <<<"$spec"
+  [ -n "$name" ] && [ -n "$ref" ] || { echo "bad spec '$spec' (want NAME=REF[=CUDA_FLAGS])" >&2; exit 2; }
+  wt=$root/.worktrees/$name
+  git worktree remove --force "$wt" 2>/dev/null || rm -rf "$wt"
+  git worktree add --detach "$wt" "$ref" >/dev/null
+  echo "== $name: $(git -C "$wt" log --oneline -1) ${flags:+(CUDA flags $flags)}"
+  cmake -S "$wt" -B "$wt/build-sm90" -G Ninja -DDMATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DDMATTN_PYTHON=OFF \
+    -DCMAKE_CUDA_FLAGS="${flags:-}" -DDMATTN_DEPS="$root/.deps" >/dev/null
+  cmake --build "$wt/build-sm90" --target bench_prefill_cuda bench_decode_cuda bench_quantize_cuda dmattn_gpu_tests \
+    | grep -E "error|[1-9][0-9]* bytes spill" || true
+  dir=build-exp/$name
+  mkdir -p "$dir/bench" "$dir/tests"
+  cp "$wt"/build-sm90/bench/bench_{prefill,decode,quantize}_cuda "$dir/bench/"
+  cp "$wt/build-sm90/tests/dmattn_gpu_tests" "$dir/tests/"
+  git -C "$wt" log --oneline -1 >"$dir/ref.txt"
+  packed+=("$dir")
+  git worktree remove --force "$wt"
+done
+tar -cJf build-exp.tar.xz "${packed[@]}"
+ls -la build-exp.tar.xz
