@@ -24,17 +24,22 @@ declare -A row
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 
 # AB="dirA dirB" (each laid out as PREBUILT): a variant against a baseline in one run. The GPU tests
-# matching AB_TESTS in each dir's last binary, then bench_prefill_cuda alternating between the dirs,
+# matching AB_TESTS of the last dir (or of each dir in AB_TEST_DIRS), then bench_prefill_cuda alternating between the dirs,
 # three rounds per N in AB_N (AB_N= none), policy AB_POLICY; medians per dir last. AB_QUANT=1 adds the quantize
 # bench, AB_DECODE="pv:B:ctx ..." (e.g. mxfp4:16:32768) bench_decode_cuda the same way, AB_RACE=1 racecheck on
 # the last dir with the prefill grid capped at 2 CTAs; AB_TIMEOUT (s) limits the tests.
 if [ -n "${AB:-}" ]; then
   last=${AB##* }
-  # A time limit on each step: a variant that hangs (a deadlock) must not spend the whole device call.
-  timeout "${AB_TIMEOUT:-240}" $last/tests/dmattn_gpu_tests --gtest_filter="${AB_TESTS:-GpuPrefill*}" >"$OUT/ab_tests.log" 2>&1
-  trc=$?
-  echo "tests ($last, ${AB_TESTS:-GpuPrefill*}): rc=$trc $(grep -cE '^\[       OK' "$OUT/ab_tests.log") passed; $(grep -E '^\[  FAILED' "$OUT/ab_tests.log" | head -3)"
-  [ $trc -eq 124 ] && { echo "the tests timed out: no timings"; exit $trc; }
+  trc=0
+  for dir in ${AB_TEST_DIRS:-$last}; do
+    # A time limit on each step: a variant that hangs (a deadlock) must not spend the whole device call.
+    log="$OUT/ab_tests_$(basename "$dir").log"
+    timeout "${AB_TIMEOUT:-240}" $dir/tests/dmattn_gpu_tests --gtest_filter="${AB_TESTS:-GpuPrefill*}" >"$log" 2>&1
+    rc=$?
+    echo "tests ($dir, ${AB_TESTS:-GpuPrefill*}): rc=$rc $(grep -cE '^\[       OK' "$log") passed; $(grep -E '^\[  FAILED' "$log" | head -3)"
+    [ $rc -eq 124 ] && { echo "the tests timed out: no timings"; exit $rc; }
+    [ $rc -ne 0 ] && trc=$rc
+  done
   if [ "${AB_RACE:-0}" = 1 ]; then  # racecheck on a small prefill case, the grid capped so each CTA walks several items
     DMATTN_PREFILL_CTAS=2 timeout "${AB_TIMEOUT:-240}" compute-sanitizer --tool racecheck --error-exitcode 9 $last/tests/dmattn_gpu_tests \
       --gtest_filter=GpuPrefill.MatchesCpuOracleWhereScalesDoNotFold >"$OUT/ab_racecheck.log" 2>&1
