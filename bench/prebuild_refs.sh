@@ -5,7 +5,7 @@
 # (the working tree that travels is limited to 64 MiB; an unpacked build is ~17 MB).
 # usage: bash bench/prebuild_refs.sh NAME=REF[=CUDA_FLAGS] ...
 #   e.g. base=main imma=wip-decode-imma poly8=wip-exp2-poly=-DDMATTN_EXP2_POLY_EVERY=8
-# On the device (carry build-exp.tar.xz): tar -xJf build-exp.tar.xz && AB="build-exp/base build-exp/imma" bash bench/device.sh
+# On the device (carry build-exp.tar.xz; python3 -m tarfile -e unpacks it where tar lacks xz): tar -xJf build-exp.tar.xz && AB="build-exp/base build-exp/imma" bash bench/device.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root=$PWD
