@@ -20,7 +20,8 @@ for spec in "$@"; do
   cmake -S "$wt" -B "$wt/build-sm90" -G Ninja -DDMATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DDMATTN_PYTHON=OFF \
     -DCMAKE_CUDA_FLAGS="${flags:-}" -DDMATTN_DEPS="$root/.deps" >/dev/null
   cmake --build "$wt/build-sm90" --target bench_prefill_cuda bench_decode_cuda bench_quantize_cuda dmattn_gpu_tests \
-    | grep -E "error|[1-9][0-9]* bytes spill" || true
+    >"$wt.log" 2>&1 || { tail -30 "$wt.log"; echo "$name ($ref) does not build" >&2; exit 1; }
+  grep -E "[1-9][0-9]* bytes spill" "$wt.log" || true
   dir=build-exp/$name
   mkdir -p "$dir/bench" "$dir/tests"
   cp "$wt"/build-sm90/bench/bench_{prefill,decode,quantize}_cuda "$dir/bench/"

@@ -135,12 +135,10 @@ class StreamFork {
       check(cudaStreamWaitEvent(main_, s_.done[i], 0), "cudaStreamWaitEvent");
     }
   }
-  ~StreamFork() {
-    if (joined_) return;
-    joined_ = true;
-    for (int i = 0; i < kSides; ++i) {
-      cudaEventRecord(s_.done[i], s_.stream[i]);
-      cudaStreamWaitEvent(main_, s_.done[i], 0);
+  ~StreamFork() {  // on unwind: the same join, its errors dropped (the one in flight is what gets reported)
+    try {
+      join();
+    } catch (...) {
     }
   }
   StreamFork(const StreamFork&) = delete;
@@ -162,11 +160,11 @@ class StreamFork {
     if (dev >= kMaxDevices) throw Error("device index out of range for the side streams");
     if (!per_device[dev]) {
       auto* s = new Sides;
+      // The highest priority: the side work is small and latency-bound, so its blocks go ahead of the
+      // main stream's queued ones instead of waiting for them to drain.
+      int low = 0, high = 0;
+      check(cudaDeviceGetStreamPriorityRange(&low, &high), "cudaDeviceGetStreamPriorityRange");
       for (int i = 0; i < kSides; ++i) {
-        // The highest priority: the side work is small and latency-bound, so its blocks go ahead of the
-        // main stream's queued ones instead of waiting for them to drain.
-        int low = 0, high = 0;
-        check(cudaDeviceGetStreamPriorityRange(&low, &high), "cudaDeviceGetStreamPriorityRange");
         check(cudaStreamCreateWithPriority(&s->stream[i], cudaStreamNonBlocking, high), "cudaStreamCreate");
         check(cudaEventCreateWithFlags(&s->done[i], cudaEventDisableTiming), "cudaEventCreate");
       }

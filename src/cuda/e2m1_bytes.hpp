@@ -38,7 +38,7 @@ DMATTN_HD uint32_t e2m1x4_to_e4m3x4(uint32_t x) {
 
 // Four E2M1 codes (low 16 bits) -> twice their values as unsigned bytes, split by sign: `pos` holds
 // 2|v| where the code is positive and 0 elsewhere, `neg` the same for the negative codes, so that
-// 2v = pos - neg byte by byte and a dot product with signed bytes q is pos.q + neg.(-q): two integer
+// 2v = pos - neg byte by byte and a dot product with signed bytes q is pos.q - neg.q: two integer
 // mmas (u8 x s8), exact. One permute each: a set nibble top bit (the sign) selects the replicated
 // top bit of a table byte, which is 0, so it zeroes the codes of the other sign; `flipped` is the
 // word with every sign bit inverted (x ^ 0x8888...), computed once for eight codes.

@@ -72,7 +72,6 @@ __device__ __forceinline__ uint8_t choose_e8m0_finite(float amax, ScaleRule rule
   return uint8_t(min(max(x, -127), 127) + 127);
 }
 
-
 // Two values already divided by their block's scale, rounded to E2M1 values (nearest-even,
 // saturating at 6: the codec's encode_e2m1) and returned as an f16 pair, lo in the low half, signs
 // kept (a negative value that rounds to zero gives -0, the codec's code 8). Exact only where both
