@@ -46,25 +46,41 @@ struct Lanes {
   int64_t nblk;
 };
 
+// A target's form: read from the QuantTarget at run time (RuntimeForm), or fixed at compile time for
+// the prefill pre-pass's two forms (FP8 bytes, folded; K's with row scales), with the row's lane
+// count: the encoder then runs without branches on the flags and its shuffle loops unroll.
+struct RuntimeForm {
+  static constexpr bool kFixed = false, kRows = false;
+  static constexpr int kRowLanes = 0;
+};
+template <bool kRowScales, int kLanes>
+struct PrefillForm {
+  static constexpr bool kFixed = true, kRows = kRowScales;
+  static constexpr int kRowLanes = kLanes;
+};
+
 // One target: scale, codes (optionally as FP8 bytes, folded), stores, row-scale flags.
-template <Elem E, bool kHalf>
+template <Elem E, bool kHalf, class F>
 __device__ __forceinline__ void emit(const QuantTarget& q, ScaleRule rule, const float (&v)[kPerLane], float amax,
                                      bool bad, const Lanes& l) {
+  const bool fp8_bytes = F::kFixed || q.fp8_bytes, fold = F::kFixed || q.fold;
+  const bool rows = F::kFixed ? F::kRows : q.row_scale != nullptr;
+  const int row_lanes = F::kFixed ? F::kRowLanes : l.row_lanes;
   uint2 w;
-  const uint8_t sc = encode_lane<E, kHalf>(rule, v, amax, bad, q.fp8_bytes, q.fold, l.row_lanes, w);
+  const uint8_t sc = encode_lane<E, kHalf>(rule, v, amax, bad, fp8_bytes, fold, row_lanes, w);
   if (l.active) {
     const int64_t d = l.nblk * kBlock;
     const int64_t first = int64_t(l.row) * d + int64_t(l.c) * kBlock + l.part * kPerLane;  // element index of w's first code
-    if (E == Elem::e2m1 && !q.fp8_bytes)
+    if (E == Elem::e2m1 && !fp8_bytes)
       *reinterpret_cast<uint32_t*>(q.codes + first / 2) = w.x;
     else
       *reinterpret_cast<uint2*>(q.codes + first) = w;
     // With row scales, the block scales take the same padded row layout: [B*H][row_pad][d/32].
     if (l.part == 0)
-      q.scales[q.row_scale ? (int64_t(l.bh) * q.row_pad + l.n) * l.nblk + l.c : int64_t(l.row) * l.nblk + l.c] = sc;
+      q.scales[rows ? (int64_t(l.bh) * q.row_pad + l.n) * l.nblk + l.c : int64_t(l.row) * l.nblk + l.c] = sc;
   }
-  if (q.row_scale) {  // uniform across the grid, like q.fold
-    const bool equal = row_scales_equal(sc, l.row_lanes);
+  if (rows) {  // uniform across the grid, like fold
+    const bool equal = row_scales_equal(sc, row_lanes);
     if (l.active && l.part == 0 && l.c == 0) {
       const bool uniform = equal && sc != kE8M0NaN;
       q.row_scale[int64_t(l.bh) * q.row_pad + l.n] = uniform ? decode_e8m0(sc) : -1.0f;
@@ -81,7 +97,8 @@ constexpr int kUnits = 2;
 // kPair: the element types of the two targets fixed at compile time (the prefill pre-pass's
 // E4M3 + E2M1), so both encoders inline into one straight line the scheduler can interleave; else
 // (kPair = false) chosen at run time by a switch per target.
-template <class T, bool kVector, bool kPair>
+// F: both targets' form (kPair only).
+template <class T, bool kVector, bool kPair, class F = RuntimeForm>
 __global__ void __launch_bounds__(256) quantize_rows_kernel(const T* __restrict__ x, Geometry g, uint32_t nblocks,
                                                             ScaleRule rule, QuantTarget t0, QuantTarget t1, Elem e0,
                                                             Elem e1, int targets, int* nonfinite) {
@@ -129,11 +146,11 @@ __global__ void __launch_bounds__(256) quantize_rows_kernel(const T* __restrict_
     if (bad && nonfinite && l[u].part == 0) atomicOr(nonfinite, 1);
     constexpr bool kHalf = sizeof(T) == 2;  // bf16 / fp16: E2M1 rounds in f16 pairs
     if constexpr (kPair) {
-      emit<Elem::e4m3, kHalf>(t0, rule, v, amax, bad, l[u]);
-      emit<Elem::e2m1, kHalf>(t1, rule, v, amax, bad, l[u]);
+      emit<Elem::e4m3, kHalf, F>(t0, rule, v, amax, bad, l[u]);
+      emit<Elem::e2m1, kHalf, F>(t1, rule, v, amax, bad, l[u]);
     } else {
-      with_elem(e0, [&](auto e) { emit<decltype(e)::value, kHalf>(t0, rule, v, amax, bad, l[u]); });
-      if (targets == 2) with_elem(e1, [&](auto e) { emit<decltype(e)::value, kHalf>(t1, rule, v, amax, bad, l[u]); });
+      with_elem(e0, [&](auto e) { emit<decltype(e)::value, kHalf, F>(t0, rule, v, amax, bad, l[u]); });
+      if (targets == 2) with_elem(e1, [&](auto e) { emit<decltype(e)::value, kHalf, F>(t1, rule, v, amax, bad, l[u]); });
     }
   }
 }
@@ -172,11 +189,26 @@ void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first
   // A tensor this large (2^35 elements) cannot sit on one GPU next to its quantized copies.
   if (nblocks * 4 + threads * kUnits >= (int64_t(1) << 32)) throw Error("quantize_rows: tensor too large (2^35 elements or more)");
   const bool pair = vec && targets == 2 && e0 == Elem::e4m3 && e1 == Elem::e2m1;
+  // The prefill pre-pass's forms, both targets alike, d = 64 or 128: compiled for (see PrefillForm).
+  const bool rows = first.row_scale != nullptr;
+  const bool prefill_form = pair && first.fp8_bytes && first.fold && second.fp8_bytes && second.fold &&
+                            rows == (second.row_scale != nullptr) && (nblk == 2 || nblk == 4);
   with_typed(x, [&](auto* typed) {
     using T = std::remove_pointer_t<decltype(typed)>;
     auto go = [&](auto kernel) {
       kernel<<<grid, threads, 0, stream>>>(typed, g, uint32_t(nblocks), rule, first, second, e0, e1, targets, nonfinite);
     };
+    if constexpr (sizeof(T) == 2) {  // (bf16 / fp16: the prefill's inputs)
+      if (prefill_form) {
+        if (rows)
+          nblk == 4 ? go(quantize_rows_kernel<T, true, true, PrefillForm<true, 16>>)
+                    : go(quantize_rows_kernel<T, true, true, PrefillForm<true, 8>>);
+        else
+          nblk == 4 ? go(quantize_rows_kernel<T, true, true, PrefillForm<false, 16>>)
+                    : go(quantize_rows_kernel<T, true, true, PrefillForm<false, 8>>);
+        return;
+      }
+    }
     if (pair)
       go(quantize_rows_kernel<T, true, true>);
     else if (vec)
