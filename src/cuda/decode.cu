@@ -154,15 +154,42 @@ __device__ __forceinline__ void promote(float (&s)[4], float m0, float m1, float
   s[3] += (m1 * n.y) * d[3];
 }
 
+// The A fragment words of block c of an E2M1 key row as twice its values in unsigned bytes, split
+// by sign (pos: slots 4t.. and 16+4t..; neg likewise; e2m1_bytes.hpp): 7 instructions for 8 codes.
+__device__ __forceinline__ void k_split_words(const uint8_t* row, int key, int c, int t, uint32_t& p0, uint32_t& p1,
+                                              uint32_t& n0, uint32_t& n1) {
+  const uint32_t w = *reinterpret_cast<const uint32_t*>(row + swz(key, c * 16 + 4 * t)), f = w ^ 0x88888888u;
+  p0 = e2m1x4_pos_x2(w);
+  p1 = e2m1x4_pos_x2(w >> 16);
+  n0 = e2m1x4_neg_x2(f);
+  n1 = e2m1x4_neg_x2(f >> 16);
+}
+
+// The E2M1 block dot x4 as pos.q - neg.q, two independent integer mmas (exact). Both sums start
+// from the bits of 1.5 * 2^23 (each stays within 2^22 of it), so they land in floats of one binade and
+// one subtraction each gives the dot exactly, with no int-to-float conversion.
+__device__ __forceinline__ void mma_e2m1_block(float d[4], const uint32_t (&pos)[4], const uint32_t (&neg)[4], uint32_t b0,
+                                               uint32_t b1) {
+  constexpr int kMagic = 0x4B400000;
+  const int c0[4] = {kMagic, kMagic, kMagic, kMagic};
+  int dp[4], dn[4];
+  mma_u8s8_block(dp, pos, b0, b1, c0);
+  mma_u8s8_block(dn, neg, b0, b1, c0);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) d[i] = __int_as_float(dp[i]) - __int_as_float(dn[i]);
+}
+
 // S^T = K.q^T for the warp's 32 keys (2 tiles of 16, the mma's M) against the CTA's rows (kNR tiles
 // of 8, its N): with the query rows in N, a GQA group of 4 or 8 rows wastes no more than half of
 // the mma (in M it wasted three quarters). Per 32-wide block of d an mma into a fresh accumulator,
-// then s += (sk * sq) * dot, blocks in order (the oracle's order).
+// then s += (sk * sq) * dot, blocks in order (the oracle's order). E2M1 pages run the integer mma
+// (mma_e2m1_block; their sq holds a quarter of q's scale), the others the FP8 one.
 // s[mt][nr][i]: key 16mt + g + 8*(i/2) of the warp's keys, row 8nr + 2t + i%2.
 template <int D, int kNR, Elem E>
 __device__ __forceinline__ void block_scores(const uint8_t* K, const uint8_t* ks, const uint32_t* qb, const float* sq,
                                              const uint8_t* lut, float (&s)[2][kNR][4]) {
   constexpr int NB = D / 32, kRows = 8 * kNR;
+  constexpr bool kInt = E == Elem::e2m1;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   uint32_t w[2][2];  // the scale words of keys 16mt + g + 8h
 #pragma unroll
@@ -174,7 +201,10 @@ __device__ __forceinline__ void block_scores(const uint8_t* K, const uint8_t* ks
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[mt][nr][i] = 0.0f;
   }
-#pragma unroll
+  // The E2M1 path, unrolled over every block, needs a few more registers than the three-CTA instance
+  // (168) or the 16-row bf16-V one (255) have (ptxas spilled): two blocks at a time fit, or one at 16 rows.
+  constexpr int kUnrollC = kInt ? 3 - kNR : NB;
+#pragma unroll kUnrollC
   for (int c = 0; c < NB; ++c) {
     uint32_t b[kNR][2];
     float2 sqr[kNR];  // rows 8nr + 2t, +1
@@ -187,14 +217,22 @@ __device__ __forceinline__ void block_scores(const uint8_t* K, const uint8_t* ks
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
       const int key = 16 * mt + g;
-      uint32_t a[4];
-      k_words<E>(K + key * 128, key, c, t, lut, a[0], a[2]);
-      k_words<E>(K + (key + 8) * 128, key + 8, c, t, lut, a[1], a[3]);
+      uint32_t a[4], an[4];
+      if constexpr (kInt) {
+        k_split_words(K + key * 128, key, c, t, a[0], a[2], an[0], an[2]);
+        k_split_words(K + (key + 8) * 128, key + 8, c, t, a[1], a[3], an[1], an[3]);
+      } else {
+        k_words<E>(K + key * 128, key, c, t, lut, a[0], a[2]);
+        k_words<E>(K + (key + 8) * 128, key + 8, c, t, lut, a[1], a[3]);
+      }
       const float sk0 = e8m0_of_byte(w[mt][0], c), sk1 = e8m0_of_byte(w[mt][1], c);
 #pragma unroll
       for (int nr = 0; nr < kNR; ++nr) {
         float d[4];
-        mma_fp8_block<E == Elem::e5m2>(d, a, b[nr][0], b[nr][1]);
+        if constexpr (kInt)
+          mma_e2m1_block(d, a, an, b[nr][0], b[nr][1]);
+        else
+          mma_fp8_block<E == Elem::e5m2>(d, a, b[nr][0], b[nr][1]);
         promote(s[mt][nr], sk0, sk1, sqr[nr], d);
       }
     }
@@ -379,14 +417,26 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
     uint8_t code = sc == kE8M0NaN ? uint8_t(0) : encode_elem(e, hd::ldexp2(v, 127 - int(sc)));
     if (e != Elem::e4m3 && e != Elem::e5m2) code = fp8_encode<false>(decode_elem(e, code));
     q8[(sl * kRows + r) * D + c * 32 + lane] = code;
-    if (lane == 0) sq[(sl * NB + c) * kRows + r] = r < rows ? decode_e8m0(sc) : 0.0f;
+    // E2M1: block_scores' integer dot is 4x the values' (both operands doubled); a power of two, exact.
+    if (lane == 0) sq[(sl * NB + c) * kRows + r] = r < rows ? decode_e8m0(sc) * (e == Elem::e2m1 ? 0.25f : 1.0f) : 0.0f;
     if (lane == 0 && bad && p.nonfinite) *p.nonfinite = 1;
   }
   __syncthreads();
-  // q^T as B fragments (row 8nr + g; contraction slots ordered by d_of_slot), per slot.
+  // q^T as B fragments (row 8nr + g; contraction slots ordered by d_of_slot), per slot: FP8 bytes, or
+  // for an E2M1 slot twice the values as signed bytes (block_scores' integer mma).
   for (int i = tid; i < 2 * NB * kNR * 2 * 32; i += kThreads) {
     const int sl = i / (NB * kNR * 64), c = i / (kNR * 64) % NB, nr = i / 64 % kNR, h = i / 32 % 2, ln = i % 32;
-    qb[i] = *reinterpret_cast<const uint32_t*>(q8 + (sl * kRows + 8 * nr + ln / 4) * D + c * 32 + d_of_slot(16 * h + 4 * (ln % 4)));
+    uint32_t x = *reinterpret_cast<const uint32_t*>(q8 + (sl * kRows + 8 * nr + ln / 4) * D + c * 32 + d_of_slot(16 * h + 4 * (ln % 4)));
+    if (p.kelem[sl] == Elem::e2m1) {
+      uint32_t y = 0;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int v = int(2.0f * fp8_decode<false>(uint8_t(x >> (8 * k))));  // E2M1 values: |2v| <= 12, exact
+        y |= uint32_t(uint8_t(int8_t(v))) << (8 * k);
+      }
+      x = y;
+    }
+    qb[i] = x;
   }
   for (int i = tid; i < 128; i += kThreads) {  // FP6 codes widened to E4M3 bytes (exact)
     const Elem e = p.kelem[i / 64];

@@ -30,6 +30,15 @@ __device__ __forceinline__ void mma_fp8_block(float d[4], const uint32_t a[4], u
   }
 }
 
+// d = A.B + c for one 32-wide block in integers: A unsigned bytes, B signed bytes, int32 sums (exact;
+// sm_90 runs this mma natively, IMMA). The decode's E2M1 pages take this path (cuda/e2m1_bytes.hpp).
+__device__ __forceinline__ void mma_u8s8_block(int d[4], const uint32_t a[4], uint32_t b0, uint32_t b1, const int c[4]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
+      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]));
+}
+
 // d += A.B for a 16x8 tile over 16 keys in bf16 (A: P rows, B: V columns), fp32 accumulate.
 __device__ __forceinline__ void mma_bf16_16816(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
   asm volatile(
