@@ -315,6 +315,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
   const int j0 = int(int64_t(split) * np / eff), j1 = int(int64_t(split + 1) * np / eff);
   const int32_t* table = p.kv.table + int64_t(s) * p.kv.max_pages;
   auto stage_of = [&](int i) { return smem + (i * kWarps + warp) * S_::kWarpStage; };
+  const uint32_t smem32 = uint32_t(__cvta_generic_to_shared(smem));
 
   // Page ids and formats of this split, 32 pages at a time in the warp's lanes (one a lane), the
   // next 32 loaded a window ahead: the two dependent global loads stay off the per-page path.
@@ -344,49 +345,47 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
       ring = (ring & ~(1u << stage)) | uint32_t(sl) << stage;
       const int key0 = 32 * warp, live = L - j * T - key0;  // keys present of the 32
       const int64_t head = int64_t(pid) * p.kv.Hkv + hk;
-      uint8_t* st = stage_of(stage);
-      if (elem_of(sl) == Elem::e2m1) {  // d/2 packed bytes a row
-        const uint8_t* gk = p.kv.codes + int64_t(pid) * p.kv.Hkv * T * D + (int64_t(hk) * T + key0) * (D / 2);
+      // Copy i = lane + 32k of each part: the shared address a 32-bit offset, the global one the lane's
+      // base plus k times a constant, so that the per-copy arithmetic folds into immediates (the
+      // 64-bit address of each copy took ~4 instructions, session 14 SASS).
+      const uint32_t st = smem32 + uint32_t((stage * kWarps + warp) * S_::kWarpStage);
+      // K rows of C 16-byte chunks (32 / C keys a step): copy i is key i / C, chunk i % C. The swizzle
+      // depends on key % 8, which is the lane's at every k when 32 / C is a multiple of 8; with 4 (FP8
+      // codes at d = 128: key = lane / 8 < 4) a step of 4 keys flips the chunk's lowest bit on odd k.
+      auto copy_k = [&](auto cc, int64_t row_bytes) {
+        constexpr int C = decltype(cc)::value, kStep = 32 / C;
+        const uint8_t* gk = p.kv.codes + int64_t(pid) * p.kv.Hkv * T * D + (int64_t(hk) * T + key0) * row_bytes + lane * 16;
+        const int key = lane / C;
+        const uint32_t o = uint32_t(key * S_::kKRow + swz(key, lane % C * 16));
 #pragma unroll
-        for (int k = 0; k < D / 32; ++k) {
-          const int i = lane + 32 * k, key = i / (D / 32);
-          cp_async16(st + key * S_::kKRow + swz(key, (i % (D / 32)) * 16), gk + i * 16);
-        }
-      } else {
-        const uint8_t* gk = p.kv.codes + int64_t(pid) * p.kv.Hkv * T * D + (int64_t(hk) * T + key0) * D;
-#pragma unroll
-        for (int k = 0; k < D / 16; ++k) {
-          const int i = lane + 32 * k, key = i / (D / 16);
-          cp_async16(st + key * S_::kKRow + swz(key, (i % (D / 16)) * 16), gk + i * 16);
-        }
-      }
+        for (int k = 0; k < C; ++k)
+          cp_async16(st + ((o ^ (kStep % 8 != 0 && (k & 1) ? 16u : 0u)) + uint32_t(k * kStep * S_::kKRow)), gk + k * 512);
+      };
+      if (elem_of(sl) == Elem::e2m1)
+        copy_k(std::integral_constant<int, D / 32>{}, D / 2);  // d/2 packed bytes a row
+      else
+        copy_k(std::integral_constant<int, D / 16>{}, D);
       const uint8_t* gs = p.kv.scales + (head * T + key0) * NB;
-      if (lane < S_::kS / 16) cp_async16(st + S_::kK + lane * 16, gs + lane * 16);
-      uint8_t* sv = st + S_::kK + S_::kS;
+      if (lane < S_::kS / 16) cp_async16(st + uint32_t(S_::kK + lane * 16), gs + lane * 16);
+      const uint32_t sv = st + uint32_t(S_::kK + S_::kS);
       if constexpr (kPV8) {  // V^T: each column's 32 keys (two chunks), then the block's scales
-        if constexpr (kVB == 8) {
-          const uint8_t* gv = p.kv.v8 + head * T * D + key0;
+        if constexpr (kVB == 8) {  // copy i: column i / 2, chunk i % 2; device rows T bytes
+          const uint8_t* gv = p.kv.v8 + head * T * D + key0 + lane / 2 * T + lane % 2 * 16;
 #pragma unroll
-          for (int k = 0; k < D / 16; ++k) {
-            const int i = lane + 32 * k;
-            cp_async16(sv + i * 16, gv + (i / 2) * T + (i % 2) * 16);
-          }
-        } else {  // E2M1: a column's 32 keys are 16 bytes, device rows T / 2 bytes
-          const uint8_t* gv = p.kv.v8 + head * (T / 2) * D + key0 / 2;
+          for (int k = 0; k < D / 16; ++k) cp_async16(sv + uint32_t((lane + 32 * k) * 16), gv + k * 16 * T);
+        } else {  // E2M1: a column's 32 keys are 16 bytes, device rows T / 2 bytes; copy i: column i
+          const uint8_t* gv = p.kv.v8 + head * (T / 2) * D + key0 / 2 + lane * (T / 2);
 #pragma unroll
-          for (int k = 0; k < D / 32; ++k) {
-            const int i = lane + 32 * k;
-            cp_async16(sv + i * 16, gv + i * (T / 2));
-          }
+          for (int k = 0; k < D / 32; ++k) cp_async16(sv + uint32_t((lane + 32 * k) * 16), gv + k * 32 * (T / 2));
         }
         const uint8_t* gvs = p.kv.vs + head * 4 * D + warp * D;
-        if (lane < D / 16) cp_async16(sv + S_::kVRow * D + lane * 16, gvs + lane * 16);
+        if (lane < D / 16) cp_async16(sv + uint32_t(S_::kVRow * D + lane * 16), gvs + lane * 16);
       } else {  // zeros past the sequence: P = 0 there must not meet a stale NaN
-        const uint8_t* gv = reinterpret_cast<const uint8_t*>(p.kv.v + (head * T + key0) * D);
+        const uint8_t* gv = reinterpret_cast<const uint8_t*>(p.kv.v + (head * T + key0) * D) + lane * 16;
 #pragma unroll
         for (int k = 0; k < D / 8; ++k) {
           const int i = lane + 32 * k, key = i / (D / 8);
-          cp_async16(sv + key * 2 * D + swz(key, (i % (D / 8)) * 16), gv + i * 16, key < live);
+          cp_async16(sv + uint32_t(key * 2 * D + swz(key, (i % (D / 8)) * 16)), gv + k * 512, key < live);
         }
       }
     }
