@@ -271,7 +271,7 @@ __device__ __forceinline__ void p_block_scales(const float (&sc)[2][kNR][4], int
     float amax = 0.0f;
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) amax = fmaxf(amax, fmaxf(sc[mt][nr][r], sc[mt][nr][2 + r]));
-    const uint8_t e = choose_e8m0(over_g(amax, kMaxOp), Elem::e4m3, rule);
+    const uint8_t e = choose_e8m0_nonneg(over_g(amax, kMaxOp), Elem::e4m3, rule);  // p in [0, 1]: finite
     inv[r] = inverse_e8m0(e);
     ps[r] = decode_e8m0(e);
   }
