@@ -607,7 +607,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
           uint32_t a[4];
           ldmatrix_x4_trans(a, V + key * 2 * D + swz(key, (16 * md + 8 * (mi % 2)) * 2));
 #pragma unroll
-          for (int nr = 0; nr < kNR; ++nr) mma_bf16_16816(acc[md][nr], a, bq[nr][0], bq[nr][1]);
+          for (int nr = 0; nr < kNR; ++nr) mma_16816<true>(acc[md][nr], a, bq[nr][0], bq[nr][1]);
         }
       }
     }
