@@ -22,20 +22,22 @@ __device__ __forceinline__ uint8_t fp8_encode(float x) { return uint8_t(fp8x2_en
 
 // Every E4M3 and E5M2 value is an fp16 value, so widening to f16 is exact, and so is narrowing an
 // f16 that holds such a value back (the decode kernel transposes FP8 pairs through f16 this way).
-// Two FP8 bytes (the low 16 bits of x, low byte first; kHigh: the high 16 bits) -> two f16 (low half
-// first), and back. The half is picked inside the conversion (F2FP's .H1), not by a shift.
-template <bool kE5M2, bool kHigh = false>
+// Two FP8 bytes (low 16 bits of x, low byte first) -> two f16 (low half first), and back.
+template <bool kE5M2>
 __device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t x) {
   uint32_t r;
-  if constexpr (kE5M2 && kHigh)
-    asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e5m2x2 %0, h;}" : "=r"(r) : "r"(x));
-  else if constexpr (kE5M2)
-    asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e5m2x2 %0, l;}" : "=r"(r) : "r"(x));
-  else if constexpr (kHigh)
-    asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, h;}" : "=r"(r) : "r"(x));
+  if constexpr (kE5M2)
+    asm("cvt.rn.f16x2.e5m2x2 %0, %1;" : "=r"(r) : "h"(uint16_t(x)));
   else
-    asm("{.reg .b16 l, h; mov.b32 {l, h}, %1; cvt.rn.f16x2.e4m3x2 %0, l;}" : "=r"(r) : "r"(x));
+    asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(uint16_t(x)));
   return r;
+}
+// The high 16 bits of x by an unpack, which ptxas folds into the consumer's half select (F2FP .H1):
+// x >> 16 cost a shift instruction each.
+__device__ __forceinline__ uint32_t hi16(uint32_t x) {
+  uint16_t l, h;
+  asm("mov.b32 {%0, %1}, %2;" : "=h"(l), "=h"(h) : "r"(x));
+  return h;
 }
 template <bool kE5M2>
 __device__ __forceinline__ uint32_t f16x2_to_fp8x2(uint32_t x) {

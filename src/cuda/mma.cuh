@@ -47,7 +47,7 @@ __device__ __forceinline__ void mma_16816(float d[4], const uint32_t a[4], uint3
 template <bool kE5M2>
 __device__ __forceinline__ void mma_fp8_block(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
   auto lo = [](uint32_t x) { return fp8x2_to_f16x2<kE5M2>(x); };
-  auto hi = [](uint32_t x) { return fp8x2_to_f16x2<kE5M2, true>(x); };
+  auto hi = [](uint32_t x) { return fp8x2_to_f16x2<kE5M2>(hi16(x)); };
   const uint32_t a1[4] = {lo(a[0]), lo(a[1]), hi(a[0]), hi(a[1])}, a2[4] = {lo(a[2]), lo(a[3]), hi(a[2]), hi(a[3])};
 #pragma unroll
   for (int i = 0; i < 4; ++i) d[i] = 0.0f;
