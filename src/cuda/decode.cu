@@ -2,18 +2,18 @@
 // runs 8 or 16 query rows of one KV head (of the G = Hq/Hkv query heads x Nq new queries: GQA
 // packing, so a page is read once per KV head, not once per query head). Each of the CTA's four
 // warps owns one 32-key block of every page and streams it through its own cp.async stages. Both
-// products run on the tensor cores with FP8 mma.sync (sm_90 has no FP8 path behind mma.sync: ptxas
-// widens both operands to f16, exactly, and issues two f16 mmas; widening q once per CTA instead
-// saved 1.5% of the instructions and no time, session 8), transposed so the query rows are the mma's N:
-// S^T per 32-wide block of d (E2M1 and FP6 pages widened to E4M3 bytes, exactly), scaled by the
-// two E8M0 scales and summed over blocks in order as the CPU oracle does; the
-// softmax stays in registers (the page's row maxima are the only thing the warps exchange);
+// products run on the tensor cores, transposed so the query rows are the mma's N: S^T per 32-wide
+// block of d, E2M1 pages on the integer mma (K and q as bytes of twice their values, exact), FP8 and
+// FP6 pages as FP8 block dots (sm_90 has no FP8 mma.sync: two f16 mmas on operands widened exactly,
+// mma_fp8_block; widening q once per CTA instead saved 1.5% of the instructions and no time, session
+// 8), scaled by the two E8M0 scales and summed over blocks in order as the CPU oracle does; the
+// softmax stays in registers, in base 2 (the page's row maxima are the only thing the warps exchange);
 // P (rounded to bf16, as the oracle) times V in bf16 with fp32 accumulation, or with pv = mxfp8 /
 // mxfp4 P quantized to MXFP8 per 32 keys (a warp's block) times V's MXFP8 codes (or MXFP4 codes
-// widened to E4M3) with FP8 mma.sync, scaled by P's and V's block scales. A second kernel
-// merges the splits by LSE. At Nq = 1 the work per byte is tiny: the page bytes (K at 4.25 or 8.25
-// bits, V at 16, 8.25 or 4.25) set the time,
-// so the kernel's job is to keep enough of them in flight with few instructions per byte.
+// widened to E4M3) as FP8 block dots, scaled by P's and V's block scales. A second kernel merges the
+// splits by LSE. At Nq = 1 the work per byte is tiny: the page bytes (K at 4.25 or 8.25 bits, V at
+// 16, 8.25 or 4.25) set the time, so the kernel's job is to keep enough of them in flight with few
+// instructions per byte.
 #include "cuda/decode.cuh"
 
 #include <algorithm>
