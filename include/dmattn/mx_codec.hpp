@@ -165,7 +165,7 @@ DMATTN_HD uint8_t choose_e8m0(float amax, Elem e, ScaleRule rule) {
   return uint8_t(x + 127);
 }
 
-// choose_e8m0 without branches for a finite amax >= 0 (blocks of probabilities on the GPU): the exponent
+// choose_e8m0 without branches for a finite amax >= 0 (the GPU quantize pass, the decode's P blocks): the exponent
 // field as in choose_e8m0's fast path, clamped. A zero or subnormal amax (field 0) then clamps to code 0,
 // as in choose_e8m0, for every element type (emax >= 2: -127 - emax + 1 < -127).
 DMATTN_HD uint8_t choose_e8m0_nonneg(float amax, Elem e, ScaleRule rule) {
