@@ -53,9 +53,9 @@ struct Params {
   int64_t qsb, qsh, qsn;
   int* nonfinite;        // set to 1 where q holds NaN / Inf
   Elem kelem[2];         // K's element type per slot (q's too: it takes the page's format)
-  float* part;           // [rows][splits][d + 2]: unnormalised acc, m (log2 units), l
+  float* part;           // [rows][splits][d + 2]: unnormalised acc, m (raw score units), l
   int Hq, Nq, G, splits, chunks;
-  float scale;           // softmax scale x log2(e): the kernel's softmax runs in base 2 (ex2.approx; m in log2 units)
+  float scale;           // softmax scale x log2(e): the softmax runs in base 2 (ex2.approx) on (s - m) x scale
   ScaleRule rule;        // pv != bf16: P's 32-key blocks take their scales by this rule
 };
 
@@ -487,7 +487,8 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
         case Elem::e2m1: block_scores<D, kNR, Elem::e2m1>(st, st + S_::kK, qs, sqs, lt, sc); break;
       }
     }
-    // Scale, mask (keys past each row's end: -inf), the rows' maxima over this warp's keys.
+    // Mask (keys past each row's end: -inf), the rows' maxima over this warp's raw scores (the scale is
+    // applied to s - m below, scale > 0).
     const int kbase = j * T + 32 * warp + g;
     const bool whole = (j + 1) * T <= L - p.Nq + 1;  // every row sees every key of the page
     float mx[kNR][2];
@@ -499,7 +500,6 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           float& x = sc[mt][nr][i];
-          x *= p.scale;
           if (!whole && kbase + 16 * mt + 8 * (i / 2) >= kend[nr][i % 2]) x = -INFINITY;
           mx[nr][i % 2] = fmaxf(mx[nr][i % 2], x);
         }
@@ -519,7 +519,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
         for (int w = 1; w < kWarps; ++w) pm = fmaxf(pm, red[w * kRows + row]);
         const float mnew = fmaxf(m[nr][r], pm);
         // A row that has seen no key yet keeps its state (as if the page were skipped).
-        alpha[nr][r] = mnew == -INFINITY ? 1.0f : exp2_approx(m[nr][r] - mnew);
+        alpha[nr][r] = mnew == -INFINITY ? 1.0f : exp2_approx((m[nr][r] - mnew) * p.scale);
         mref[nr][r] = mnew == -INFINITY ? 0.0f : mnew;
         m[nr][r] = mnew;
         l[nr][r] *= alpha[nr][r];
@@ -531,9 +531,12 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
       for (int nr = 0; nr < kNR; ++nr)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          // Base 2 on the SFU: one FADD and a MUFU, where expf took ~9 instructions (the logits already
-          // carry log2(e), rounded once as the scale's product was before). masked: 2^-inf = 0.
-          sc[mt][nr][i] = exp2_approx(sc[mt][nr][i] - mref[nr][i % 2]);
+          // Base 2 on the SFU: FADD, FMUL and a MUFU, where expf took ~9 instructions. The scale (with
+          // log2 e) multiplies s - m, not s: scaling s first rounds each logit at its own magnitude, an
+          // error of |logit| x 2^-24 in the exponent that the difference then keeps (4e-5 rel. L2 against
+          // the oracle at d = 64, whose scale 1/8 is exact on the CPU); s - m is exact near the maximum,
+          // where P matters. masked: -inf x scale = -inf, 2^-inf = 0.
+          sc[mt][nr][i] = exp2_approx((sc[mt][nr][i] - mref[nr][i % 2]) * p.scale);
           l[nr][i % 2] += sc[mt][nr][i];
         }
     if (__any_sync(0xffffffffu, rescale)) {
@@ -652,7 +655,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
 // empty split is zeros with m = -inf, weight 0), so they are in flight together.
 template <class TOut>
 __global__ void merge_splits(const float* part, int64_t rows, int splits, int d, TOut* out, int64_t osb, int64_t osh,
-                             int64_t osn, int Hq, int Nq, float* lse) {
+                             int64_t osn, int Hq, int Nq, float scale, float* lse) {
   const int64_t wid = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32, row = wid / (d / 32);
   const int lane = threadIdx.x % 32, c = int(wid % (d / 32)) * 32 + lane;
   if (row >= rows) return;
@@ -661,9 +664,9 @@ __global__ void merge_splits(const float* part, int64_t rows, int splits, int d,
   for (int sp = lane; sp < splits; sp += 32) M = fmaxf(M, pr[sp * (d + 2) + d]);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-  auto weight = [&](int sp) {  // 2^(m - M) of split sp (0 for an empty one; the kernel's m is in log2 units)
+  auto weight = [&](int sp) {  // exp(scale (m - M)) of split sp (0 for an empty one; m: raw scores)
     const float m = pr[sp * (d + 2) + d];
-    return m == -INFINITY ? 0.0f : exp2f(m - M);
+    return m == -INFINITY ? 0.0f : expf((m - M) * scale);
   };
   const float w_lane = lane < splits ? weight(lane) : 0.0f;  // the first 32 splits' weights, a lane each
   float lsum = 0.0f;
@@ -675,7 +678,7 @@ __global__ void merge_splits(const float* part, int64_t rows, int splits, int d,
   for (int sp = 0; sp < splits; ++sp) o += pr[sp * (d + 2) + c] * (sp < 32 ? __shfl_sync(0xffffffffu, w_lane, sp) : weight(sp));
   const int64_t s = row / (int64_t(Hq) * Nq), h = row / Nq % Hq, r = row % Nq;
   out[s * osb + h * osh + r * osn + c] = from_float<TOut>(o / lsum);
-  if (lse && c == 0) lse[row] = M * 0.69314718f + logf(lsum);  // M in log2 units
+  if (lse && c == 0) lse[row] = M * scale + logf(lsum);  // M in raw score units
 }
 
 // kCtas CTAs an SM (Smem sizes the stages for it): run 19 measured the earlier block-synchronous
@@ -766,7 +769,7 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   const unsigned mblocks = unsigned((rows * (d / 32) + 7) / 8);  // 8 warps a block, a warp per 32 columns of a row
   with_typed(out, [&](auto* typed) {
     merge_splits<<<mblocks, 256, 0, stream>>>(p.part, rows, p.splits, int(d), typed, out.stride[0], out.stride[1],
-                                              out.stride[2], int(Hq), int(Nq), lse);
+                                              out.stride[2], int(Hq), int(Nq), scale, lse);
   });
   check(cudaGetLastError(), "merge kernel");
 }

@@ -35,8 +35,8 @@ __device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t x) {
 // The high 16 bits of x by an unpack, which ptxas folds into the consumer's half select (F2FP .H1):
 // x >> 16 cost a shift instruction each.
 __device__ __forceinline__ uint32_t hi16(uint32_t x) {
-  uint16_t l, h;
-  asm("mov.b32 {%0, %1}, %2;" : "=h"(l), "=h"(h) : "r"(x));
+  uint16_t h;
+  asm("mov.b32 {_, %0}, %1;" : "=h"(h) : "r"(x));
   return h;
 }
 template <bool kE5M2>
