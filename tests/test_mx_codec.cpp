@@ -205,6 +205,21 @@ TEST(MxScale, ChoiceEqualsTheDefinitionOnAStrideOfFloats) {
   EXPECT_GT(checked, 2000000);
 }
 
+// The branch-free choice for non-negative finite amax (the GPU decode's P blocks) against choose_e8m0:
+// a stride through every such float, and every binade's zero, subnormal and mantissa edges.
+TEST(MxScale, NonNegativeChoiceEqualsTheGeneralOne) {
+  auto check = [](uint32_t bits) {
+    const float a = hd::float_of(bits);
+    for (Elem e : {Elem::e4m3, Elem::e5m2, Elem::e3m2, Elem::e2m3, Elem::e2m1})
+      for (ScaleRule rule : {ScaleRule::ocp, ScaleRule::ceil})
+        ASSERT_EQ(choose_e8m0_nonneg(a, e, rule), choose_e8m0(a, e, rule)) << a << " " << int(e) << " " << int(rule);
+  };
+  for (uint32_t b = 0; b < 0x7F800000u; b += 257) check(b);
+  for (uint32_t ex = 0; ex < 255; ++ex)
+    for (uint32_t m : {0u, 1u, 0x1FFFFFu, 0x200000u, 0x200001u, 0x3FFFFFu, 0x400000u, 0x5FFFFFu, 0x600000u, 0x600001u, 0x7FFFFFu})
+      check(ex << 23 | m);
+}
+
 TEST(MxScale, InverseIsTheReciprocalOfEveryCode) {
   for (int c = 0; c < 255; ++c) {
     EXPECT_EQ(inverse_e8m0(uint8_t(c)), hd::ldexp2(1.0f, 127 - c)) << c;

@@ -165,6 +165,16 @@ DMATTN_HD uint8_t choose_e8m0(float amax, Elem e, ScaleRule rule) {
   return uint8_t(x + 127);
 }
 
+// choose_e8m0 without branches for a finite amax >= 0 (the GPU quantize pass, the decode's P blocks): the exponent
+// field as in choose_e8m0's fast path, clamped. A zero or subnormal amax (field 0) then clamps to code 0,
+// as in choose_e8m0, for every element type (emax >= 2: -127 - emax + 1 < -127).
+DMATTN_HD uint8_t choose_e8m0_nonneg(float amax, Elem e, ScaleRule rule) {
+  const ElemSpec s = elem_spec(e);
+  const uint32_t b = hd::bits_of(amax);
+  const int x = int(b >> 23) - 127 - s.emax + int(rule == ScaleRule::ceil && (b & 0x7FFFFFu) > (hd::bits_of(s.max) & 0x7FFFFFu));
+  return uint8_t((x < -127 ? -127 : x > 127 ? 127 : x) + 127);
+}
+
 // Quantizes one MX block of n values (n <= 32 in MX; any n works) to element codes + scale.
 // Returns the E8M0 code; codes[i] receives the element code of v[i] (not packed).
 DMATTN_HD uint8_t quantize_mx_block(const float* v, int n, Elem e, ScaleRule rule, uint8_t* codes) {

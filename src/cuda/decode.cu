@@ -2,18 +2,18 @@
 // runs 8 or 16 query rows of one KV head (of the G = Hq/Hkv query heads x Nq new queries: GQA
 // packing, so a page is read once per KV head, not once per query head). Each of the CTA's four
 // warps owns one 32-key block of every page and streams it through its own cp.async stages. Both
-// products run on the tensor cores with FP8 mma.sync (sm_90 has no FP8 path behind mma.sync: ptxas
-// widens both operands to f16, exactly, and issues two f16 mmas; widening q once per CTA instead
-// saved 1.5% of the instructions and no time, session 8), transposed so the query rows are the mma's N:
-// S^T per 32-wide block of d (E2M1 and FP6 pages widened to E4M3 bytes, exactly), scaled by the
-// two E8M0 scales and summed over blocks in order as the CPU oracle does; the
-// softmax stays in registers (the page's row maxima are the only thing the warps exchange);
+// products run on the tensor cores, transposed so the query rows are the mma's N: S^T per 32-wide
+// block of d, E2M1 pages on the integer mma (K and q as bytes of twice their values, exact), FP8 and
+// FP6 pages as FP8 block dots (sm_90 has no FP8 mma.sync: two f16 mmas on operands widened exactly,
+// mma_fp8_block; widening q once per CTA instead saved 1.5% of the instructions and no time, session
+// 8), scaled by the two E8M0 scales and summed over blocks in order as the CPU oracle does; the
+// softmax stays in registers, in base 2 (the page's row maxima are the only thing the warps exchange);
 // P (rounded to bf16, as the oracle) times V in bf16 with fp32 accumulation, or with pv = mxfp8 /
 // mxfp4 P quantized to MXFP8 per 32 keys (a warp's block) times V's MXFP8 codes (or MXFP4 codes
-// widened to E4M3) with FP8 mma.sync, scaled by P's and V's block scales. A second kernel
-// merges the splits by LSE. At Nq = 1 the work per byte is tiny: the page bytes (K at 4.25 or 8.25
-// bits, V at 16, 8.25 or 4.25) set the time,
-// so the kernel's job is to keep enough of them in flight with few instructions per byte.
+// widened to E4M3) as FP8 block dots, scaled by P's and V's block scales. A second kernel merges the
+// splits by LSE. At Nq = 1 the work per byte is tiny: the page bytes (K at 4.25 or 8.25 bits, V at
+// 16, 8.25 or 4.25) set the time, so the kernel's job is to keep enough of them in flight with few
+// instructions per byte.
 #include "cuda/decode.cuh"
 
 #include <algorithm>
@@ -53,9 +53,9 @@ struct Params {
   int64_t qsb, qsh, qsn;
   int* nonfinite;        // set to 1 where q holds NaN / Inf
   Elem kelem[2];         // K's element type per slot (q's too: it takes the page's format)
-  float* part;           // [rows][splits][d + 2]: unnormalised acc, m, l
+  float* part;           // [rows][splits][d + 2]: unnormalised acc, m (raw score units), l
   int Hq, Nq, G, splits, chunks;
-  float scale;
+  float scale;           // softmax scale x log2(e): the softmax runs in base 2 (ex2.approx) on (s - m) x scale
   ScaleRule rule;        // pv != bf16: P's 32-key blocks take their scales by this rule
 };
 
@@ -154,15 +154,42 @@ __device__ __forceinline__ void promote(float (&s)[4], float m0, float m1, float
   s[3] += (m1 * n.y) * d[3];
 }
 
+// The A fragment words of block c of an E2M1 key row as twice its values in unsigned bytes, split
+// by sign (pos: slots 4t.. and 16+4t..; neg likewise; e2m1_bytes.hpp): 7 instructions for 8 codes.
+__device__ __forceinline__ void k_split_words(const uint8_t* row, int key, int c, int t, uint32_t& p0, uint32_t& p1,
+                                              uint32_t& n0, uint32_t& n1) {
+  const uint32_t w = *reinterpret_cast<const uint32_t*>(row + swz(key, c * 16 + 4 * t)), f = w ^ 0x88888888u;
+  p0 = e2m1x4_pos_x2(w);
+  p1 = e2m1x4_pos_x2(w >> 16);
+  n0 = e2m1x4_neg_x2(f);
+  n1 = e2m1x4_neg_x2(f >> 16);
+}
+
+// The E2M1 block dot x4 as pos.q - neg.q, two independent integer mmas (exact). Both sums start
+// from the bits of 1.5 * 2^23 (each stays within 2^22 of it), so they land in floats of one binade and
+// one subtraction each gives the dot exactly, with no int-to-float conversion.
+__device__ __forceinline__ void mma_e2m1_block(float d[4], const uint32_t (&pos)[4], const uint32_t (&neg)[4], uint32_t b0,
+                                               uint32_t b1) {
+  constexpr int kMagic = 0x4B400000;
+  const int c0[4] = {kMagic, kMagic, kMagic, kMagic};
+  int dp[4], dn[4];
+  mma_u8s8_block(dp, pos, b0, b1, c0);
+  mma_u8s8_block(dn, neg, b0, b1, c0);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) d[i] = __int_as_float(dp[i]) - __int_as_float(dn[i]);
+}
+
 // S^T = K.q^T for the warp's 32 keys (2 tiles of 16, the mma's M) against the CTA's rows (kNR tiles
 // of 8, its N): with the query rows in N, a GQA group of 4 or 8 rows wastes no more than half of
 // the mma (in M it wasted three quarters). Per 32-wide block of d an mma into a fresh accumulator,
-// then s += (sk * sq) * dot, blocks in order (the oracle's order).
+// then s += (sk * sq) * dot, blocks in order (the oracle's order). E2M1 pages run the integer mma
+// (mma_e2m1_block; their sq holds a quarter of q's scale), the others the FP8 one.
 // s[mt][nr][i]: key 16mt + g + 8*(i/2) of the warp's keys, row 8nr + 2t + i%2.
 template <int D, int kNR, Elem E>
 __device__ __forceinline__ void block_scores(const uint8_t* K, const uint8_t* ks, const uint32_t* qb, const float* sq,
                                              const uint8_t* lut, float (&s)[2][kNR][4]) {
   constexpr int NB = D / 32, kRows = 8 * kNR;
+  constexpr bool kInt = E == Elem::e2m1;
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   uint32_t w[2][2];  // the scale words of keys 16mt + g + 8h
 #pragma unroll
@@ -174,7 +201,10 @@ __device__ __forceinline__ void block_scores(const uint8_t* K, const uint8_t* ks
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[mt][nr][i] = 0.0f;
   }
-#pragma unroll
+  // The E2M1 path, unrolled over every block, needs a few more registers than the three-CTA instance
+  // (168) or the 16-row bf16-V one (255) have (ptxas spilled): two blocks at a time fit, or one at 16 rows.
+  constexpr int kUnrollC = kInt ? 3 - kNR : NB;
+#pragma unroll kUnrollC
   for (int c = 0; c < NB; ++c) {
     uint32_t b[kNR][2];
     float2 sqr[kNR];  // rows 8nr + 2t, +1
@@ -187,14 +217,22 @@ __device__ __forceinline__ void block_scores(const uint8_t* K, const uint8_t* ks
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) {
       const int key = 16 * mt + g;
-      uint32_t a[4];
-      k_words<E>(K + key * 128, key, c, t, lut, a[0], a[2]);
-      k_words<E>(K + (key + 8) * 128, key + 8, c, t, lut, a[1], a[3]);
+      uint32_t a[4], an[4];
+      if constexpr (kInt) {
+        k_split_words(K + key * 128, key, c, t, a[0], a[2], an[0], an[2]);
+        k_split_words(K + (key + 8) * 128, key + 8, c, t, a[1], a[3], an[1], an[3]);
+      } else {
+        k_words<E>(K + key * 128, key, c, t, lut, a[0], a[2]);
+        k_words<E>(K + (key + 8) * 128, key + 8, c, t, lut, a[1], a[3]);
+      }
       const float sk0 = e8m0_of_byte(w[mt][0], c), sk1 = e8m0_of_byte(w[mt][1], c);
 #pragma unroll
       for (int nr = 0; nr < kNR; ++nr) {
         float d[4];
-        mma_fp8_block<E == Elem::e5m2>(d, a, b[nr][0], b[nr][1]);
+        if constexpr (kInt)
+          mma_e2m1_block(d, a, an, b[nr][0], b[nr][1]);
+        else
+          mma_fp8_block<E == Elem::e5m2>(d, a, b[nr][0], b[nr][1]);
         promote(s[mt][nr], sk0, sk1, sqr[nr], d);
       }
     }
@@ -233,7 +271,7 @@ __device__ __forceinline__ void p_block_scales(const float (&sc)[2][kNR][4], int
     float amax = 0.0f;
 #pragma unroll
     for (int mt = 0; mt < 2; ++mt) amax = fmaxf(amax, fmaxf(sc[mt][nr][r], sc[mt][nr][2 + r]));
-    const uint8_t e = choose_e8m0(over_g(amax, kMaxOp), Elem::e4m3, rule);
+    const uint8_t e = choose_e8m0_nonneg(over_g(amax, kMaxOp), Elem::e4m3, rule);  // p in [0, 1]: finite
     inv[r] = inverse_e8m0(e);
     ps[r] = decode_e8m0(e);
   }
@@ -277,6 +315,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
   const int j0 = int(int64_t(split) * np / eff), j1 = int(int64_t(split + 1) * np / eff);
   const int32_t* table = p.kv.table + int64_t(s) * p.kv.max_pages;
   auto stage_of = [&](int i) { return smem + (i * kWarps + warp) * S_::kWarpStage; };
+  const uint32_t smem32 = uint32_t(__cvta_generic_to_shared(smem));
 
   // Page ids and formats of this split, 32 pages at a time in the warp's lanes (one a lane), the
   // next 32 loaded a window ahead: the two dependent global loads stay off the per-page path.
@@ -289,6 +328,10 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
   load_window(win, cur_pid, cur_sl);
   load_window(win + 32, nxt_pid, nxt_sl);
   uint32_t ring = 0;  // bit i: the format slot of the page in stage i
+  // Both slots' element types in one register: indexing the parameter by a run-time slot is a
+  // dependent constant load on every page's path (the prefill measured one such load at 3.5% of its stalls).
+  const uint32_t kel = uint32_t(p.kelem[0]) | uint32_t(p.kelem[1]) << 8;
+  auto elem_of = [&](int sl) { return Elem((kel >> (8 * sl)) & 0xFF); };
 
   auto issue = [&](int j, int stage) {  // this warp's 32 keys of page j into its stage buffer
     if (j < j1) {
@@ -302,49 +345,47 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
       ring = (ring & ~(1u << stage)) | uint32_t(sl) << stage;
       const int key0 = 32 * warp, live = L - j * T - key0;  // keys present of the 32
       const int64_t head = int64_t(pid) * p.kv.Hkv + hk;
-      uint8_t* st = stage_of(stage);
-      if (p.kelem[sl] == Elem::e2m1) {  // d/2 packed bytes a row
-        const uint8_t* gk = p.kv.codes + int64_t(pid) * p.kv.Hkv * T * D + (int64_t(hk) * T + key0) * (D / 2);
+      // Copy i = lane + 32k of each part: the shared address a 32-bit offset, the global one the lane's
+      // base plus k times a constant, so that the per-copy arithmetic folds into immediates (the
+      // 64-bit address of each copy took ~4 instructions, session 14 SASS).
+      const uint32_t st = smem32 + uint32_t((stage * kWarps + warp) * S_::kWarpStage);
+      // K rows of C 16-byte chunks (32 / C keys a step): copy i is key i / C, chunk i % C. The swizzle
+      // depends on key % 8, which is the lane's at every k when 32 / C is a multiple of 8; with 4 (FP8
+      // codes at d = 128: key = lane / 8 < 4) a step of 4 keys flips the chunk's lowest bit on odd k.
+      auto copy_k = [&](auto cc, int64_t row_bytes) {
+        constexpr int C = decltype(cc)::value, kStep = 32 / C;
+        const uint8_t* gk = p.kv.codes + int64_t(pid) * p.kv.Hkv * T * D + (int64_t(hk) * T + key0) * row_bytes + lane * 16;
+        const int key = lane / C;
+        const uint32_t o = uint32_t(key * S_::kKRow + swz(key, lane % C * 16));
 #pragma unroll
-        for (int k = 0; k < D / 32; ++k) {
-          const int i = lane + 32 * k, key = i / (D / 32);
-          cp_async16(st + key * S_::kKRow + swz(key, (i % (D / 32)) * 16), gk + i * 16);
-        }
-      } else {
-        const uint8_t* gk = p.kv.codes + int64_t(pid) * p.kv.Hkv * T * D + (int64_t(hk) * T + key0) * D;
-#pragma unroll
-        for (int k = 0; k < D / 16; ++k) {
-          const int i = lane + 32 * k, key = i / (D / 16);
-          cp_async16(st + key * S_::kKRow + swz(key, (i % (D / 16)) * 16), gk + i * 16);
-        }
-      }
+        for (int k = 0; k < C; ++k)
+          cp_async16(st + ((o ^ (kStep % 8 != 0 && (k & 1) ? 16u : 0u)) + uint32_t(k * kStep * S_::kKRow)), gk + k * 512);
+      };
+      if (elem_of(sl) == Elem::e2m1)
+        copy_k(std::integral_constant<int, D / 32>{}, D / 2);  // d/2 packed bytes a row
+      else
+        copy_k(std::integral_constant<int, D / 16>{}, D);
       const uint8_t* gs = p.kv.scales + (head * T + key0) * NB;
-      if (lane < S_::kS / 16) cp_async16(st + S_::kK + lane * 16, gs + lane * 16);
-      uint8_t* sv = st + S_::kK + S_::kS;
+      if (lane < S_::kS / 16) cp_async16(st + uint32_t(S_::kK + lane * 16), gs + lane * 16);
+      const uint32_t sv = st + uint32_t(S_::kK + S_::kS);
       if constexpr (kPV8) {  // V^T: each column's 32 keys (two chunks), then the block's scales
-        if constexpr (kVB == 8) {
-          const uint8_t* gv = p.kv.v8 + head * T * D + key0;
+        if constexpr (kVB == 8) {  // copy i: column i / 2, chunk i % 2; device rows T bytes
+          const uint8_t* gv = p.kv.v8 + head * T * D + key0 + lane / 2 * T + lane % 2 * 16;
 #pragma unroll
-          for (int k = 0; k < D / 16; ++k) {
-            const int i = lane + 32 * k;
-            cp_async16(sv + i * 16, gv + (i / 2) * T + (i % 2) * 16);
-          }
-        } else {  // E2M1: a column's 32 keys are 16 bytes, device rows T / 2 bytes
-          const uint8_t* gv = p.kv.v8 + head * (T / 2) * D + key0 / 2;
+          for (int k = 0; k < D / 16; ++k) cp_async16(sv + uint32_t((lane + 32 * k) * 16), gv + k * 16 * T);
+        } else {  // E2M1: a column's 32 keys are 16 bytes, device rows T / 2 bytes; copy i: column i
+          const uint8_t* gv = p.kv.v8 + head * (T / 2) * D + key0 / 2 + lane * (T / 2);
 #pragma unroll
-          for (int k = 0; k < D / 32; ++k) {
-            const int i = lane + 32 * k;
-            cp_async16(sv + i * 16, gv + i * (T / 2));
-          }
+          for (int k = 0; k < D / 32; ++k) cp_async16(sv + uint32_t((lane + 32 * k) * 16), gv + k * 32 * (T / 2));
         }
         const uint8_t* gvs = p.kv.vs + head * 4 * D + warp * D;
-        if (lane < D / 16) cp_async16(sv + S_::kVRow * D + lane * 16, gvs + lane * 16);
+        if (lane < D / 16) cp_async16(sv + uint32_t(S_::kVRow * D + lane * 16), gvs + lane * 16);
       } else {  // zeros past the sequence: P = 0 there must not meet a stale NaN
-        const uint8_t* gv = reinterpret_cast<const uint8_t*>(p.kv.v + (head * T + key0) * D);
+        const uint8_t* gv = reinterpret_cast<const uint8_t*>(p.kv.v + (head * T + key0) * D) + lane * 16;
 #pragma unroll
         for (int k = 0; k < D / 8; ++k) {
           const int i = lane + 32 * k, key = i / (D / 8);
-          cp_async16(sv + key * 2 * D + swz(key, (i % (D / 8)) * 16), gv + i * 16, key < live);
+          cp_async16(sv + uint32_t(key * 2 * D + swz(key, (i % (D / 8)) * 16)), gv + k * 512, key < live);
         }
       }
     }
@@ -379,14 +420,26 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
     uint8_t code = sc == kE8M0NaN ? uint8_t(0) : encode_elem(e, hd::ldexp2(v, 127 - int(sc)));
     if (e != Elem::e4m3 && e != Elem::e5m2) code = fp8_encode<false>(decode_elem(e, code));
     q8[(sl * kRows + r) * D + c * 32 + lane] = code;
-    if (lane == 0) sq[(sl * NB + c) * kRows + r] = r < rows ? decode_e8m0(sc) : 0.0f;
+    // E2M1: block_scores' integer dot is 4x the values' (both operands doubled); a power of two, exact.
+    if (lane == 0) sq[(sl * NB + c) * kRows + r] = r < rows ? decode_e8m0(sc) * (e == Elem::e2m1 ? 0.25f : 1.0f) : 0.0f;
     if (lane == 0 && bad && p.nonfinite) *p.nonfinite = 1;
   }
   __syncthreads();
-  // q^T as B fragments (row 8nr + g; contraction slots ordered by d_of_slot), per slot.
+  // q^T as B fragments (row 8nr + g; contraction slots ordered by d_of_slot), per slot: FP8 bytes, or
+  // for an E2M1 slot twice the values as signed bytes (block_scores' integer mma).
   for (int i = tid; i < 2 * NB * kNR * 2 * 32; i += kThreads) {
     const int sl = i / (NB * kNR * 64), c = i / (kNR * 64) % NB, nr = i / 64 % kNR, h = i / 32 % 2, ln = i % 32;
-    qb[i] = *reinterpret_cast<const uint32_t*>(q8 + (sl * kRows + 8 * nr + ln / 4) * D + c * 32 + d_of_slot(16 * h + 4 * (ln % 4)));
+    uint32_t x = *reinterpret_cast<const uint32_t*>(q8 + (sl * kRows + 8 * nr + ln / 4) * D + c * 32 + d_of_slot(16 * h + 4 * (ln % 4)));
+    if (p.kelem[sl] == Elem::e2m1) {
+      uint32_t y = 0;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int v = int(2.0f * fp8_decode<false>(uint8_t(x >> (8 * k))));  // E2M1 values: |2v| <= 12, exact
+        y |= uint32_t(uint8_t(int8_t(v))) << (8 * k);
+      }
+      x = y;
+    }
+    qb[i] = x;
   }
   for (int i = tid; i < 128; i += kThreads) {  // FP6 codes widened to E4M3 bytes (exact)
     const Elem e = p.kelem[i / 64];
@@ -426,7 +479,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
       const uint32_t* qs = qb + sl * NB * kNR * 64;
       const float* sqs = sq + sl * NB * kRows;
       const uint8_t* lt = lut + 64 * sl;
-      switch (p.kelem[sl]) {
+      switch (elem_of(sl)) {
         case Elem::e4m3: block_scores<D, kNR, Elem::e4m3>(st, st + S_::kK, qs, sqs, lt, sc); break;
         case Elem::e5m2: block_scores<D, kNR, Elem::e5m2>(st, st + S_::kK, qs, sqs, lt, sc); break;
         case Elem::e3m2: block_scores<D, kNR, Elem::e3m2>(st, st + S_::kK, qs, sqs, lt, sc); break;
@@ -434,7 +487,8 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
         case Elem::e2m1: block_scores<D, kNR, Elem::e2m1>(st, st + S_::kK, qs, sqs, lt, sc); break;
       }
     }
-    // Scale, mask (keys past each row's end: -inf), the rows' maxima over this warp's keys.
+    // Mask (keys past each row's end: -inf), the rows' maxima over this warp's raw scores (the scale is
+    // applied to s - m below, scale > 0).
     const int kbase = j * T + 32 * warp + g;
     const bool whole = (j + 1) * T <= L - p.Nq + 1;  // every row sees every key of the page
     float mx[kNR][2];
@@ -446,7 +500,6 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           float& x = sc[mt][nr][i];
-          x *= p.scale;
           if (!whole && kbase + 16 * mt + 8 * (i / 2) >= kend[nr][i % 2]) x = -INFINITY;
           mx[nr][i % 2] = fmaxf(mx[nr][i % 2], x);
         }
@@ -466,7 +519,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
         for (int w = 1; w < kWarps; ++w) pm = fmaxf(pm, red[w * kRows + row]);
         const float mnew = fmaxf(m[nr][r], pm);
         // A row that has seen no key yet keeps its state (as if the page were skipped).
-        alpha[nr][r] = mnew == -INFINITY ? 1.0f : expf(m[nr][r] - mnew);
+        alpha[nr][r] = mnew == -INFINITY ? 1.0f : exp2_approx((m[nr][r] - mnew) * p.scale);
         mref[nr][r] = mnew == -INFINITY ? 0.0f : mnew;
         m[nr][r] = mnew;
         l[nr][r] *= alpha[nr][r];
@@ -478,7 +531,12 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
       for (int nr = 0; nr < kNR; ++nr)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          sc[mt][nr][i] = expf(sc[mt][nr][i] - mref[nr][i % 2]);  // masked: exp(-inf) = 0
+          // Base 2 on the SFU: FADD, FMUL and a MUFU, where expf took ~9 instructions. The scale (with
+          // log2 e) multiplies s - m, not s: scaling s first rounds each logit at its own magnitude, an
+          // error of |logit| x 2^-24 in the exponent that the difference then keeps (4e-5 rel. L2 against
+          // the oracle at d = 64, whose scale 1/8 is exact on the CPU); s - m is exact near the maximum,
+          // where P matters. masked: -inf x scale = -inf, 2^-inf = 0.
+          sc[mt][nr][i] = exp2_approx((sc[mt][nr][i] - mref[nr][i % 2]) * p.scale);
           l[nr][i % 2] += sc[mt][nr][i];
         }
     if (__any_sync(0xffffffffu, rescale)) {
@@ -552,7 +610,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
           uint32_t a[4];
           ldmatrix_x4_trans(a, V + key * 2 * D + swz(key, (16 * md + 8 * (mi % 2)) * 2));
 #pragma unroll
-          for (int nr = 0; nr < kNR; ++nr) mma_bf16_16816(acc[md][nr], a, bq[nr][0], bq[nr][1]);
+          for (int nr = 0; nr < kNR; ++nr) mma_16816<true>(acc[md][nr], a, bq[nr][0], bq[nr][1]);
         }
       }
     }
@@ -597,7 +655,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
 // empty split is zeros with m = -inf, weight 0), so they are in flight together.
 template <class TOut>
 __global__ void merge_splits(const float* part, int64_t rows, int splits, int d, TOut* out, int64_t osb, int64_t osh,
-                             int64_t osn, int Hq, int Nq, float* lse) {
+                             int64_t osn, int Hq, int Nq, float scale, float* lse) {
   const int64_t wid = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32, row = wid / (d / 32);
   const int lane = threadIdx.x % 32, c = int(wid % (d / 32)) * 32 + lane;
   if (row >= rows) return;
@@ -606,9 +664,9 @@ __global__ void merge_splits(const float* part, int64_t rows, int splits, int d,
   for (int sp = lane; sp < splits; sp += 32) M = fmaxf(M, pr[sp * (d + 2) + d]);
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(0xffffffffu, M, o));
-  auto weight = [&](int sp) {  // exp(m - M) of split sp (0 for an empty one)
+  auto weight = [&](int sp) {  // exp(scale (m - M)) of split sp (0 for an empty one; m: raw scores)
     const float m = pr[sp * (d + 2) + d];
-    return m == -INFINITY ? 0.0f : expf(m - M);
+    return m == -INFINITY ? 0.0f : expf((m - M) * scale);
   };
   const float w_lane = lane < splits ? weight(lane) : 0.0f;  // the first 32 splits' weights, a lane each
   float lsum = 0.0f;
@@ -620,7 +678,7 @@ __global__ void merge_splits(const float* part, int64_t rows, int splits, int d,
   for (int sp = 0; sp < splits; ++sp) o += pr[sp * (d + 2) + c] * (sp < 32 ? __shfl_sync(0xffffffffu, w_lane, sp) : weight(sp));
   const int64_t s = row / (int64_t(Hq) * Nq), h = row / Nq % Hq, r = row % Nq;
   out[s * osb + h * osh + r * osn + c] = from_float<TOut>(o / lsum);
-  if (lse && c == 0) lse[row] = M + logf(lsum);
+  if (lse && c == 0) lse[row] = M * scale + logf(lsum);  // M in raw score units
 }
 
 // kCtas CTAs an SM (Smem sizes the stages for it): run 19 measured the earlier block-synchronous
@@ -685,7 +743,7 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   // Rows per CTA: 8 (one N tile of the mma) when the GQA group's rows fit, else 16 and more chunks.
   const int nr = p.G * p.Nq <= 8 ? 1 : 2;
   p.chunks = (p.G * p.Nq + 8 * nr - 1) / (8 * nr);
-  p.scale = scale;
+  p.scale = float(double(scale) * 1.4426950408889634);  // base 2 in the kernel, the product rounded once
   p.rule = policy.scale_rule;
   int dev = 0, sms = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
@@ -711,7 +769,7 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   const unsigned mblocks = unsigned((rows * (d / 32) + 7) / 8);  // 8 warps a block, a warp per 32 columns of a row
   with_typed(out, [&](auto* typed) {
     merge_splits<<<mblocks, 256, 0, stream>>>(p.part, rows, p.splits, int(d), typed, out.stride[0], out.stride[1],
-                                              out.stride[2], int(Hq), int(Nq), lse);
+                                              out.stride[2], int(Hq), int(Nq), scale, lse);
   });
   check(cudaGetLastError(), "merge kernel");
 }

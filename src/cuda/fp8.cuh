@@ -32,6 +32,13 @@ __device__ __forceinline__ uint32_t fp8x2_to_f16x2(uint32_t x) {
     asm("cvt.rn.f16x2.e4m3x2 %0, %1;" : "=r"(r) : "h"(uint16_t(x)));
   return r;
 }
+// The high 16 bits of x by an unpack, which ptxas folds into the consumer's half select (F2FP .H1):
+// x >> 16 cost a shift instruction each.
+__device__ __forceinline__ uint32_t hi16(uint32_t x) {
+  uint16_t h;
+  asm("mov.b32 {_, %0}, %1;" : "=h"(h) : "r"(x));
+  return h;
+}
 template <bool kE5M2>
 __device__ __forceinline__ uint32_t f16x2_to_fp8x2(uint32_t x) {
   uint16_t r;

@@ -1,5 +1,5 @@
-// Warp-level helpers: the mma.sync FP8 block dot (sm_89+; on sm_90 ptxas runs it as two f16 mmas on
-// operands widened exactly to f16; GpuMma measures its precision), the
+// Warp-level helpers: the FP8 block dot (two f16 mma.sync on operands widened exactly to f16, as ptxas
+// runs FP8 mma.sync on sm_90; GpuMma measures its precision), the integer block dot, the
 // fragment layouts the wgmma kernel's registers follow, and per-element intrinsics.
 // Fragment layouts (PTX ISA, m16n8k32 8-bit and m16n8k16 16-bit): g = lane / 4, t = lane % 4;
 //   A 16x32 fp8: a[0] = (row g, k 4t..4t+3), a[1] = (row g+8, same k), a[2] = (row g, k 16+4t..),
@@ -10,33 +10,49 @@
 #pragma once
 #include <cstdint>
 
+#include "cuda/fp8.cuh"
+
 namespace dmattn::cuda {
 
-// d = A.B for one 32-wide contraction block (one MX block) into a fresh accumulator.
-template <bool kE5M2>
-__device__ __forceinline__ void mma_fp8_block(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-  if constexpr (kE5M2) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.f32.e5m2.e5m2.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%10,%10,%10,%10};\n"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-        "{%10,%10,%10,%10};\n"
-        : "=f"(d[0]), "=f"(d[1]), "=f"(d[2]), "=f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "f"(0.0f));
-  }
+// d = A.B + c for one 32-wide block in integers: A unsigned bytes, B signed bytes, int32 sums (exact;
+// sm_90 runs this mma natively, IMMA). The decode's E2M1 pages take this path (cuda/e2m1_bytes.hpp).
+__device__ __forceinline__ void mma_u8s8_block(int d[4], const uint32_t a[4], uint32_t b0, uint32_t b1, const int c[4]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};\n"
+      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]));
 }
 
-// d += A.B for a 16x8 tile over 16 keys in bf16 (A: P rows, B: V columns), fp32 accumulate.
-__device__ __forceinline__ void mma_bf16_16816(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%0,%1,%2,%3};\n"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+// d += A.B for a 16x8 tile over 16 contraction slots in bf16 or f16, fp32 accumulate.
+template <bool kBf16>
+__device__ __forceinline__ void mma_16816(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  if constexpr (kBf16)
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  else
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// d = A.B for one 32-wide contraction block (one MX block) of FP8 operands in the m16n8k32 layout,
+// into a fresh accumulator. sm_90 has no FP8 mma.sync: ptxas widens both operands to f16 (exact) and
+// issues two m16n8k16 f16 mmas, then adds the given zero accumulator with one FADD an element (it
+// must: -0 + 0 is +0). Written out here, the mmas start from zero and there is no FADD (32 a page in the
+// decode's P.V). An FP8 register's slots 4t..4t+3 become the f16 slots 2t, 2t+1 (low half) and 8+2t,
+// 9+2t (high half) of one m16n8k16: a permutation of the contraction, the same in A and B.
+template <bool kE5M2>
+__device__ __forceinline__ void mma_fp8_block(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  auto lo = [](uint32_t x) { return fp8x2_to_f16x2<kE5M2>(x); };
+  auto hi = [](uint32_t x) { return fp8x2_to_f16x2<kE5M2>(hi16(x)); };
+  const uint32_t a1[4] = {lo(a[0]), lo(a[1]), hi(a[0]), hi(a[1])}, a2[4] = {lo(a[2]), lo(a[3]), hi(a[2]), hi(a[3])};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) d[i] = 0.0f;
+  mma_16816<false>(d, a1, lo(b0), hi(b0));
+  mma_16816<false>(d, a2, lo(b1), hi(b1));
 }
 
 // Four 8x8 b16 matrices from shared memory, transposed: lanes 8i..8i+7 give the row addresses of

@@ -61,17 +61,6 @@ __device__ __forceinline__ uint32_t shift_fp8x4(uint32_t w, int k, bool& exact) 
   return out;
 }
 
-// choose_e8m0 for a finite amax (the caller handles NaN/Inf): a normal amax (the usual case) from its
-// bits without branches; zero and subnormal ones through the codec's function.
-template <Elem E>
-__device__ __forceinline__ uint8_t choose_e8m0_finite(float amax, ScaleRule rule) {
-  const ElemSpec s = elem_spec(E);  // E is a template constant: folded
-  const uint32_t b = __float_as_uint(amax);
-  if (b < 0x00800000u) return choose_e8m0(amax, E, rule);
-  const int x = int(b >> 23) - 127 - s.emax + int(rule == ScaleRule::ceil && (b & 0x7FFFFFu) > (hd::bits_of(s.max) & 0x7FFFFFu));
-  return uint8_t(min(max(x, -127), 127) + 127);
-}
-
 // Two values already divided by their block's scale, rounded to E2M1 values (nearest-even,
 // saturating at 6: the codec's encode_e2m1) and returned as an f16 pair, lo in the low half, signs
 // kept (a negative value that rounds to zero gives -0, the codec's code 8). Exact only where both
@@ -127,7 +116,7 @@ template <Elem E, bool kHalf>
 __device__ __forceinline__ uint8_t encode_lane(ScaleRule rule, const float (&v)[kPerLane], float amax, bool bad,
                                                bool fp8_bytes, bool fold, int row_lanes, uint2& w) {
   constexpr bool kE5M2 = E == Elem::e5m2;
-  uint8_t sc = bad ? kE8M0NaN : choose_e8m0_finite<E>(amax, rule);
+  uint8_t sc = bad ? kE8M0NaN : choose_e8m0_nonneg(amax, E, rule);  // amax: a finite |max| here
   int smax = sc;  // with fold: the row's largest scale (uniform across the grid: every lane shuffles)
   if (fold)
     for (int s = 4; s < row_lanes; s <<= 1) smax = max(smax, __shfl_xor_sync(0xffffffffu, smax, s));
