@@ -13,6 +13,7 @@ RESULT_DIR=$OUT
 OUT=$(mktemp -d)
 trap 'tar -czf "$RESULT_DIR/logs.tgz" -C "$OUT" .' EXIT
 PART=${PART:-all}
+export DMATTN_SOURCE_DIR=$PWD  # carried test binaries (PREBUILT, AB) read tests/data from this checkout
 if ls .deps/wheels/*.whl >/dev/null 2>&1; then  # carried Python wheels (the SageAttention baseline)
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/dmattn-site .deps/wheels/*.whl \
     && export PYTHONPATH=/tmp/dmattn-site${PYTHONPATH:+:$PYTHONPATH}
@@ -27,7 +28,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 # matching AB_TESTS of the last dir (or of each dir in AB_TEST_DIRS), then bench_prefill_cuda alternating between the dirs,
 # three rounds per N in AB_N (AB_N= none), policy AB_POLICY; medians per dir last. AB_QUANT=1 adds the quantize
 # bench, AB_DECODE="pv:B:ctx ..." (e.g. mxfp4:16:32768) bench_decode_cuda the same way, AB_RACE=1 racecheck on
-# the last dir with the prefill grid capped at 2 CTAs; AB_TIMEOUT (s) limits the tests.
+# the last dir (with the grid capped at 2 CTAs where a persistent prefill honours DMATTN_PREFILL_CTAS); AB_TIMEOUT (s) limits the tests.
 if [ -n "${AB:-}" ]; then
   last=${AB##* }
   trc=0

@@ -115,8 +115,11 @@ void check_case(const Case& c, DType dtype, uint64_t seed) {
 
 TEST(GpuPrefill, MatchesCpuOracleOnRealActivations) {
   SKIP_WITHOUT_CUDA_DEVICE();
+  // DMATTN_SOURCE_DIR in the environment overrides the build's: a binary built elsewhere (a prebuilt or
+  // A/B build carried to the device) finds the data in the checkout it runs from.
+  const char* src = std::getenv("DMATTN_SOURCE_DIR");
   for (int layer : {1, 20}) {
-    const std::string base = std::string(DMATTN_SOURCE_DIR) + "/tests/data/layer" + std::to_string(layer) + "_";
+    const std::string base = std::string(src ? src : DMATTN_SOURCE_DIR) + "/tests/data/layer" + std::to_string(layer) + "_";
     const QKV x{read_npy_tensor(base + "q.npy", "q"), read_npy_tensor(base + "k.npy", "k"), read_npy_tensor(base + "v.npy", "v")};
     Policy sink;
     sink.sink_tiles = 1;
