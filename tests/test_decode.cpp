@@ -270,24 +270,36 @@ TEST(Decode, TokenByTokenEqualsPrefillOnRealActivations) {
 // The GPU decode's instance and splits (plain C++): three CTAs an SM where the grid then fills the GPU
 // in one wave (B=16 x Hkv=8 at 32k, session 10's win), two where three would cost a wave more than
 // the SM rate gives back (B=64 at 8k, B=1 at 32k, where session 10's fixed three ran slower), and
-// two wherever three do not fit.
+// two wherever three do not fit; a forced instance is capped at what fits.
 TEST(Decode, PlanWeighsCtasAnSmAgainstWaves) {
   using dmattn::cuda::decode_plan;
   const int sms = 132;
-  EXPECT_EQ(decode_plan(128, 256, sms, true).ctas_per_sm, 3);  // B=16, 32k
-  EXPECT_EQ(decode_plan(128, 256, sms, true).splits, 3);       // 384 CTAs on 396 slots
-  EXPECT_EQ(decode_plan(512, 64, sms, true).ctas_per_sm, 2);   // B=64, 8k
-  EXPECT_EQ(decode_plan(512, 64, sms, true).splits, 1);
-  EXPECT_EQ(decode_plan(8, 256, sms, true).ctas_per_sm, 2);    // B=1, 32k
-  EXPECT_EQ(decode_plan(512, 1024, sms, true).ctas_per_sm, 3);  // B=64, 128k
-  EXPECT_EQ(decode_plan(128, 256, sms, false).ctas_per_sm, 2);  // three do not fit this instance
-  EXPECT_EQ(decode_plan(128, 256, sms, false).splits, 2);
-  EXPECT_EQ(decode_plan(128, 256, sms, true, 5).splits, 5);    // asked-for splits are kept
-  EXPECT_EQ(decode_plan(8, 3, sms, true, 9).splits, 3);        // ... up to the pages
-  EXPECT_EQ(decode_plan(512, 64, sms, true, 0, 3).ctas_per_sm, 3);  // a forced instance (DMATTN_DECODE_CTAS) ...
-  EXPECT_EQ(decode_plan(512, 64, sms, true, 0, 3).splits, 3);       // ... with its own automatic splits
-  EXPECT_EQ(decode_plan(128, 256, sms, true, 0, 2).ctas_per_sm, 2);
-  EXPECT_EQ(decode_plan(128, 256, sms, false, 0, 3).ctas_per_sm, 2);  // three forced where they do not fit: two
+  EXPECT_EQ(decode_plan(128, 256, sms, 3).ctas_per_sm, 3);  // B=16, 32k
+  EXPECT_EQ(decode_plan(128, 256, sms, 3).splits, 3);       // 384 CTAs on 396 slots
+  EXPECT_EQ(decode_plan(512, 64, sms, 3).ctas_per_sm, 2);   // B=64, 8k
+  EXPECT_EQ(decode_plan(512, 64, sms, 3).splits, 1);
+  EXPECT_EQ(decode_plan(8, 256, sms, 3).ctas_per_sm, 2);    // B=1, 32k
+  EXPECT_EQ(decode_plan(512, 1024, sms, 3).ctas_per_sm, 3);  // B=64, 128k
+  EXPECT_EQ(decode_plan(128, 256, sms, 2).ctas_per_sm, 2);  // three do not fit this instance
+  EXPECT_EQ(decode_plan(128, 256, sms, 2).splits, 2);
+  EXPECT_EQ(decode_plan(128, 256, sms, 3, 5).splits, 5);    // asked-for splits are kept
+  EXPECT_EQ(decode_plan(8, 3, sms, 3, 9).splits, 3);        // ... up to the pages
+  EXPECT_EQ(decode_plan(512, 64, sms, 3, 0, 3).ctas_per_sm, 3);  // a forced instance (DMATTN_DECODE_CTAS) ...
+  EXPECT_EQ(decode_plan(512, 64, sms, 3, 0, 3).splits, 3);       // ... with its own automatic splits
+  EXPECT_EQ(decode_plan(128, 256, sms, 3, 0, 2).ctas_per_sm, 2);
+  EXPECT_EQ(decode_plan(128, 256, sms, 2, 0, 3).ctas_per_sm, 2);  // three forced where they do not fit: two
+  EXPECT_EQ(decode_plan(128, 256, sms, 4, 0, 4).ctas_per_sm, 4);  // four forced where they fit
+  EXPECT_EQ(decode_plan(128, 256, sms, 4, 0, 4).splits, 4);       // 512 CTAs on 528 slots
+  EXPECT_EQ(decode_plan(128, 256, sms, 3, 0, 4).ctas_per_sm, 3);  // ... and capped where they do not
+  // V in MXFP4 fits four (session 15 run 11: B=16 32k 298 against 303 us at three; B=64 8k 299 against
+  // 341 at two; B=1 32k 53.8 against 48.1 at two).
+  EXPECT_EQ(decode_plan(128, 256, sms, 4).ctas_per_sm, 4);
+  EXPECT_EQ(decode_plan(128, 256, sms, 4).splits, 4);
+  EXPECT_EQ(decode_plan(512, 64, sms, 4).ctas_per_sm, 4);
+  EXPECT_EQ(decode_plan(512, 64, sms, 4).splits, 1);
+  EXPECT_EQ(decode_plan(512, 256, sms, 4).ctas_per_sm, 4);
+  EXPECT_EQ(decode_plan(8, 256, sms, 4).ctas_per_sm, 2);
+  EXPECT_EQ(decode_plan(8, 1024, sms, 4).ctas_per_sm, 3);  // B=1 128k: four are not considered
 }
 
 // The GPU decode's automatic split count (plain C++, so checked here): whole waves of CTAs, no

@@ -38,13 +38,11 @@ namespace {
 constexpr int T = kTile;          // keys per page
 constexpr int kWarps = T / 32;    // warp w owns keys 32w..32w+31 of every page: one MX block of P
 constexpr int kThreads = 32 * kWarps;
-// CTAs an SM (kCtas); registers and shared memory are sized for it. Two, or three where V is MXFP4 and a
-// CTA has 8 rows (168 registers, no spills; two stages a warp instead of four), which is 4-7% faster
-// where the grid fills the SM (session 10 run 3: B=16 32k 361 vs 377 us; B=64 128k 5187 vs 5572 us;
-// the kernel is latency-bound at 8 warps an SM) and slower where it does not (decode_plan chooses).
-// The other instances spill at 168 registers (MXFP8 V, 16-row CTAs) or need twice the stage bytes
-// (bf16 V), and keep two.
-constexpr bool three_fit(int vbits, int nr) { return vbits == 4 && nr == 1; }
+// CTAs an SM (kCtas); registers and shared memory are sized for it. The kernel is latency-bound, so
+// more warps an SM help where the grid fills the GPU (decode_plan weighs that against waves). Most an
+// instance fits: with 8-row CTAs, four where V is MXFP4 (127 registers, two stages a warp), three where
+// it is MXFP8 (two stages); two for bf16 V (twice the stage bytes) and 16-row CTAs (~200 registers).
+constexpr int max_ctas(int vbits, int nr) { return nr == 1 ? (vbits == 4 ? 4 : vbits == 8 ? 3 : 2) : 2; }
 
 struct Params {
   PagedKV kv;
@@ -299,7 +297,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
   constexpr int kStages = S_::kStages, kRows = S_::kRows;
   extern __shared__ __align__(128) uint8_t smem[];
   const int split = blockIdx.x, hk = blockIdx.y / p.chunks, chunk = blockIdx.y % p.chunks, s = blockIdx.z;
-  const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32, g = lane / 4, t = lane % 4;
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int r0 = chunk * kRows, rows = min(kRows, p.G * p.Nq - r0);
   // Rows of this CTA: (query head hk*G + (r0+i)/Nq, query (r0+i)%Nq); their q rows are consecutive.
   const int64_t qrow0 = (int64_t(s) * p.Hq + int64_t(hk) * p.G) * p.Nq + r0;
@@ -698,7 +696,9 @@ void launch(const Params& p, dim3 grid, int d, int vbits, int nr, int ctas, cuda
   auto go = [&](auto dc, auto vc) {
     constexpr int D = decltype(dc)::value, kVB = decltype(vc)::value;
     if (nr == 1) {
-      if constexpr (three_fit(kVB, 1))
+      if constexpr (max_ctas(kVB, 1) >= 4)
+        if (ctas == 4) return launch<D, kVB, 1, 4>(p, grid, stream);
+      if constexpr (max_ctas(kVB, 1) >= 3)
         if (ctas == 3) return launch<D, kVB, 1, 3>(p, grid, stream);
       launch<D, kVB, 1, 2>(p, grid, stream);
     } else {
@@ -748,10 +748,10 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   int dev = 0, sms = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
-  // DMATTN_DECODE_CTAS=2|3 forces the instance (the GPU tests run both; benchmarks compare them).
+  // DMATTN_DECODE_CTAS=2|3|4 forces the instance (capped at what it fits; the GPU tests run each).
   const char* force = std::getenv("DMATTN_DECODE_CTAS");
-  const int only = force && (force[0] == '2' || force[0] == '3') ? force[0] - '0' : 0;
-  const DecodePlan plan = decode_plan(S * Hkv * p.chunks, kv.max_pages, sms, three_fit(vbits, nr), splits, only);
+  const int only = force && (force[0] >= '2' && force[0] <= '4') ? force[0] - '0' : 0;
+  const DecodePlan plan = decode_plan(S * Hkv * p.chunks, kv.max_pages, sms, max_ctas(vbits, nr), splits, only);
   p.splits = std::min(plan.splits, std::max(1, kv.max_pages));
   Buffers buf(stream);  // stream-ordered: freed after the enqueued work
   const int64_t rows = S * Hq * Nq;

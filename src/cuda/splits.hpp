@@ -23,28 +23,32 @@ inline int decode_auto_splits(int64_t ctas, int max_pages, int slots) {
   return best;
 }
 
-// How many CTAs an SM a decode instance runs (two, or three where V is MXFP4 and a CTA has 8 rows:
-// fewer stages each) and its splits. Three CTAs move ~4.5% more bytes an SM when the SM is full
-// (session 10 run 3: B=16 32k, 361 against 377 us), but a CTA then streams its pages at 1/3 of the
-// SM, not 1/2: the time of a plan is waves x (pages per split + 1) x CTAs an SM / that SM rate.
-// This picks three at B=16 32k and two at B=64 8k and B=1 32k, where session 10's fixed three ran
-// 10% and 5% slower. `splits` > 0: that many (capped at the pages), the instance chosen for them.
-// `only` = 2 or 3: that instance (3 only where three fit), with its splits.
+// How many CTAs an SM a decode instance runs (two; three or four where the instance fits them: fewer
+// stages each, see decode.cu's max_ctas) and its splits. More CTAs move more bytes an SM when the SM is
+// full, but a CTA then streams its pages at 1/c of the SM: the time of a plan is
+// waves x (pages per split + 1) x c / that SM's rate at c. Measured (session 15 run 11, V in MXFP4,
+// forced instances, us): B=16 32k 323 / 303 / 298 at two / three / four; B=64 8k 341 / 361 / 299;
+// B=64 32k 1221 / 1128 / 1105; B=1 32k 48.1 / 50.6 / 53.8 (V in MXFP8: B=16 32k 303 / 284, B=64 8k
+// 319 / 340). Four CTAs only where the CTA groups alone fill half the SMs: at B=1 the model put four 2%
+// behind two, measured 12%. `splits` > 0: that many (capped at the pages), the instance chosen for them.
+// `only` = 2, 3 or 4: that instance (capped at max_ctas), with its splits.
 struct DecodePlan {
   int ctas_per_sm = 2, splits = 1;
 };
-inline DecodePlan decode_plan(int64_t ctas, int max_pages, int sms, bool three_fit, int splits = 0, int only = 0) {
-  constexpr double kRate3 = 1.045;  // an SM's page rate at three CTAs / at two
-  const int np = std::max(1, max_pages);
+inline DecodePlan decode_plan(int64_t ctas, int max_pages, int sms, int max_ctas, int splits = 0, int only = 0) {
+  // An SM's page rate at c CTAs over its rate at two (full-SM runs measure ~1.08 for three; 1.045 keeps
+  // two at B=64 8k, where three's extra splits cost 6% in the measurement).
+  constexpr double kRate[5] = {0.0, 0.0, 1.0, 1.045, 1.09};
+  const int np = std::max(1, max_pages), top = std::clamp(max_ctas, 2, 4);
   sms = std::max(1, sms);
   DecodePlan best;
   double best_time = 0.0;
-  const int lo = only == 3 && three_fit ? 3 : 2, hi = only == 2 || !three_fit ? 2 : 3;
+  const int lo = only > 0 ? std::clamp(only, 2, top) : 2, hi = only > 0 ? lo : 2 * ctas >= sms ? top : std::min(top, 3);
   for (int c = lo; c <= hi; ++c) {
     const int slots = c * sms;
     const int s = splits > 0 ? std::min(splits, np) : decode_auto_splits(ctas, max_pages, slots);
     const double waves = double((ctas * s + slots - 1) / slots);
-    const double time = waves * ((np + s - 1) / s + 1) * c / (c == 3 ? kRate3 : 1.0);
+    const double time = waves * ((np + s - 1) / s + 1) * c / kRate[c];
     if (c == lo || time < best_time) best = {c, s}, best_time = time;
   }
   return best;

@@ -114,25 +114,30 @@ TEST(GpuDecode, MatchesCpuDecode) {
     }
 }
 
-// The three-CTAs-an-SM instance (V in MXFP4, 8-row CTAs: two stages a warp), which the automatic plan
-// picks only for grids that fill the GPU: forced here, against the CPU decode (DMATTN_DECODE_CTAS).
-TEST(GpuDecode, ThreeCtasAnSmInstanceMatchesCpuDecode) {
+// The instances of three and four CTAs an SM (8-row CTAs; V in MXFP4 fits four, MXFP8 three: fewer
+// stages a warp), which the automatic plan picks only for grids that fill the GPU: forced here, against
+// the CPU decode (DMATTN_DECODE_CTAS; a forced count above what the instance fits runs the largest).
+TEST(GpuDecode, ManyCtasAnSmInstancesMatchCpuDecode) {
   SKIP_WITHOUT_CUDA_DEVICE();
-  ASSERT_EQ(setenv("DMATTN_DECODE_CTAS", "3", 1), 0);
-  for (int64_t d : {64, 128}) {
-    const int64_t Hkv = 2, Hq = 8, lens[2] = {300, 1301};
-    KVCache cache(Hkv, d, with_pv(Policy{}, PV::mxfp4));
-    std::vector<int> ids;
-    for (int i = 0; i < 2; ++i) {
-      const QKV x = llm_like_qkv({1, Hq, Hkv, lens[i], lens[i], d}, uint64_t(30 * d + i));
-      ids.push_back(cache.new_sequence());
-      append_all(cache, ids.back(), x, 0, lens[i]);
-    }
-    for (int64_t Nq : {1, 2}) {  // 4 and 8 rows per KV head: one 8-row CTA
-      const QKV qs = random_qkv({2, Hq, Hkv, Nq, Nq, d}, uint64_t(d + 3 * Nq), DType::f32, 2.0f);
-      for (int splits : {1, 3})
-        check_decode(cache, ids, qs.q, splits, 1e-5, ("3 CTAs/SM d=" + std::to_string(d) + " Nq=" + std::to_string(Nq)).c_str());
-    }
+  for (const char* ctas : {"3", "4"}) {
+    ASSERT_EQ(setenv("DMATTN_DECODE_CTAS", ctas, 1), 0);
+    for (PV pv : {PV::mxfp4, PV::mxfp8})
+      for (int64_t d : {64, 128}) {
+        const int64_t Hkv = 2, Hq = 8, lens[2] = {300, 1301};
+        KVCache cache(Hkv, d, with_pv(Policy{}, pv));
+        std::vector<int> ids;
+        for (int i = 0; i < 2; ++i) {
+          const QKV x = llm_like_qkv({1, Hq, Hkv, lens[i], lens[i], d}, uint64_t(30 * d + i));
+          ids.push_back(cache.new_sequence());
+          append_all(cache, ids.back(), x, 0, lens[i]);
+        }
+        for (int64_t Nq : {1, 2}) {  // 4 and 8 rows per KV head: one 8-row CTA
+          const QKV qs = random_qkv({2, Hq, Hkv, Nq, Nq, d}, uint64_t(d + 3 * Nq), DType::f32, 2.0f);
+          for (int splits : {1, 3})
+            check_decode(cache, ids, qs.q, splits, 1e-5,
+                         (std::string(ctas) + " CTAs/SM d=" + std::to_string(d) + " Nq=" + std::to_string(Nq)).c_str());
+        }
+      }
   }
   unsetenv("DMATTN_DECODE_CTAS");
 }
