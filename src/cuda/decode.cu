@@ -199,8 +199,9 @@ __device__ __forceinline__ void block_scores(const uint8_t* K, const uint8_t* ks
 #pragma unroll
       for (int i = 0; i < 4; ++i) s[mt][nr][i] = 0.0f;
   }
-  // The E2M1 path, unrolled over every block, needs a few more registers than the three-CTA instance
-  // (168) or the 16-row bf16-V one (255) have (ptxas spilled): two blocks at a time fit, or one at 16 rows.
+  // The E2M1 path, unrolled over every block, needs more registers than the many-CTA instances (168 at
+  // three, 128 at four) or the 16-row bf16-V one (255) have (ptxas spilled): two blocks at a time fit, or
+  // one at 16 rows.
   constexpr int kUnrollC = kInt ? 3 - kNR : NB;
 #pragma unroll kUnrollC
   for (int c = 0; c < NB; ++c) {
@@ -283,7 +284,7 @@ __device__ __forceinline__ uint32_t movmatrix_trans(uint32_t x) {
   return r;
 }
 
-// kStages pages per warp in flight; two or three CTAs of four warps share an SM (kCtas). Per
+// kStages pages per warp in flight; two to four CTAs of four warps share an SM (kCtas). Per
 // page, each warp: S^T of its 32 keys on the tensor cores, the rows' maxima exchanged through
 // shared memory (the one CTA barrier of the page: the oracle's softmax takes the page's maximum), P
 // in registers, O^T += V^T.P^T on the tensor cores into the warp's own accumulator of all d columns

@@ -7,7 +7,7 @@
 namespace dmattn::cuda {
 
 // The count that minimises waves x (pages per split + 1): `ctas` CTA groups (sequence x KV head x row
-// chunk) each split `s` ways, `slots` CTAs running at once (two or three an SM), the +1 standing for a CTA's
+// chunk) each split `s` ways, `slots` CTAs running at once (two to four an SM), the +1 standing for a CTA's
 // fixed cost (q, the merge's share). A partial last wave costs a whole one, so e.g. 128 CTA groups on
 // 264 slots take 2 splits (one wave of 256), not 3 (384 CTAs: 1.45 waves, the second mostly idle).
 // More splits must win by 3% (each adds partial results to write and merge).
