@@ -144,35 +144,30 @@ DMATTN_HD float inverse_e8m0(uint8_t code) {
   return hd::float_of(code < 254 ? uint32_t(254 - code) << 23 : 0x00400000u);
 }
 
-// The E8M0 scale code for a block whose largest magnitude is `amax` (NaN or Inf amax -> NaN
-// scale; an all-zero block gets the smallest scale, 2^-127).
-DMATTN_HD uint8_t choose_e8m0(float amax, Elem e, ScaleRule rule) {
-  if (!hd::is_finite(amax)) return kE8M0NaN;
-  if (amax == 0.0f) return 0;
-  const ElemSpec s = elem_spec(e);
-  const uint32_t b = hd::bits_of(amax);
-  int x;
-  if (b - 0x00800000u < 0x7F000000u) {  // positive normal (the GPU pass's case): from the bits alone
-    x = int(b >> 23) - 127 - s.emax;
-    // amax / 2^x has amax's significand: above max exactly where the mantissa bits are.
-    if (rule == ScaleRule::ceil && (b & 0x7FFFFFu) > (hd::bits_of(s.max) & 0x7FFFFFu)) ++x;
-  } else {
-    x = hd::ilog2(amax) - s.emax;
-    if (rule == ScaleRule::ceil && hd::ldexp2(amax, -x) > s.max) ++x;
-  }
-  if (x < -127) x = -127;
-  if (x > 127) x = 127;
-  return uint8_t(x + 127);
-}
-
-// choose_e8m0 without branches for a finite amax >= 0 (the GPU quantize pass, the decode's P blocks): the exponent
-// field as in choose_e8m0's fast path, clamped. A zero or subnormal amax (field 0) then clamps to code 0,
-// as in choose_e8m0, for every element type (emax >= 2: -127 - emax + 1 < -127).
+// choose_e8m0 without branches for a finite amax >= 0 (the GPU quantize pass, the decode's P blocks, and
+// choose_e8m0's own normal case): the scale exponent from amax's exponent field (amax / 2^x keeps amax's
+// significand, so with the ceil rule it is above max exactly where the mantissa bits are), clamped. A
+// zero or subnormal amax (field 0) then clamps to code 0, as in choose_e8m0, for every element type
+// (emax >= 2: -127 - emax + 1 < -127).
 DMATTN_HD uint8_t choose_e8m0_nonneg(float amax, Elem e, ScaleRule rule) {
   const ElemSpec s = elem_spec(e);
   const uint32_t b = hd::bits_of(amax);
   const int x = int(b >> 23) - 127 - s.emax + int(rule == ScaleRule::ceil && (b & 0x7FFFFFu) > (hd::bits_of(s.max) & 0x7FFFFFu));
   return uint8_t((x < -127 ? -127 : x > 127 ? 127 : x) + 127);
+}
+
+// The E8M0 scale code for a block whose largest magnitude is `amax` (NaN or Inf amax -> NaN
+// scale; an all-zero block gets the smallest scale, 2^-127).
+DMATTN_HD uint8_t choose_e8m0(float amax, Elem e, ScaleRule rule) {
+  if (!hd::is_finite(amax)) return kE8M0NaN;
+  if (amax == 0.0f) return 0;
+  if (hd::bits_of(amax) - 0x00800000u < 0x7F000000u) return choose_e8m0_nonneg(amax, e, rule);  // positive normal
+  const ElemSpec s = elem_spec(e);
+  int x = hd::ilog2(amax) - s.emax;
+  if (rule == ScaleRule::ceil && hd::ldexp2(amax, -x) > s.max) ++x;
+  if (x < -127) x = -127;
+  if (x > 127) x = 127;
+  return uint8_t(x + 127);
 }
 
 // Quantizes one MX block of n values (n <= 32 in MX; any n works) to element codes + scale.

@@ -43,7 +43,8 @@ inline DecodePlan decode_plan(int64_t ctas, int max_pages, int sms, int max_ctas
   sms = std::max(1, sms);
   DecodePlan best;
   double best_time = 0.0;
-  const int lo = only > 0 ? std::clamp(only, 2, top) : 2, hi = only > 0 ? lo : 2 * ctas >= sms ? top : std::min(top, 3);
+  const int most = 2 * ctas >= sms ? top : std::min(top, 3);  // four only where the groups fill half the SMs
+  const int lo = only > 0 ? std::clamp(only, 2, top) : 2, hi = only > 0 ? lo : most;
   for (int c = lo; c <= hi; ++c) {
     const int slots = c * sms;
     const int s = splits > 0 ? std::min(splits, np) : decode_auto_splits(ctas, max_pages, slots);
