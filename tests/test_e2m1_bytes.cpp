@@ -1,10 +1,14 @@
-// The byte-permute widenings of E2M1 codes (cuda/e2m1_bytes.hpp) on every 16-bit input, through the
-// host emulation of PTX prmt, against the codec's values. The device runs the same functions with
-// the prmt instruction (the GPU decode and quantize tests compare their results with the CPU).
+// The widenings of E2M1 codes (cuda/e2m1_bytes.hpp): the byte permutes on every 16-bit input, through
+// the host emulation of PTX prmt, and the f16 bit placement, against the codec's values. The device
+// runs the same functions (the GPU decode and quantize tests compare their results with the CPU).
 #include <gtest/gtest.h>
+
+#include <cmath>
 
 #include "cuda/e2m1_bytes.hpp"
 #include "dmattn/mx_codec.hpp"
+#include "dmattn/numeric.hpp"
+#include "dmattn/synthetic.hpp"
 
 using namespace dmattn;
 
@@ -40,4 +44,35 @@ TEST(E2M1Bytes, SignSplitBytesAreTwiceTheValue) {
       EXPECT_LE(p + n, 12);  // unsigned bytes of at most 12: a 32-term dot with |q| <= 12 stays below 2^13
     }
   }
+}
+
+// Every code at every one of the eight positions (the others random): the f16 the device reads is the
+// code's value times 2^-14, sign included (-0 stays -0), and the packing uses each storage bit once.
+TEST(E2M1Bytes, F16PlacementHoldsEveryCodesValue) {
+  Rng rng(16);
+  for (int rep = 0; rep < 64; ++rep)
+    for (int pos = 0; pos < 8; ++pos)
+      for (uint8_t code = 0; code < 16; ++code) {
+        uint8_t codes[8];
+        for (auto& c : codes) c = uint8_t(rng.next_u64() % 16);
+        codes[pos] = code;
+        uint32_t h[4];
+        cuda::e2m1x8_to_f16x4(cuda::e2m1x8_f16_pack(codes), h);
+        for (int i = 0; i < 8; ++i) {
+          const uint16_t bits = uint16_t(h[i / 2] >> (16 * (i % 2)));
+          EXPECT_EQ(std::ldexp(to_float(fp16{bits}), 14), decode_elem(Elem::e2m1, codes[i])) << "position " << i;
+          EXPECT_EQ(bits >> 15, codes[i] >> 3u) << "position " << i;
+        }
+      }
+  uint32_t all = 0;  // one set code at a time: the 8 x 4 bits land on 32 distinct storage bits
+  for (int i = 0; i < 8; ++i)
+    for (int b = 0; b < 4; ++b) {
+      uint8_t codes[8] = {};
+      codes[i] = uint8_t(1u << b);
+      const uint32_t w = cuda::e2m1x8_f16_pack(codes);
+      EXPECT_EQ(w & (w - 1), 0u);
+      EXPECT_EQ(all & w, 0u);
+      all |= w;
+    }
+  EXPECT_EQ(all, 0xFFFFFFFFu);
 }

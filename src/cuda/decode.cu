@@ -10,7 +10,7 @@
 // softmax stays in registers, in base 2 (the page's row maxima are the only thing the warps exchange);
 // P (rounded to bf16, as the oracle) times V in bf16 with fp32 accumulation, or with pv = mxfp8 /
 // mxfp4 P quantized to MXFP8 per 32 keys (a warp's block) times V's MXFP8 codes (or MXFP4 codes
-// widened to E4M3) as FP8 block dots, scaled by P's and V's block scales. A second kernel merges the
+// placed as f16) as f16 block dots, scaled by P's and V's block scales. A second kernel merges the
 // splits by LSE. At Nq = 1 the work per byte is tiny: the page bytes (K at 4.25 or 8.25 bits, V at
 // 16, 8.25 or 4.25) set the time, so the kernel's job is to keep enough of them in flight with few
 // instructions per byte.
@@ -549,46 +549,48 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
     const uint8_t* V = st + S_::kK + S_::kS;
     if constexpr (kPV8) {
       // P in MXFP8 E4M3, one scale per row over the warp's 32 keys (one MX block). The codes of
-      // (key, rows 2t, 2t+1) go to P^T's B fragments (row g, keys 2t, 2t+1 of each 8-key group) by
-      // movmatrix on their f16 values; slot 4t+i of the fragment then holds key 2t, 2t+1, 8+2t,
-      // 9+2t (and +16 in slots 16+4t..), the order the device V^T keeps its keys in (vt_position).
+      // (key, rows 2t, 2t+1) widened to f16 (exact) go to P^T's B fragments (row g, keys 2t, 2t+1 of
+      // each 8-key group) by movmatrix: bq[nr][q] holds keys 8q + 2t, 8q + 2t + 1, the f16 mma's slots
+      // in natural order over two m16n8k16 (keys 0..15, 16..31). V^T's A fragments hold the same keys:
+      // E4M3 bytes 8t.. of a column's 32 keys (vt_position) widened to f16, or an E2M1 word placed
+      // as f16 values x 2^-14 (e2m1x8_to_f16x4; the 2^14 goes into P's scale, exact).
       float ps[kNR][2];
-      uint32_t bq[kNR][2];
+      uint32_t bq[kNR][4];
 #pragma unroll
       for (int nr = 0; nr < kNR; ++nr) {
         float inv[2];
         p_block_scales<kNR>(sc, nr, p.rule, inv, ps[nr]);
-        uint32_t grp[4];  // key groups 0..3 (keys 8q..8q+7): (mt, half) = (q / 2, q % 2)
+        if constexpr (kVB == 4) ps[nr][0] *= 16384.0f, ps[nr][1] *= 16384.0f;
 #pragma unroll
-        for (int q = 0; q < 4; ++q) {
+        for (int q = 0; q < 4; ++q) {  // key groups 0..3 (keys 8q..8q+7): (mt, half) = (q / 2, q % 2)
           const float* x = sc[q / 2][nr] + 2 * (q % 2);
-          const uint32_t codes = fp8x2_encode<false>(x[0] * inv[0], x[1] * inv[1]);
-          grp[q] = f16x2_to_fp8x2<false>(movmatrix_trans(fp8x2_to_f16x2<false>(codes)));
+          bq[nr][q] = movmatrix_trans(fp8x2_to_f16x2<false>(fp8x2_encode<false>(x[0] * inv[0], x[1] * inv[1])));
         }
-        bq[nr][0] = grp[0] | grp[1] << 16;
-        bq[nr][1] = grp[2] | grp[3] << 16;
       }
       const uint8_t* vsc = V + S_::kVRow * D;  // this block's scale per column
 #pragma unroll
       for (int md = 0; md < MD; ++md) {
-        // A fragments of V^T: rows 16md + g (+8), slots 4t.. and 16+4t.. = codes 8t..8t+7 of the row
-        // (fragment order); 4 rows of 32 bytes a half warp (E2M1: 8 rows of 16): no bank conflicts.
-        uint2 lo, hi;
+        // Rows 16md + g (+8) of V^T: 4 rows of 32 bytes a half warp (E2M1: 8 rows of 16): no bank conflicts.
+        uint32_t a1[4], a2[4];
         if constexpr (kVB == 8) {
-          lo = *reinterpret_cast<const uint2*>(V + (16 * md + g) * 32 + 8 * t);
-          hi = *reinterpret_cast<const uint2*>(V + (16 * md + g + 8) * 32 + 8 * t);
-        } else {  // E2M1 nibbles widened to E4M3 bytes (exact), as for K
-          const uint32_t wl = *reinterpret_cast<const uint32_t*>(V + (16 * md + g) * 16 + 4 * t);
-          const uint32_t wh = *reinterpret_cast<const uint32_t*>(V + (16 * md + g + 8) * 16 + 4 * t);
-          lo = make_uint2(e2m1x4_to_e4m3x4(wl), e2m1x4_to_e4m3x4(wl >> 16));
-          hi = make_uint2(e2m1x4_to_e4m3x4(wh), e2m1x4_to_e4m3x4(wh >> 16));
+          const uint2 lo = *reinterpret_cast<const uint2*>(V + (16 * md + g) * 32 + 8 * t);
+          const uint2 hi = *reinterpret_cast<const uint2*>(V + (16 * md + g + 8) * 32 + 8 * t);
+          auto f16lo = [](uint32_t x) { return fp8x2_to_f16x2<false>(x); };
+          auto f16hi = [](uint32_t x) { return fp8x2_to_f16x2<false>(hi16(x)); };
+          a1[0] = f16lo(lo.x), a1[1] = f16lo(hi.x), a1[2] = f16hi(lo.x), a1[3] = f16hi(hi.x);
+          a2[0] = f16lo(lo.y), a2[1] = f16lo(hi.y), a2[2] = f16hi(lo.y), a2[3] = f16hi(hi.y);
+        } else {
+          uint32_t fl[4], fh[4];
+          e2m1x8_to_f16x4(*reinterpret_cast<const uint32_t*>(V + (16 * md + g) * 16 + 4 * t), fl);
+          e2m1x8_to_f16x4(*reinterpret_cast<const uint32_t*>(V + (16 * md + g + 8) * 16 + 4 * t), fh);
+          a1[0] = fl[0], a1[1] = fh[0], a1[2] = fl[1], a1[3] = fh[1];
+          a2[0] = fl[2], a2[1] = fh[2], a2[2] = fl[3], a2[3] = fh[3];
         }
-        const uint32_t a[4] = {lo.x, hi.x, lo.y, hi.y};
         const float v0 = e8m0_of_byte(vsc[16 * md + g], 0), v1 = e8m0_of_byte(vsc[16 * md + g + 8], 0);
 #pragma unroll
         for (int nr = 0; nr < kNR; ++nr) {
           float d[4];
-          mma_fp8_block<false>(d, a, bq[nr][0], bq[nr][1]);
+          mma_f16_block(d, a1, a2, bq[nr]);
           promote(acc[md][nr], v0, v1, make_float2(ps[nr][0], ps[nr][1]), d);
         }
       }

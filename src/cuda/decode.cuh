@@ -26,9 +26,9 @@ struct PagedKV {
   // pv = mxfp8 (instead of v): page p, head h's V as V^T, [d][128] E4M3 codes at
   // v8 + (p*Hkv + h)*128*d (columns contiguous over keys: the FP8 mma's B operand; within each
   // 32-key block the keys in the order vt_position gives), and the E8M0 scales of its 32-key
-  // blocks, [4][d], at vs + (p*Hkv + h)*4*d (the host page's layout). pv = mxfp4: the same with
-  // E2M1 codes, [d][64] bytes at v8 + (p*Hkv + h)*64*d, positions 2b and 2b+1 in byte b (low nibble
-  // first).
+  // blocks, [4][d], at vs + (p*Hkv + h)*4*d (the host page's layout). pv = mxfp4: E2M1 codes,
+  // [d][64] bytes at v8 + (p*Hkv + h)*64*d; in each column's 16 bytes per 32-key block, 32-bit word t
+  // holds keys 8j + 2t and 8j + 2t + 1 (j = 0..3) placed for f16 (e2m1x8_f16_pack).
   const uint8_t* v8 = nullptr;
   const uint8_t* vs = nullptr;
 };

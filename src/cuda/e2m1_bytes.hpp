@@ -1,6 +1,7 @@
-// E2M1 codes widened to bytes by byte permutes (PTX prmt), for the tensor-core paths that take
-// MXFP4 operands on sm_90, which has no 4-bit mma. Host and device: on the host prmt is emulated
-// from the PTX ISA's definition, so the CPU tests check these widenings on every input word.
+// E2M1 codes widened for the tensor-core paths that take MXFP4 operands on sm_90, which has no 4-bit
+// mma: to bytes by byte permutes (PTX prmt), or to f16 by placing their bits (the decode's V). Host
+// and device: on the host prmt is emulated from the PTX ISA's definition, so the CPU tests check these
+// widenings on every input word.
 #pragma once
 #include <cstdint>
 
@@ -44,5 +45,38 @@ DMATTN_HD uint32_t e2m1x4_to_e4m3x4(uint32_t x) {
 // word with every sign bit inverted (x ^ 0x8888...), computed once for eight codes.
 DMATTN_HD uint32_t e2m1x4_pos_x2(uint32_t x) { return prmt(0x03020100u, 0x0C080604u, x); }  // 0 1 2 3 | 4 6 8 12
 DMATTN_HD uint32_t e2m1x4_neg_x2(uint32_t flipped) { return e2m1x4_pos_x2(flipped); }
+
+// Eight E2M1 codes as four f16x2 words by bit placement, for the decode's P.V on f16 mmas. The f16
+// with the code's sign at bit 15 and its three magnitude bits (e1 e0 m) at bits 11..9 is the code's
+// value times 2^-14 exactly: e1 e0 are the two low exponent bits and m the top mantissa bit, so a
+// normal code (e >= 1) is 2^(e-15)(1 + m/2) against 2^(e-1)(1 + m/2), and e = 0 gives the f16
+// subnormal m x 2^-15 against m x 0.5 (the f16 mma takes subnormals; GpuMma tests it). The storage
+// word holds the eight codes' 32 bits so that each output is one or two shifts and masks: per 16-bit
+// half, output j's magnitude sits mag_shift(j) below bits 11..9 and its sign sign_shift(j) below bit
+// 15 (offsets chosen so the four outputs' bits tile the half; no choice gives every output a single
+// shift). Output j's low half is code 2j, its high half code 2j + 1. 6 logic ops and 5 shifts for 8
+// codes, where widening to E4M3 bytes (e2m1x4_to_e4m3x4) and then to f16 took 14 (session 16).
+DMATTN_HD constexpr int mag_shift(int j) { return 3 * j; }                // 0 3 6 9
+DMATTN_HD constexpr int sign_shift(int j) { return j < 2 ? 3 * j : j - 1; }  // 0 3 1 2
+inline constexpr uint32_t kF16Mag = 0x0E000E00u, kF16Sign = 0x80008000u;
+
+// Host: the storage word of codes[0..7].
+inline uint32_t e2m1x8_f16_pack(const uint8_t (&codes)[8]) {
+  uint32_t w = 0;
+  for (int j = 0; j < 4; ++j)
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t c = codes[2 * j + h] & 0xFu;
+      w |= (c & 7u) << (16 * h + 9 - mag_shift(j)) | (c >> 3) << (16 * h + 15 - sign_shift(j));
+    }
+  return w;
+}
+
+// The four f16x2 words (values x 2^-14) of a storage word.
+DMATTN_HD void e2m1x8_to_f16x4(uint32_t w, uint32_t (&h)[4]) {
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    h[j] = mag_shift(j) == sign_shift(j) ? (w << mag_shift(j)) & (kF16Mag | kF16Sign)
+                                         : ((w << mag_shift(j)) & kF16Mag) | ((w << sign_shift(j)) & kF16Sign);
+}
 
 }  // namespace dmattn::cuda

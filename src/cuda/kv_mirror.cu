@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <type_traits>
@@ -13,6 +14,7 @@
 
 #include "cuda/buffers.hpp"
 #include "cuda/decode.cuh"
+#include "cuda/e2m1_bytes.hpp"
 #include "dmattn/error.hpp"
 #include "dmattn/kv_cache.hpp"
 #include "dmattn/quantize.hpp"
@@ -107,14 +109,24 @@ struct Mirror {
       if (v) put(v + id * (v_bytes / 2), pg.v.data(), pg.v.size() * sizeof(uint16_t));
       if (v8) {  // V^T per head: the FP8 mma wants each column's keys contiguous (in fragment order)
         uint8_t* dst = vt.data() + i * size_t(v8_bytes);
-        // E2M1 (v4): the host packs two channels a byte, the device two keys (positions 2b, 2b+1).
         const int64_t key_row = v4 ? d / 2 : d, col_row = v4 ? T / 2 : T;  // host / device row bytes
         const int64_t heads = v8_bytes / (col_row * d);
+        auto code = [&](int64_t h, int64_t k, int64_t c) { return element_code(pg.v8.data() + (h * T + k) * key_row, c, v4); };
         for (int64_t h = 0; h < heads; ++h)
-          for (int64_t k = 0; k < T; ++k)
-            for (int64_t c = 0; c < d; ++c)
-              set_element_code(dst + (h * d + c) * col_row, vt_position(int(k)), v4,
-                               element_code(pg.v8.data() + (h * T + k) * key_row, c, v4));
+          for (int64_t c = 0; c < d; ++c) {
+            uint8_t* row = dst + (h * d + c) * col_row;
+            if (v4) {  // E2M1: word t of each 32-key block holds keys 8j + 2t (+1), j = 0..3, placed for f16
+              for (int64_t k0 = 0; k0 < T; k0 += 32)
+                for (int t = 0; t < 4; ++t) {
+                  uint8_t codes[8];
+                  for (int j = 0; j < 8; ++j) codes[j] = code(h, k0 + 8 * (j / 2) + 2 * t + j % 2, c);
+                  const uint32_t w = e2m1x8_f16_pack(codes);
+                  std::memcpy(row + k0 / 2 + 4 * t, &w, 4);  // little-endian, as the kernel loads it
+                }
+            } else {
+              for (int64_t k = 0; k < T; ++k) row[vt_position(int(k))] = code(h, k, c);
+            }
+          }
         put(v8 + id * v8_bytes, dst, size_t(v8_bytes));
         put(vs + id * vs_bytes, pg.vs.data(), pg.vs.size());
       }

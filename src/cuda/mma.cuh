@@ -44,15 +44,22 @@ __device__ __forceinline__ void mma_16816(float d[4], const uint32_t a[4], uint3
 // must: -0 + 0 is +0). Written out here, the mmas start from zero and there is no FADD (32 a page in the
 // decode's P.V). An FP8 register's slots 4t..4t+3 become the f16 slots 2t, 2t+1 (low half) and 8+2t,
 // 9+2t (high half) of one m16n8k16: a permutation of the contraction, the same in A and B.
+// d = A.B over 32 contraction slots in f16 as two m16n8k16 mmas from zero: a1, b[0..1] the first 16
+// slots, a2, b[2..3] the next 16.
+__device__ __forceinline__ void mma_f16_block(float d[4], const uint32_t (&a1)[4], const uint32_t (&a2)[4], const uint32_t (&b)[4]) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) d[i] = 0.0f;
+  mma_16816<false>(d, a1, b[0], b[1]);
+  mma_16816<false>(d, a2, b[2], b[3]);
+}
+
 template <bool kE5M2>
 __device__ __forceinline__ void mma_fp8_block(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
   auto lo = [](uint32_t x) { return fp8x2_to_f16x2<kE5M2>(x); };
   auto hi = [](uint32_t x) { return fp8x2_to_f16x2<kE5M2>(hi16(x)); };
   const uint32_t a1[4] = {lo(a[0]), lo(a[1]), hi(a[0]), hi(a[1])}, a2[4] = {lo(a[2]), lo(a[3]), hi(a[2]), hi(a[3])};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) d[i] = 0.0f;
-  mma_16816<false>(d, a1, lo(b0), hi(b0));
-  mma_16816<false>(d, a2, lo(b1), hi(b1));
+  const uint32_t b[4] = {lo(b0), hi(b0), lo(b1), hi(b1)};
+  mma_f16_block(d, a1, a2, b);
 }
 
 // Four 8x8 b16 matrices from shared memory, transposed: lanes 8i..8i+7 give the row addresses of
