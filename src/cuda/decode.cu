@@ -403,13 +403,15 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
 #pragma unroll 4
   for (int it = warp; it < 2 * kRows * NB; it += kWarps) {
     const int sl = it / (kRows * NB), r = it / NB % kRows, c = it % NB;
-    float v = 0.0f;
-    if (r < rows) {
-      const int64_t row = qrow0 + r, off = s * p.qsb + row / p.Nq % p.Hq * p.qsh + row % p.Nq * p.qsn + c * 32 + lane;
-      v = p.qdt == DType::f32   ? static_cast<const float*>(p.q)[off]
-          : p.qdt == DType::f16 ? to_float(static_cast<const fp16*>(p.q)[off])
-                                : to_float(static_cast<const bf16*>(p.q)[off]);
+    if (r >= rows) {  // a row past the GQA group's (4 of 8 at G = 4, Nq = 1): zero codes and scale, no work
+      q8[(sl * kRows + r) * D + c * 32 + lane] = 0;
+      if (lane == 0) sq[(sl * NB + c) * kRows + r] = 0.0f;
+      continue;
     }
+    const int64_t row = qrow0 + r, off = s * p.qsb + row / p.Nq % p.Hq * p.qsh + row % p.Nq * p.qsn + c * 32 + lane;
+    const float v = p.qdt == DType::f32   ? static_cast<const float*>(p.q)[off]
+                    : p.qdt == DType::f16 ? to_float(static_cast<const fp16*>(p.q)[off])
+                                          : to_float(static_cast<const bf16*>(p.q)[off]);
     const bool bad = __any_sync(0xffffffffu, !hd::is_finite(v));
     float amax = fabsf(v);
 #pragma unroll
@@ -420,7 +422,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
     if (e != Elem::e4m3 && e != Elem::e5m2) code = fp8_encode<false>(decode_elem(e, code));
     q8[(sl * kRows + r) * D + c * 32 + lane] = code;
     // E2M1: block_scores' integer dot is 4x the values' (both operands doubled); a power of two, exact.
-    if (lane == 0) sq[(sl * NB + c) * kRows + r] = r < rows ? decode_e8m0(sc) * (e == Elem::e2m1 ? 0.25f : 1.0f) : 0.0f;
+    if (lane == 0) sq[(sl * NB + c) * kRows + r] = decode_e8m0(sc) * (e == Elem::e2m1 ? 0.25f : 1.0f);
     if (lane == 0 && bad && p.nonfinite) *p.nonfinite = 1;
   }
   __syncthreads();
