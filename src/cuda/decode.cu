@@ -551,22 +551,25 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
     const uint8_t* V = st + S_::kK + S_::kS;
     if constexpr (kPV8) {
       // P in MXFP8 E4M3, one scale per row over the warp's 32 keys (one MX block). The codes of
-      // (key, rows 2t, 2t+1) widened to f16 (exact) go to P^T's B fragments (row g, keys 2t, 2t+1 of
-      // each 8-key group) by movmatrix: bq[nr][q] holds keys 8q + 2t, 8q + 2t + 1, the f16 mma's slots
-      // in natural order over two m16n8k16 (keys 0..15, 16..31). V^T's A fragments hold the same keys:
-      // E4M3 bytes 8t.. of a column's 32 keys (vt_position) widened to f16, or an E2M1 word placed
-      // as f16 values x 2^-14 (e2m1x8_to_f16x4; the 2^14 goes into P's scale, exact).
-      float ps[kNR][2];
+      // (key, rows 2t, 2t+1) widened to f16 and times their block scale x 2^14 (a power of two in f16,
+      // so the products are P's values x 2^14, exact down to 2^-35; a block whose scale x 2^14 is
+      // below f16's 2^-24 holds values under 448 x 2^-38 and becomes zeros) go to P^T's B fragments
+      // (row g, keys 2t, 2t+1 of each 8-key group) by movmatrix: bq[nr][q] holds keys 8q + 2t, 8q + 2t + 1,
+      // the f16 mma's slots in natural order over two m16n8k16 (keys 0..15, 16..31). With P's scale in
+      // its values, each block's promotion is one FFMA an element. V^T's A fragments hold the same keys:
+      // E4M3 bytes 8t.. of a column's 32 keys (vt_position) widened to f16 (the 2^-14 goes into V's
+      // scale), or an E2M1 word placed as f16 values x 2^-14 (e2m1x8_to_f16x4), which cancels P's 2^14.
       uint32_t bq[kNR][4];
 #pragma unroll
       for (int nr = 0; nr < kNR; ++nr) {
-        float inv[2];
-        p_block_scales<kNR>(sc, nr, p.rule, inv, ps[nr]);
-        if constexpr (kVB == 4) ps[nr][0] *= 16384.0f, ps[nr][1] *= 16384.0f;
+        float inv[2], ps[2];
+        p_block_scales<kNR>(sc, nr, p.rule, inv, ps);
+        const uint32_t s2 = f16x2_rn(ps[0] * 16384.0f, ps[1] * 16384.0f);
 #pragma unroll
         for (int q = 0; q < 4; ++q) {  // key groups 0..3 (keys 8q..8q+7): (mt, half) = (q / 2, q % 2)
           const float* x = sc[q / 2][nr] + 2 * (q % 2);
-          bq[nr][q] = movmatrix_trans(fp8x2_to_f16x2<false>(fp8x2_encode<false>(x[0] * inv[0], x[1] * inv[1])));
+          const uint32_t h = fp8x2_to_f16x2<false>(fp8x2_encode<false>(x[0] * inv[0], x[1] * inv[1]));
+          bq[nr][q] = movmatrix_trans(h2_rn<'*'>(h, s2));
         }
       }
       const uint8_t* vsc = V + S_::kVRow * D;  // this block's scale per column
@@ -588,12 +591,16 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
           a1[0] = fl[0], a1[1] = fh[0], a1[2] = fl[1], a1[3] = fh[1];
           a2[0] = fl[2], a2[1] = fh[2], a2[2] = fl[3], a2[3] = fh[3];
         }
-        const float v0 = e8m0_of_byte(vsc[16 * md + g], 0), v1 = e8m0_of_byte(vsc[16 * md + g + 8], 0);
+        constexpr float kVUnit = kVB == 8 ? 1.0f / 16384.0f : 1.0f;  // 2^-14 (exact, at worst a float subnormal)
+        const float v0 = e8m0_of_byte(vsc[16 * md + g], 0) * kVUnit, v1 = e8m0_of_byte(vsc[16 * md + g + 8], 0) * kVUnit;
 #pragma unroll
         for (int nr = 0; nr < kNR; ++nr) {
           float d[4];
           mma_f16_block(d, a1, a2, bq[nr]);
-          promote(acc[md][nr], v0, v1, make_float2(ps[nr][0], ps[nr][1]), d);
+          acc[md][nr][0] += v0 * d[0];
+          acc[md][nr][1] += v0 * d[1];
+          acc[md][nr][2] += v1 * d[2];
+          acc[md][nr][3] += v1 * d[3];
         }
       }
     } else {  // P rounded to bf16 (as the oracle) times bf16 V, 16 keys a step

@@ -86,6 +86,21 @@ __device__ __forceinline__ uint32_t f16x2_rn(float lo, float hi) {
   return r;
 }
 
+// f16x2 arithmetic a kOp b (kOp '+', '-' or '*'), round to nearest, subnormals kept (no .ftz), never
+// contracted: the quantize pass's fold and E2M1 rounding, the decode's P scaling.
+template <char kOp>
+__device__ __forceinline__ uint32_t h2_rn(uint32_t a, uint32_t b) {
+  static_assert(kOp == '+' || kOp == '-' || kOp == '*');
+  uint32_t d;
+  if constexpr (kOp == '+')
+    asm("add.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  else if constexpr (kOp == '-')
+    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  else
+    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
+  return d;
+}
+
 // 2^x on the special-function unit (flushes subnormal results to zero; 2^-inf = 0).
 __device__ __forceinline__ float exp2_approx(float x) {
   float r;

@@ -18,21 +18,6 @@ constexpr int kPerLane = 8;
 // eight bytes, element 0 in the low byte of x. Packed words let the conversions run two (FP8) or
 // four (E2M1 -> E4M3 bytes) elements an instruction, and keep branches out of the element loop: the
 // per-element encoder with a branch per element cost ~50 instructions an element (session 9 SASS).
-//
-// f16x2 arithmetic a kOp b (kOp '+', '-' or '*'), round to nearest, subnormals kept (no .ftz), never
-// contracted: the fold's shifts and the E2M1 rounding below.
-template <char kOp>
-__device__ __forceinline__ uint32_t h2_rn(uint32_t a, uint32_t b) {
-  static_assert(kOp == '+' || kOp == '-' || kOp == '*');
-  uint32_t d;
-  if constexpr (kOp == '+')
-    asm("add.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  else if constexpr (kOp == '-')
-    asm("sub.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  else
-    asm("mul.rn.f16x2 %0, %1, %2;" : "=r"(d) : "r"(a), "r"(b));
-  return d;
-}
 
 // Four FP8 bytes shifted by 2^k (k <= 0), and whether every shifted value stays exact. Every FP8
 // value is an f16 value (E5M2 shares f16's exponent range), so each product is exact in f16 whenever
