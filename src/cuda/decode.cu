@@ -580,10 +580,8 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
         if constexpr (kVB == 8) {
           const uint2 lo = *reinterpret_cast<const uint2*>(V + (16 * md + g) * 32 + 8 * t);
           const uint2 hi = *reinterpret_cast<const uint2*>(V + (16 * md + g + 8) * 32 + 8 * t);
-          auto f16lo = [](uint32_t x) { return fp8x2_to_f16x2<false>(x); };
-          auto f16hi = [](uint32_t x) { return fp8x2_to_f16x2<false>(hi16(x)); };
-          a1[0] = f16lo(lo.x), a1[1] = f16lo(hi.x), a1[2] = f16hi(lo.x), a1[3] = f16hi(hi.x);
-          a2[0] = f16lo(lo.y), a2[1] = f16lo(hi.y), a2[2] = f16hi(lo.y), a2[3] = f16hi(hi.y);
+          const uint32_t a[4] = {lo.x, hi.x, lo.y, hi.y};  // the m16n8k32 A fragment
+          fp8_a_to_f16<false>(a, a1, a2);
         } else {
           uint32_t fl[4], fh[4];
           e2m1x8_to_f16x4(*reinterpret_cast<const uint32_t*>(V + (16 * md + g) * 16 + 4 * t), fl);

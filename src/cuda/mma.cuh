@@ -53,12 +53,22 @@ __device__ __forceinline__ void mma_f16_block(float d[4], const uint32_t (&a1)[4
   mma_16816<false>(d, a2, b[2], b[3]);
 }
 
+// An FP8 A fragment of m16n8k32 (a[0..3]) widened exactly to the two m16n8k16 f16 fragments of the same
+// 32 slots, in the slot order mma_fp8_block's B words take: a1 the low halves, a2 the high ones.
 template <bool kE5M2>
-__device__ __forceinline__ void mma_fp8_block(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+__device__ __forceinline__ void fp8_a_to_f16(const uint32_t a[4], uint32_t (&a1)[4], uint32_t (&a2)[4]) {
   auto lo = [](uint32_t x) { return fp8x2_to_f16x2<kE5M2>(x); };
   auto hi = [](uint32_t x) { return fp8x2_to_f16x2<kE5M2>(hi16(x)); };
-  const uint32_t a1[4] = {lo(a[0]), lo(a[1]), hi(a[0]), hi(a[1])}, a2[4] = {lo(a[2]), lo(a[3]), hi(a[2]), hi(a[3])};
-  const uint32_t b[4] = {lo(b0), hi(b0), lo(b1), hi(b1)};
+  a1[0] = lo(a[0]), a1[1] = lo(a[1]), a1[2] = hi(a[0]), a1[3] = hi(a[1]);
+  a2[0] = lo(a[2]), a2[1] = lo(a[3]), a2[2] = hi(a[2]), a2[3] = hi(a[3]);
+}
+
+template <bool kE5M2>
+__device__ __forceinline__ void mma_fp8_block(float d[4], const uint32_t a[4], uint32_t b0, uint32_t b1) {
+  uint32_t a1[4], a2[4];
+  fp8_a_to_f16<kE5M2>(a, a1, a2);
+  const uint32_t b[4] = {fp8x2_to_f16x2<kE5M2>(b0), fp8x2_to_f16x2<kE5M2>(hi16(b0)), fp8x2_to_f16x2<kE5M2>(b1),
+                         fp8x2_to_f16x2<kE5M2>(hi16(b1))};
   mma_f16_block(d, a1, a2, b);
 }
 

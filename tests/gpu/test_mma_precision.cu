@@ -119,30 +119,27 @@ __global__ void wgmma_dots(const uint8_t* a, const uint8_t* b, float* out) {
 
 // The decode's P.V with V in MXFP4: V^T's E2M1 codes placed as f16 (e2m1x8_to_f16x4, values x 2^-14,
 // the codes of 0.5 as f16 subnormals) times P^T in f16, two m16n8k16. a: per lane the storage words of
-// rows g and g + 8; b: per lane the four f16x2 B words (keys 8q + 2t, +1 of column g). Also the same
-// values through mma_fp8_block (A as E4M3 bytes in the m16n8k32 layout), the path it replaced.
-__global__ void placed_mma(const uint32_t* a, const uint32_t* b, const uint32_t* a8, const uint32_t* b8, float* d, float* d8) {
+// rows g and g + 8; b: per lane the four f16x2 B words (keys 8q + 2t, +1 of column g).
+__global__ void placed_mma(const uint32_t* a, const uint32_t* b, float* d) {
   const int lane = threadIdx.x;
   uint32_t fl[4], fh[4];
   cuda::e2m1x8_to_f16x4(a[lane * 2], fl);
   cuda::e2m1x8_to_f16x4(a[lane * 2 + 1], fh);
   const uint32_t a1[4] = {fl[0], fh[0], fl[1], fh[1]}, a2[4] = {fl[2], fh[2], fl[3], fh[3]};
   const uint32_t bf[4] = {b[lane * 4], b[lane * 4 + 1], b[lane * 4 + 2], b[lane * 4 + 3]};
-  float out[4], out8[4];
+  float out[4];
   cuda::mma_f16_block(out, a1, a2, bf);
-  const uint32_t af8[4] = {a8[lane * 4], a8[lane * 4 + 1], a8[lane * 4 + 2], a8[lane * 4 + 3]};
-  cuda::mma_fp8_block<false>(out8, af8, b8[lane * 2], b8[lane * 2 + 1]);
-  for (int i = 0; i < 4; ++i) d[lane * 4 + i] = out[i], d8[lane * 4 + i] = out8[i];
+  for (int i = 0; i < 4; ++i) d[lane * 4 + i] = out[i];
 }
 
 // One 16x8 tile of E2M1 A (codes) times B (E4M3 codes, or E2M1 values as E4M3): returns (placed f16 path
-// x 2^14, E4M3 path, exact sum), each [16][8].
+// x 2^14, the E4M3 path it replaced (run_mma on A widened to E4M3), exact sum), each [16][8].
 struct PlacedResult {
   std::vector<float> placed, fp8;
   std::vector<double> exact;
 };
 PlacedResult run_placed(const std::vector<uint8_t>& A, const std::vector<uint8_t>& B) {
-  std::vector<uint32_t> af(64), bf(128), a8(128), b8(64);
+  std::vector<uint32_t> af(64), bf(128);
   for (int lane = 0; lane < 32; ++lane) {
     const int g = lane / 4, t = lane % 4;
     for (int h = 0; h < 2; ++h) {
@@ -154,45 +151,25 @@ PlacedResult run_placed(const std::vector<uint8_t>& A, const std::vector<uint8_t
       auto f16 = [&](int k) { return uint32_t(to_fp16(decode_elem(Elem::e4m3, B[k * 8 + g])).bits); };
       bf[lane * 4 + q] = f16(8 * q + 2 * t) | f16(8 * q + 2 * t + 1) << 16;
     }
-    // m16n8k32 layout (run_mma): a[r] = row g + 8(r % 2), k = 4t + 16(r / 2) + i; b[r] = k 4t + 16r + i.
-    for (int r = 0; r < 4; ++r) {
-      uint32_t w = 0;
-      for (int i = 0; i < 4; ++i)
-        w |= uint32_t(encode_elem(Elem::e4m3, decode_elem(Elem::e2m1, A[(g + 8 * (r % 2)) * 32 + 4 * t + 16 * (r / 2) + i]))) << (8 * i);
-      a8[lane * 4 + r] = w;
-    }
-    for (int r = 0; r < 2; ++r) {
-      uint32_t w = 0;
-      for (int i = 0; i < 4; ++i) w |= uint32_t(B[(4 * t + 16 * r + i) * 8 + g]) << (8 * i);
-      b8[lane * 2 + r] = w;
-    }
   }
-  uint32_t *da, *db, *da8, *db8;
-  float *dd, *dd8;
+  uint32_t *da, *db;
+  float* dd;
   cudaMalloc(&da, 64 * 4);
   cudaMalloc(&db, 128 * 4);
-  cudaMalloc(&da8, 128 * 4);
-  cudaMalloc(&db8, 64 * 4);
   cudaMalloc(&dd, 128 * 4);
-  cudaMalloc(&dd8, 128 * 4);
   cudaMemcpy(da, af.data(), 64 * 4, cudaMemcpyHostToDevice);
   cudaMemcpy(db, bf.data(), 128 * 4, cudaMemcpyHostToDevice);
-  cudaMemcpy(da8, a8.data(), 128 * 4, cudaMemcpyHostToDevice);
-  cudaMemcpy(db8, b8.data(), 64 * 4, cudaMemcpyHostToDevice);
   cudaMemset(dd, 0xFF, 128 * 4);  // poisoned: NaN unless written
-  cudaMemset(dd8, 0xFF, 128 * 4);
-  placed_mma<<<1, 32>>>(da, db, da8, db8, dd, dd8);
-  std::vector<float> lanes(128), lanes8(128);
+  placed_mma<<<1, 32>>>(da, db, dd);
+  std::vector<float> lanes(128);
   cudaMemcpy(lanes.data(), dd, 128 * 4, cudaMemcpyDeviceToHost);
-  cudaMemcpy(lanes8.data(), dd8, 128 * 4, cudaMemcpyDeviceToHost);
-  for (void* p : {(void*)da, (void*)db, (void*)da8, (void*)db8, (void*)dd, (void*)dd8}) cudaFree(p);
-  PlacedResult r{std::vector<float>(128), std::vector<float>(128), std::vector<double>(128, 0.0)};
+  for (void* p : {(void*)da, (void*)db, (void*)dd}) cudaFree(p);
+  std::vector<uint8_t> A8(A.size());
+  for (size_t i = 0; i < A.size(); ++i) A8[i] = encode_elem(Elem::e4m3, decode_elem(Elem::e2m1, A[i]));
+  PlacedResult r{std::vector<float>(128), run_mma(A8, B), std::vector<double>(128, 0.0)};
   for (int lane = 0; lane < 32; ++lane)
-    for (int i = 0; i < 4; ++i) {
-      const int idx = (lane / 4 + (i / 2) * 8) * 8 + (lane % 4) * 2 + i % 2;
-      r.placed[size_t(idx)] = std::ldexp(lanes[size_t(lane * 4 + i)], 14);
-      r.fp8[size_t(idx)] = lanes8[size_t(lane * 4 + i)];
-    }
+    for (int i = 0; i < 4; ++i)
+      r.placed[size_t((lane / 4 + (i / 2) * 8) * 8 + (lane % 4) * 2 + i % 2)] = std::ldexp(lanes[size_t(lane * 4 + i)], 14);
   for (int m = 0; m < 16; ++m)
     for (int n = 0; n < 8; ++n)
       for (int k = 0; k < 32; ++k)
