@@ -38,14 +38,29 @@ __device__ uint32_t mix(uint64_t i) {
   return uint32_t(i);
 }
 
-// kind 0: K code bytes (E2M1 nibbles any, E4M3 bytes masked off NaN); 1: E8M0 scales near 2^0;
-// 2: bf16 V in [-1, 1).
-__global__ void fill(uint8_t* p, size_t n, int kind) {
+// A bf16 value in [-1, 1) for index i.
+__device__ uint16_t bf16_at(size_t i) {
+  const uint32_t r = mix(i);
+  return uint16_t((r & 0x8000) | (0x3C00 + (r >> 16) % 0x380));
+}
+__global__ void fill_bf16(uint16_t* p, size_t n) {
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) p[i] = bf16_at(i);
+}
+
+// Records (cuda/kv_record.hpp) of n bytes, each byte by the region it is in: code bytes (E2M1
+// nibbles any, E4M3 bytes masked off NaN), E8M0 scales near 2^0, or bf16 V (bf16_at).
+__global__ void fill(uint8_t* p, size_t n, int d, int vbits) {
+  using namespace dmattn::cuda;
+  const size_t rb = size_t(record_bytes(d, vbits));
+  const uint32_t ks = uint32_t(record_k_scales(d)), v = uint32_t(record_v(d)), vsc = v + uint32_t(d * record_vt_row(vbits));
   for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < n; i += size_t(gridDim.x) * blockDim.x) {
-    const uint32_t r = mix(i * 3 + kind);
-    if (kind == 0) p[i] = uint8_t(r & 0xF7);
-    if (kind == 1) p[i] = uint8_t(122 + r % 8);
-    if (kind == 2) reinterpret_cast<uint16_t*>(p)[i] = uint16_t((r & 0x8000) | (0x3C00 + (r >> 16) % 0x380));
+    const uint32_t r = mix(i * 3 + 1), o = uint32_t(i % rb);
+    if ((o >= ks && o < v) || (vbits != 16 && o >= vsc))
+      p[i] = uint8_t(122 + r % 8);
+    else if (vbits == 16 && o >= v)  // records and V start at even bytes: i / 2 is the bf16's index
+      p[i] = uint8_t(bf16_at(i / 2) >> (8 * (i % 2)));
+    else
+      p[i] = uint8_t(r & 0xF7);
   }
 }
 
@@ -72,25 +87,12 @@ int main(int argc, char** argv) {
   for (int b : Bs) maxB = std::max(maxB, b);
   for (int c : ctxs) maxctx = std::max(maxctx, c);
   const int64_t pages = int64_t(maxB) * (maxctx / T);
-  const size_t code_bytes = size_t(Hkv) * T * d, scale_bytes = size_t(Hkv) * T * (d / 32), v_elems = size_t(Hkv) * T * d;
-  uint8_t *codes, *scales, *slot, *v8 = nullptr, *vs = nullptr;
-  uint16_t* v = nullptr;
-  const size_t vs_bytes = size_t(Hkv) * (T / 32) * d;
-  CK(cudaMalloc(&codes, pages * code_bytes));
-  CK(cudaMalloc(&scales, pages * scale_bytes));
+  const int vbits = pv4 ? 4 : pv8 ? 8 : 16;
+  const size_t page_bytes = size_t(Hkv) * (T / 32) * dmattn::cuda::record_bytes(d, vbits);
+  uint8_t *rec, *slot;
+  CK(cudaMalloc(&rec, pages * page_bytes));
   CK(cudaMalloc(&slot, pages));
-  fill<<<4096, 256>>>(codes, pages * code_bytes, 0);
-  fill<<<4096, 256>>>(scales, pages * scale_bytes, 1);
-  if (pv8) {  // V^T E4M3 codes (the K code rule keeps them off NaN) or E2M1 nibbles, and E8M0 block scales
-    const size_t v8_bytes = pages * v_elems / (pv4 ? 2 : 1);
-    CK(cudaMalloc(&v8, v8_bytes));
-    CK(cudaMalloc(&vs, pages * vs_bytes));
-    fill<<<4096, 256>>>(v8, v8_bytes, 0);
-    fill<<<4096, 256>>>(vs, pages * vs_bytes, 1);
-  } else {
-    CK(cudaMalloc(&v, pages * v_elems * 2));
-    fill<<<4096, 256>>>(reinterpret_cast<uint8_t*>(v), pages * v_elems, 2);
-  }
+  fill<<<4096, 256>>>(rec, pages * page_bytes, d, vbits);
   CK(cudaDeviceSynchronize());
 
   // Ceiling: device-to-device copy of 2 GiB, read + write bytes.
@@ -146,14 +148,14 @@ int main(int argc, char** argv) {
       CK(cudaMemcpy(dtable, table.data(), table.size() * 4, cudaMemcpyHostToDevice));
       CK(cudaMemcpy(dlen, length.data(), length.size() * 4, cudaMemcpyHostToDevice));
       CK(cudaMemcpy(slot, slots.data(), slots.size(), cudaMemcpyHostToDevice));
-      const PagedKV kv{codes, scales, v, slot, dtable, dlen, B, np, Hkv, d, v8, vs};
+      const PagedKV kv{rec, slot, dtable, dlen, B, np, Hkv, d, vbits};
       void *q, *out;
       int* bad;
       CK(cudaMalloc(&q, size_t(B) * Hq * d * 2));
       CK(cudaMalloc(&out, size_t(B) * Hq * d * 2));
       CK(cudaMalloc(&bad, 4));
       CK(cudaMemset(bad, 0, 4));
-      fill<<<64, 256>>>(static_cast<uint8_t*>(q), size_t(B) * Hq * d, 2);
+      fill_bf16<<<64, 256>>>(static_cast<uint16_t*>(q), size_t(B) * Hq * d);
       const TensorView tq = TensorView::contiguous(q, DType::bf16, {B, Hq, 1, d}, Device::cuda);
       const TensorView to = TensorView::contiguous(out, DType::bf16, {B, Hq, 1, d}, Device::cuda);
       const float scale = 0.08838835f;

@@ -1,7 +1,8 @@
 // Split-KV decode over cache pages on the GPU. One CTA per (split, KV head x row chunk, sequence)
 // runs 8 or 16 query rows of one KV head (of the G = Hq/Hkv query heads x Nq new queries: GQA
 // packing, so a page is read once per KV head, not once per query head). Each of the CTA's four
-// warps owns one 32-key block of every page and streams it through its own cp.async stages. Both
+// warps owns one 32-key block of every page and streams it through its own stages, a bulk copy
+// (TMA) of the block's record (kv_record.hpp) each. Both
 // products run on the tensor cores, transposed so the query rows are the mma's N: S^T per 32-wide
 // block of d, E2M1 pages on the integer mma (K and q as bytes of twice their values, exact), FP8 and
 // FP6 pages as FP8 block dots (sm_90 has no FP8 mma.sync: two f16 mmas on operands widened exactly,
@@ -23,10 +24,10 @@
 #include <type_traits>
 
 #include "cuda/buffers.hpp"
-#include "cuda/cp_async.cuh"
 #include "cuda/fp8.cuh"
 #include "cuda/mma.cuh"
 #include "cuda/splits.hpp"
+#include "cuda/tma.cuh"
 #include "dmattn/error.hpp"
 #include "dmattn/format.hpp"
 #include "dmattn/mx_codec.hpp"
@@ -57,32 +58,31 @@ struct Params {
   ScaleRule rule;        // pv != bf16: P's 32-key blocks take their scales by this rule
 };
 
-// Shared memory. Each warp streams its own 32 keys of every page through its own kStages buffers
+// Shared memory. Each warp streams its own 32 keys of every page through its own kStages buffers,
+// one record (kv_record.hpp) each, brought by one bulk copy and signalled by the stage's mbarrier
 // (so it waits for its own copies only); the warps meet once a page, to agree on the rows' maximum.
 // kNR: query rows per CTA in tiles of 8 (the N of mma.sync; more rows take more CTAs).
 template <int D, int kVB, int kNR, int kCtas>
 struct Smem {  // byte offsets into dynamic shared memory
   static constexpr bool kPV8 = kVB != 16;  // V in MX codes (8 or 4 bits)
-  static constexpr int NB = D / 32, kRows = 8 * kNR, kVRow = kVB == 4 ? 16 : 32;  // V^T row bytes
+  static constexpr int NB = D / 32, kRows = 8 * kNR;
 
-  // Per warp and stage: K rows of 128 bytes (E2M1 and d = 64 use the first half or less), the
-  // keys' E8M0 scales [32][NB], then V: bf16 rows [32 keys][d], or (pv = mxfp8 / mxfp4) V^T
-  // [d][32 keys] E4M3 bytes / E2M1 nibbles (keys in fragment order, see vt_position) and the block's
-  // E8M0 scales [d]. K and bf16 V rows have their 16-byte chunks XOR-swizzled (swz) so the fragment
-  // loads of a warp fall in distinct banks without padding; V^T's 32- or 16-byte rows need none.
-  static constexpr int kKRow = 128;
-  static constexpr int kK = 32 * kKRow, kS = 32 * NB, kV = kPV8 ? D * kVRow + D : 32 * 2 * D;
-  static constexpr int kWarpStage = kK + kS + kV;
+  // Per warp and stage: a record. K rows (E2M1: D/2 bytes, else D) end where the keys' E8M0 scales
+  // [32][NB] begin, then V: bf16 rows [32 keys][d], or (pv = mxfp8 / mxfp4) V^T [d][32 keys] E4M3
+  // bytes / E2M1 nibbles (keys in fragment order) and the block's E8M0 scales [d].
+  static constexpr int kWarpStage = record_bytes(D, kVB);
   static constexpr int kQbBytes = 2 * NB * kNR * 2 * 32 * 4;
-  static constexpr int kMisc = 128 + 2 * kWarps * kRows * 4 + kQbBytes + 2 * NB * kRows * 4;
+  static constexpr int kBarBytes = 4 * kWarps * 8;  // mbarriers, room for four stages
+  static constexpr int kMisc = 128 + 2 * kWarps * kRows * 4 + kQbBytes + 2 * NB * kRows * 4 + kBarBytes;
   // As many stages as leave kCtas CTAs an SM: more bytes in flight per warp.
   static constexpr int kStages = std::min(4, ((227 / kCtas - 1) * 1024 - kMisc) / (kWarps * kWarpStage));
   static constexpr int kLut = kStages * kWarps * kWarpStage;  // [2][64] FP6 code -> E4M3 byte
   static constexpr int kMax = kLut + 128;                       // [2][kWarps][kRows] floats: row maxima
   static constexpr int kQb = kMax + 2 * kWarps * kRows * 4;     // q's B fragments [2][NB][kNR][2][32 lanes] uint32
   static constexpr int kSq = kQb + kQbBytes;                    // q's block scales [2][NB][kRows] floats
-  static constexpr int kBytes = kSq + 2 * NB * kRows * 4;
-  static_assert(kStages >= 2 && kWarpStage % 16 == 0 && kBytes - kLut == kMisc);
+  static constexpr int kBar = kSq + 2 * NB * kRows * 4;         // [kWarps][kStages] uint64_t: a stage's copy landed
+  static constexpr int kBytes = kBar + kBarBytes;
+  static_assert(kStages >= 2 && kWarpStage % 16 == 0 && kBar % 8 == 0 && kBytes - kLut == kMisc);
   static_assert(kWarps * kRows * D * 4 <= kLut, "the final cross-warp sum reuses the stage buffers");
 };
 
@@ -102,25 +102,18 @@ __device__ __forceinline__ int d_of_slot(int k) { return 8 * ((k % 16) / 4) + 4 
 // enough here: two instructions instead of decode_e8m0's special cases.
 __device__ __forceinline__ float e8m0_of_byte(uint32_t word, int c) { return __uint_as_float(((word >> (8 * c)) & 0xFFu) << 23); }
 
-// Byte offset of byte b of row `row` in a swizzled K or bf16 V tile: 16-byte chunk c goes to
-// c ^ f(row % 8) with f = 0 2 4 6 1 3 5 7, so that 8 rows' 4-byte loads (E2M1, ldmatrix) and each
-// half warp's 8-byte loads (4 rows x 2 chunks, FP8) fall in distinct banks.
-__device__ __forceinline__ int swz(int row, int b) {
-  const int f = ((row & 3) << 1) | ((row >> 2) & 1);
-  return (((b >> 4) ^ f) << 4) | (b & 15);
-}
-
 // A fragment registers (slots 4t..4t+3 and 16+4t..) of block c of a key row: FP8 bytes (E2M1 and FP6
 // codes widened to E4M3, exactly).
-template <Elem E>
+// Rows of D/2 (E2M1) or D bytes, chunks swizzled (kv_record.hpp).
+template <int D, Elem E>
 __device__ __forceinline__ void k_words(const uint8_t* row, int key, int c, int t, const uint8_t* lut, uint32_t& b0,
                                         uint32_t& b1) {
   if constexpr (E == Elem::e2m1) {
-    const uint32_t w = *reinterpret_cast<const uint32_t*>(row + swz(key, c * 16 + 4 * t));
+    const uint32_t w = *reinterpret_cast<const uint32_t*>(row + swizzled(D / 32, key, c * 16 + 4 * t));
     b0 = e2m1x4_to_e4m3x4(w);
     b1 = e2m1x4_to_e4m3x4(w >> 16);
   } else {
-    const uint2 w = *reinterpret_cast<const uint2*>(row + swz(key, c * 32 + 8 * t));
+    const uint2 w = *reinterpret_cast<const uint2*>(row + swizzled(D / 16, key, c * 32 + 8 * t));
     if constexpr (E == Elem::e4m3 || E == Elem::e5m2) {
       b0 = w.x;
       b1 = w.y;
@@ -154,9 +147,10 @@ __device__ __forceinline__ void promote(float (&s)[4], float m0, float m1, float
 
 // The A fragment words of block c of an E2M1 key row as twice its values in unsigned bytes, split
 // by sign (pos: slots 4t.. and 16+4t..; neg likewise; e2m1_bytes.hpp): 7 instructions for 8 codes.
+template <int D>
 __device__ __forceinline__ void k_split_words(const uint8_t* row, int key, int c, int t, uint32_t& p0, uint32_t& p1,
                                               uint32_t& n0, uint32_t& n1) {
-  const uint32_t w = *reinterpret_cast<const uint32_t*>(row + swz(key, c * 16 + 4 * t)), f = w ^ 0x88888888u;
+  const uint32_t w = *reinterpret_cast<const uint32_t*>(row + swizzled(D / 32, key, c * 16 + 4 * t)), f = w ^ 0x88888888u;
   p0 = e2m1x4_pos_x2(w);
   p1 = e2m1x4_pos_x2(w >> 16);
   n0 = e2m1x4_neg_x2(f);
@@ -184,10 +178,12 @@ __device__ __forceinline__ void mma_e2m1_block(float d[4], const uint32_t (&pos)
 // (mma_e2m1_block; their sq holds a quarter of q's scale), the others the FP8 one.
 // s[mt][nr][i]: key 16mt + g + 8*(i/2) of the warp's keys, row 8nr + 2t + i%2.
 template <int D, int kNR, Elem E>
-__device__ __forceinline__ void block_scores(const uint8_t* K, const uint8_t* ks, const uint32_t* qb, const float* sq,
-                                             const uint8_t* lut, float (&s)[2][kNR][4]) {
+__device__ __forceinline__ void block_scores(const uint8_t* rec, const uint32_t* qb, const float* sq, const uint8_t* lut,
+                                             float (&s)[2][kNR][4]) {
   constexpr int NB = D / 32, kRows = 8 * kNR;
   constexpr bool kInt = E == Elem::e2m1;
+  constexpr int kRow = record_k_row(D, kInt);
+  const uint8_t *K = rec + record_k(D, kInt), *ks = rec + record_k_scales(D);
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   uint32_t w[2][2];  // the scale words of keys 16mt + g + 8h
 #pragma unroll
@@ -218,11 +214,11 @@ __device__ __forceinline__ void block_scores(const uint8_t* K, const uint8_t* ks
       const int key = 16 * mt + g;
       uint32_t a[4], an[4];
       if constexpr (kInt) {
-        k_split_words(K + key * 128, key, c, t, a[0], a[2], an[0], an[2]);
-        k_split_words(K + (key + 8) * 128, key + 8, c, t, a[1], a[3], an[1], an[3]);
+        k_split_words<D>(K + key * kRow, key, c, t, a[0], a[2], an[0], an[2]);
+        k_split_words<D>(K + (key + 8) * kRow, key + 8, c, t, a[1], a[3], an[1], an[3]);
       } else {
-        k_words<E>(K + key * 128, key, c, t, lut, a[0], a[2]);
-        k_words<E>(K + (key + 8) * 128, key + 8, c, t, lut, a[1], a[3]);
+        k_words<D, E>(K + key * kRow, key, c, t, lut, a[0], a[2]);
+        k_words<D, E>(K + (key + 8) * kRow, key + 8, c, t, lut, a[1], a[3]);
       }
       const float sk0 = e8m0_of_byte(w[mt][0], c), sk1 = e8m0_of_byte(w[mt][1], c);
 #pragma unroll
@@ -314,7 +310,6 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
   const int j0 = int(int64_t(split) * np / eff), j1 = int(int64_t(split + 1) * np / eff);
   const int32_t* table = p.kv.table + int64_t(s) * p.kv.max_pages;
   auto stage_of = [&](int i) { return smem + (i * kWarps + warp) * S_::kWarpStage; };
-  const uint32_t smem32 = uint32_t(__cvta_generic_to_shared(smem));
 
   // Page ids and formats of this split, 32 pages at a time in the warp's lanes (one a lane), the
   // next 32 loaded a window ahead: the two dependent global loads stay off the per-page path.
@@ -332,63 +327,33 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
   const uint32_t kel = uint32_t(p.kelem[0]) | uint32_t(p.kelem[1]) << 8;
   auto elem_of = [&](int sl) { return Elem((kel >> (8 * sl)) & 0xFF); };
 
-  auto issue = [&](int j, int stage) {  // this warp's 32 keys of page j into its stage buffer
-    if (j < j1) {
-      if (j == win + 32) {
-        win = j;
-        cur_pid = nxt_pid;
-        cur_sl = nxt_sl;
-        load_window(win + 32, nxt_pid, nxt_sl);
-      }
-      const int pid = __shfl_sync(0xffffffffu, cur_pid, j - win), sl = __shfl_sync(0xffffffffu, cur_sl, j - win);
-      ring = (ring & ~(1u << stage)) | uint32_t(sl) << stage;
-      const int key0 = 32 * warp, live = L - j * T - key0;  // keys present of the 32
-      const int64_t head = int64_t(pid) * p.kv.Hkv + hk;
-      // Copy i = lane + 32k of each part: the shared address a 32-bit offset, the global one the lane's
-      // base plus k times a constant, so that the per-copy arithmetic folds into immediates (the
-      // 64-bit address of each copy took ~4 instructions, session 14 SASS).
-      const uint32_t st = smem32 + uint32_t((stage * kWarps + warp) * S_::kWarpStage);
-      // K rows of C 16-byte chunks (32 / C keys a step): copy i is key i / C, chunk i % C. The swizzle
-      // depends on key % 8, which is the lane's at every k when 32 / C is a multiple of 8; with 4 (FP8
-      // codes at d = 128: key = lane / 8 < 4) a step of 4 keys flips the chunk's lowest bit on odd k.
-      auto copy_k = [&](auto cc, int64_t row_bytes) {
-        constexpr int C = decltype(cc)::value, kStep = 32 / C;
-        const uint8_t* gk = p.kv.codes + int64_t(pid) * p.kv.Hkv * T * D + (int64_t(hk) * T + key0) * row_bytes + lane * 16;
-        const int key = lane / C;
-        const uint32_t o = uint32_t(key * S_::kKRow + swz(key, lane % C * 16));
-#pragma unroll
-        for (int k = 0; k < C; ++k)
-          cp_async16(st + ((o ^ (kStep % 8 != 0 && (k & 1) ? 16u : 0u)) + uint32_t(k * kStep * S_::kKRow)), gk + k * 512);
-      };
-      if (elem_of(sl) == Elem::e2m1)
-        copy_k(std::integral_constant<int, D / 32>{}, D / 2);  // d/2 packed bytes a row
-      else
-        copy_k(std::integral_constant<int, D / 16>{}, D);
-      const uint8_t* gs = p.kv.scales + (head * T + key0) * NB;
-      if (lane < S_::kS / 16) cp_async16(st + uint32_t(S_::kK + lane * 16), gs + lane * 16);
-      const uint32_t sv = st + uint32_t(S_::kK + S_::kS);
-      if constexpr (kPV8) {  // V^T: each column's 32 keys (two chunks), then the block's scales
-        if constexpr (kVB == 8) {  // copy i: column i / 2, chunk i % 2; device rows T bytes
-          const uint8_t* gv = p.kv.v8 + head * T * D + key0 + lane / 2 * T + lane % 2 * 16;
-#pragma unroll
-          for (int k = 0; k < D / 16; ++k) cp_async16(sv + uint32_t((lane + 32 * k) * 16), gv + k * 16 * T);
-        } else {  // E2M1: a column's 32 keys are 16 bytes, device rows T / 2 bytes; copy i: column i
-          const uint8_t* gv = p.kv.v8 + head * (T / 2) * D + key0 / 2 + lane * (T / 2);
-#pragma unroll
-          for (int k = 0; k < D / 32; ++k) cp_async16(sv + uint32_t((lane + 32 * k) * 16), gv + k * 32 * (T / 2));
-        }
-        const uint8_t* gvs = p.kv.vs + head * 4 * D + warp * D;
-        if (lane < D / 16) cp_async16(sv + uint32_t(S_::kVRow * D + lane * 16), gvs + lane * 16);
-      } else {  // zeros past the sequence: P = 0 there must not meet a stale NaN
-        const uint8_t* gv = reinterpret_cast<const uint8_t*>(p.kv.v + (head * T + key0) * D) + lane * 16;
-#pragma unroll
-        for (int k = 0; k < D / 8; ++k) {
-          const int i = lane + 32 * k, key = i / (D / 8);
-          cp_async16(sv + uint32_t(key * 2 * D + swz(key, (i % (D / 8)) * 16)), gv + k * 512, key < live);
-        }
-      }
+  // This warp's barriers, one a stage: lane 0 announces a record's bytes and issues its bulk copy; the
+  // copy's completion flips the barrier's phase. phase bit i: the parity of stage i's next completion.
+  uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S_::kBar) + warp * kStages;
+  uint32_t phase = 0;
+  if (lane == 0) {
+    for (int i = 0; i < kStages; ++i) tma::init(bars + i, 1);
+    tma::fence_init();  // visible to the copy engine
+  }
+  __syncwarp();
+
+  auto issue = [&](int j, int stage) {  // this warp's 32 keys of page j (one record) into its stage buffer
+    if (j >= j1) return;
+    if (j == win + 32) {
+      win = j;
+      cur_pid = nxt_pid;
+      cur_sl = nxt_sl;
+      load_window(win + 32, nxt_pid, nxt_sl);
     }
-    cp_async_commit();  // an empty group past the end keeps the wait counts uniform
+    const int pid = __shfl_sync(0xffffffffu, cur_pid, j - win), sl = __shfl_sync(0xffffffffu, cur_sl, j - win);
+    ring = (ring & ~(1u << stage)) | uint32_t(sl) << stage;
+    // The record from its K codes on: E2M1 rows are half as long and start later in the region.
+    const int first = elem_of(sl) == Elem::e2m1 ? record_k(D, true) : record_k(D, false);
+    if (lane == 0) {
+      const uint8_t* src = p.kv.rec + ((int64_t(pid) * p.kv.Hkv + hk) * kWarps + warp) * int64_t(S_::kWarpStage) + first;
+      tma::arrive_expect(bars + stage, uint32_t(S_::kWarpStage - first));
+      tma::load_bytes(stage_of(stage) + first, src, uint32_t(S_::kWarpStage - first), bars + stage);
+    }
   };
   for (int i = 0; i < kStages - 1; ++i) issue(j0 + i, i);
 
@@ -446,6 +411,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
     const Elem e = p.kelem[i / 64];
     lut[i] = (e == Elem::e3m2 || e == Elem::e2m3) ? fp8_encode<false>(decode_elem(e, uint8_t(i % 64))) : 0;
   }
+  tma::fence_proxy_async();  // q8's generic writes and reads are ordered before the copies into its buffer
   __syncthreads();
 
   // The last key (exclusive, absolute) each of this thread's rows (8nr + 2t + r) sees: causal, bottom-right.
@@ -470,8 +436,9 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
 
   for (int j = j0; j < j1; ++j) {
     const int stage = (j - j0) % kStages;
-    cp_async_wait<kStages - 2>();  // this warp's part of page j has landed
-    __syncwarp();
+    tma::wait(bars + stage, (phase >> stage) & 1);  // this warp's record of page j has landed
+    phase ^= 1u << stage;
+    __syncwarp();  // and every lane is done with page j - 1's buffer, which the next copy takes
     issue(j + kStages - 1, (j - j0 + kStages - 1) % kStages);  // into page j - 1's buffer, done with
     const uint8_t* st = stage_of(stage);
     const int sl = (ring >> stage) & 1;
@@ -481,11 +448,11 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
       const float* sqs = sq + sl * NB * kRows;
       const uint8_t* lt = lut + 64 * sl;
       switch (elem_of(sl)) {
-        case Elem::e4m3: block_scores<D, kNR, Elem::e4m3>(st, st + S_::kK, qs, sqs, lt, sc); break;
-        case Elem::e5m2: block_scores<D, kNR, Elem::e5m2>(st, st + S_::kK, qs, sqs, lt, sc); break;
-        case Elem::e3m2: block_scores<D, kNR, Elem::e3m2>(st, st + S_::kK, qs, sqs, lt, sc); break;
-        case Elem::e2m3: block_scores<D, kNR, Elem::e2m3>(st, st + S_::kK, qs, sqs, lt, sc); break;
-        case Elem::e2m1: block_scores<D, kNR, Elem::e2m1>(st, st + S_::kK, qs, sqs, lt, sc); break;
+        case Elem::e4m3: block_scores<D, kNR, Elem::e4m3>(st, qs, sqs, lt, sc); break;
+        case Elem::e5m2: block_scores<D, kNR, Elem::e5m2>(st, qs, sqs, lt, sc); break;
+        case Elem::e3m2: block_scores<D, kNR, Elem::e3m2>(st, qs, sqs, lt, sc); break;
+        case Elem::e2m3: block_scores<D, kNR, Elem::e2m3>(st, qs, sqs, lt, sc); break;
+        case Elem::e2m1: block_scores<D, kNR, Elem::e2m1>(st, qs, sqs, lt, sc); break;
       }
     }
     // Mask (keys past each row's end: -inf), the rows' maxima over this warp's raw scores (the scale is
@@ -548,7 +515,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
 #pragma unroll
           for (int i = 0; i < 4; ++i) acc[md][nr][i] *= alpha[nr][i % 2];
     }
-    const uint8_t* V = st + S_::kK + S_::kS;
+    const uint8_t* V = st + record_v(D);
     if constexpr (kPV8) {
       // P in MXFP8 E4M3, one scale per row over the warp's 32 keys (one MX block). The codes of
       // (key, rows 2t, 2t+1) widened to f16 and times their block scale x 2^14 (a power of two in f16,
@@ -572,7 +539,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
           bq[nr][q] = movmatrix_trans(h2_rn<'*'>(h, s2));
         }
       }
-      const uint8_t* vsc = V + S_::kVRow * D;  // this block's scale per column
+      const uint8_t* vsc = V + record_vt_row(kVB) * D;  // this block's scale per column
 #pragma unroll
       for (int md = 0; md < MD; ++md) {
         // Rows 16md + g (+8) of V^T: 4 rows of 32 bytes a half warp (E2M1: 8 rows of 16): no bank conflicts.
@@ -616,15 +583,14 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
 #pragma unroll
         for (int md = 0; md < MD; ++md) {
           uint32_t a[4];
-          ldmatrix_x4_trans(a, V + key * 2 * D + swz(key, (16 * md + 8 * (mi % 2)) * 2));
+          ldmatrix_x4_trans(a, V + key * 2 * D + swizzled(D / 8, key, (16 * md + 8 * (mi % 2)) * 2));
 #pragma unroll
           for (int nr = 0; nr < kNR; ++nr) mma_16816<true>(acc[md][nr], a, bq[nr][0], bq[nr][1]);
         }
       }
     }
   }
-  cp_async_wait<0>();
-  __syncthreads();  // every warp is done with the stage buffers: they take the warps' accumulators
+  __syncthreads();  // every copy was waited for and every warp is done with the stage buffers: they take the warps' accumulators
   float* sum = reinterpret_cast<float*>(smem);  // [kWarps][kRows][D]
   float* lsum = reinterpret_cast<float*>(smem + S_::kMax);  // [kWarps][kRows]: the maxima's buffers are free too
 #pragma unroll
@@ -740,7 +706,7 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   if (q.shape[0] != S || q.shape[3] != d || Hq % Hkv != 0 || out.shape != q.shape)
     throw Error("decode: q and out must be [S, a multiple of Hkv, Nq, d]");
   const int vbits = policy.pv == PV::bf16 ? 16 : policy.pv == PV::mxfp8 ? 8 : 4;
-  if (vbits != 16 ? !(kv.v8 && kv.vs) : !kv.v) throw Error("decode: the pages' V is missing for the policy's pv mode");
+  if (!kv.rec || kv.vbits != vbits) throw Error("decode: the pages' records do not hold V in the policy's pv format");
   const Format fmt[2] = {policy.high, policy.low};
   for (Format f : fmt)
     if (f == Format::nvfp4 || f == Format::bf16)

@@ -22,44 +22,65 @@
 
 namespace dmattn::cuda {
 
-// vt_position must be a permutation of each 32-key block (the mirror writes every key once).
-constexpr bool vt_position_permutes() {
-  bool seen[kTile] = {};
-  for (int k = 0; k < kTile; ++k) {
-    const int p = vt_position(k);
-    if (p < 0 || p >= kTile || p / 32 != k / 32 || seen[p]) return false;
-    seen[p] = true;
-  }
-  return true;
-}
-static_assert(vt_position_permutes());
-
 namespace {
 
 constexpr int64_t T = kTile;
 
+// One page's records (kv_record.hpp), [Hkv][4 blocks][record], from the host page.
+void pack_page(const KVCache::Page& pg, int64_t Hkv, int d, int vbits, uint8_t* dst) {
+  const int64_t rb = record_bytes(d, vbits), nb = d / 32;
+  const bool k4 = format_info(pg.format).elem == Elem::e2m1, v4 = vbits == 4;
+  const int kr = record_k_row(d, k4);
+  std::memset(dst, 0, size_t(Hkv * (T / kRecordKeys) * rb));  // the unused head of the K region
+  for (int64_t h = 0; h < Hkv; ++h)
+    for (int64_t w = 0; w < T / kRecordKeys; ++w) {
+      uint8_t* r = dst + (h * (T / kRecordKeys) + w) * rb;
+      const int64_t key0 = h * T + w * kRecordKeys;  // the host page's row of the block's first key
+      for (int k = 0; k < kRecordKeys; ++k)  // K rows, chunks swizzled
+        for (int c = 0; c < kr / 16; ++c)
+          std::memcpy(r + record_k(d, k4) + k * kr + swizzled(kr / 16, k, 16 * c), pg.codes.data() + (key0 + k) * kr + 16 * c, 16);
+      std::memcpy(r + record_k_scales(d), pg.scales.data() + key0 * nb, size_t(kRecordKeys * nb));
+      uint8_t* v = r + record_v(d);
+      if (vbits == 16) {
+        for (int k = 0; k < kRecordKeys; ++k)
+          for (int c = 0; c < 2 * d / 16; ++c)
+            std::memcpy(v + k * 2 * d + swizzled(2 * d / 16, k, 16 * c), pg.v.data() + (key0 + k) * d + 8 * c, 16);
+        continue;
+      }
+      // V^T: the f16/FP8 mma wants each column's keys contiguous (in fragment order)
+      const int64_t key_row = v4 ? d / 2 : d, vt_row = record_vt_row(vbits);
+      auto code = [&](int k, int64_t c) { return element_code(pg.v8.data() + (key0 + k) * key_row, c, v4); };
+      for (int64_t c = 0; c < d; ++c) {
+        uint8_t* col = v + c * vt_row;
+        if (v4) {  // E2M1: word t holds keys 8j + 2t (+1), j = 0..3, placed for f16
+          for (int t = 0; t < 4; ++t) {
+            uint8_t codes[8];
+            for (int j = 0; j < 8; ++j) codes[j] = code(8 * (j / 2) + 2 * t + j % 2, c);
+            const uint32_t word = e2m1x8_f16_pack(codes);
+            std::memcpy(col + 4 * t, &word, 4);  // little-endian, as the kernel loads it
+          }
+        } else {
+          for (int k = 0; k < kRecordKeys; ++k) col[vt_position(k)] = code(k, c);
+        }
+      }
+      std::memcpy(v + d * vt_row, pg.vs.data() + (h * (T / kRecordKeys) + w) * d, size_t(d));
+    }
+}
+
 struct Mirror {
   int device = -1;
-  int64_t d = 0;
-  int64_t capacity = 0;            // pages the pools hold
-  int64_t code_bytes = 0, scale_bytes = 0, v_bytes = 0, v8_bytes = 0, vs_bytes = 0;  // per page
-  bool v4 = false;  // pv = mxfp4: v8 holds E2M1 nibbles
-  uint8_t* codes = nullptr;
-  uint8_t* scales = nullptr;
-  uint16_t* v = nullptr;   // pv = bf16
-  uint8_t* v8 = nullptr;   // pv = mxfp8 / mxfp4: V^T codes per page and head, [d][128] (E2M1: [d][64] bytes)
-  uint8_t* vs = nullptr;   // pv != bf16: V's block scales, [heads][4][d] as the host page
+  int d = 0, vbits = 16;
+  int64_t Hkv = 0;
+  int64_t capacity = 0;   // pages the pools hold
+  int64_t page_bytes = 0;  // Hkv x 4 records
+  uint8_t* rec = nullptr;
   uint8_t* slot = nullptr;
-  std::vector<uint8_t> vt;  // pv != bf16: the changed pages' V^T, staged for upload
+  std::vector<uint8_t> staged;     // the changed pages' records, packed for upload
   std::vector<uint64_t> synced;    // page version on the device (0: never uploaded)
   std::vector<uint8_t> slot_host;
 
   ~Mirror() {
-    cudaFree(codes);
-    cudaFree(scales);
-    cudaFree(v);
-    cudaFree(v8);
-    cudaFree(vs);
+    cudaFree(rec);
     cudaFree(slot);
   }
 
@@ -67,9 +88,7 @@ struct Mirror {
   void reserve(int64_t n, cudaStream_t stream) {
     if (n <= capacity) return;
     const int64_t cap = std::max<int64_t>(n, 2 * capacity);
-    auto grow = [&](auto*& ptr, int64_t per_page) {
-      using P = std::remove_reference_t<decltype(ptr)>;
-      if (per_page == 0) return;  // not used by this cache's pv mode
+    auto grow = [&](uint8_t*& ptr, int64_t per_page) {
       void* fresh = nullptr;
       check(cudaMalloc(&fresh, size_t(cap * per_page)), "KV cache device pool");
       if (ptr) {
@@ -77,13 +96,9 @@ struct Mirror {
         check(cudaStreamSynchronize(stream), "KV cache pool copy");
         cudaFree(ptr);
       }
-      ptr = static_cast<P>(fresh);
+      ptr = static_cast<uint8_t*>(fresh);
     };
-    grow(codes, code_bytes);
-    grow(scales, scale_bytes);
-    grow(v, v_bytes);
-    grow(v8, v8_bytes);
-    grow(vs, vs_bytes);
+    grow(rec, page_bytes);
     grow(slot, 1);
     capacity = cap;
   }
@@ -93,48 +108,22 @@ struct Mirror {
     reserve(n, stream);
     synced.resize(size_t(n), 0);
     slot_host.resize(size_t(n), 0);
-    auto put = [&](void* dst, const void* src, size_t bytes) {
-      if (bytes) check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyHostToDevice, stream), "KV cache upload");
-    };
     std::vector<int64_t> changed;
     for (int64_t id = 0; id < n; ++id)
       if (cache.page(int32_t(id)).version != synced[size_t(id)]) changed.push_back(id);
     if (changed.empty()) return;
-    vt.resize(size_t(v8_bytes) * changed.size());  // empty for pv = bf16
+    staged.resize(size_t(page_bytes) * changed.size());
     for (size_t i = 0; i < changed.size(); ++i) {
       const int64_t id = changed[i];
       const KVCache::Page& pg = cache.page(int32_t(id));
-      put(codes + id * code_bytes, pg.codes.data(), pg.codes.size());
-      put(scales + id * scale_bytes, pg.scales.data(), pg.scales.size());
-      if (v) put(v + id * (v_bytes / 2), pg.v.data(), pg.v.size() * sizeof(uint16_t));
-      if (v8) {  // V^T per head: the FP8 mma wants each column's keys contiguous (in fragment order)
-        uint8_t* dst = vt.data() + i * size_t(v8_bytes);
-        const int64_t key_row = v4 ? d / 2 : d, col_row = v4 ? T / 2 : T;  // host / device row bytes
-        const int64_t heads = v8_bytes / (col_row * d);
-        auto code = [&](int64_t h, int64_t k, int64_t c) { return element_code(pg.v8.data() + (h * T + k) * key_row, c, v4); };
-        for (int64_t h = 0; h < heads; ++h)
-          for (int64_t c = 0; c < d; ++c) {
-            uint8_t* row = dst + (h * d + c) * col_row;
-            if (v4) {  // E2M1: word t of each 32-key block holds keys 8j + 2t (+1), j = 0..3, placed for f16
-              for (int64_t k0 = 0; k0 < T; k0 += 32)
-                for (int t = 0; t < 4; ++t) {
-                  uint8_t codes[8];
-                  for (int j = 0; j < 8; ++j) codes[j] = code(h, k0 + 8 * (j / 2) + 2 * t + j % 2, c);
-                  const uint32_t w = e2m1x8_f16_pack(codes);
-                  std::memcpy(row + k0 / 2 + 4 * t, &w, 4);  // little-endian, as the kernel loads it
-                }
-            } else {
-              for (int64_t k = 0; k < T; ++k) row[vt_position(int(k))] = code(h, k, c);
-            }
-          }
-        put(v8 + id * v8_bytes, dst, size_t(v8_bytes));
-        put(vs + id * vs_bytes, pg.vs.data(), pg.vs.size());
-      }
+      uint8_t* dst = staged.data() + i * size_t(page_bytes);
+      pack_page(pg, Hkv, d, vbits, dst);
+      check(cudaMemcpyAsync(rec + id * page_bytes, dst, size_t(page_bytes), cudaMemcpyHostToDevice, stream), "KV cache upload");
       slot_host[size_t(id)] = pg.format == cache.policy().high ? 0 : 1;
       synced[size_t(id)] = pg.version;
     }
-    put(slot, slot_host.data(), size_t(n));
-    // The host sources (vt, slot_host) are reused by the next sync: finish the copies here.
+    check(cudaMemcpyAsync(slot, slot_host.data(), size_t(n), cudaMemcpyHostToDevice, stream), "KV cache upload");
+    // The host sources (staged, slot_host) are reused by the next sync: finish the copies here.
     check(cudaStreamSynchronize(stream), "KV cache upload");
   }
 };
@@ -153,14 +142,11 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
   if (!state || static_cast<Mirror*>(state.get())->device != dev) {  // first use, or another device now
     auto m = std::make_shared<Mirror>();
     m->device = dev;
-    m->code_bytes = Hkv * T * d;  // 8-bit rows; E2M1 pages use the first half
-    m->scale_bytes = Hkv * T * (d / 32);
+    m->d = int(d);
+    m->Hkv = Hkv;
     const PV pv = cache.policy().pv;
-    m->v_bytes = pv == PV::bf16 ? Hkv * T * d * 2 : 0;
-    m->v8_bytes = pv == PV::mxfp8 ? Hkv * T * d : pv == PV::mxfp4 ? Hkv * T * d / 2 : 0;
-    m->vs_bytes = pv == PV::bf16 ? 0 : Hkv * (T / 32) * d;
-    m->v4 = pv == PV::mxfp4;
-    m->d = d;
+    m->vbits = pv == PV::bf16 ? 16 : pv == PV::mxfp8 ? 8 : 4;
+    m->page_bytes = Hkv * (T / kRecordKeys) * record_bytes(int(d), m->vbits);
     state = m;
   }
   Mirror& m = *static_cast<Mirror*>(state.get());
@@ -177,8 +163,8 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
     length[size_t(i)] = int32_t(cache.length(seqs[size_t(i)]));
   }
   Buffers buf(stream);
-  const PagedKV kv{m.codes, m.scales, m.v, m.slot, buf.upload(table.data(), table.size()),
-                   buf.upload(length.data(), length.size()), S, max_pages, int(Hkv), int(d), m.v8, m.vs};
+  const PagedKV kv{m.rec, m.slot, buf.upload(table.data(), table.size()), buf.upload(length.data(), length.size()),
+                   S, max_pages, int(Hkv), int(d), m.vbits};
   decode_paged(kv, cache.policy(), q, out, lse, scale, splits, stream);
 }
 

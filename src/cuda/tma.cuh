@@ -24,6 +24,10 @@ __device__ __forceinline__ void init(uint64_t* bar, uint32_t count) {
 // Makes initialised barriers visible to the async proxy (TMA) and the other threads (after a CTA barrier).
 __device__ __forceinline__ void fence_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
 
+// Orders this thread's earlier generic-proxy accesses to shared memory before later copies (async
+// proxy) into the same bytes: shared memory written by threads and then refilled by TMA.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
 __device__ __forceinline__ void arrive(uint64_t* bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(smem_addr(bar)) : "memory");
 }
