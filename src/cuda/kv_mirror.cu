@@ -1,15 +1,13 @@
-// The KV cache on the device: a mirror of a KVCache's pages in device pools (K codes, K scales, and
-// V: bf16, or MX codes transposed plus their scales), kept with the cache (KVCache::device_state)
-// and refreshed page by page by version, so a decode step uploads only what changed since the last
-// one (the page the new tokens went into and any page re-encoded on leaving the window), then runs
-// decode_paged over it.
+// The KV cache on the device: a mirror of a KVCache's pages in one device pool of records (a page's
+// Hkv x 4 warp blocks, each its K codes, K scales and V laid out as the decode kernel's stage holds
+// them: kv_record.hpp), kept with the cache (KVCache::device_state) and refreshed page by page by
+// version, so a decode step packs and uploads only what changed since the last one (the page the new
+// tokens went into and any page re-encoded on leaving the window), then runs decode_paged over it.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstring>
 #include <memory>
-#include <string>
-#include <type_traits>
 #include <vector>
 
 #include "cuda/buffers.hpp"
