@@ -43,12 +43,14 @@ struct AttentionOptions {
   bool exact = false;  // fp64 reference instead of DMA
   int threads = 0;     // CPU worker threads; 0 = all hardware threads
   // CUDA backend: the cudaStream_t every launch and allocation is ordered on (null: the default
-  // stream). With check_finite, attention() returns only when the result is complete (it reads the
-  // inputs' NaN/Inf flags back and throws on one), so callers need no extra synchronisation.
+  // stream). The result is stream-ordered (as a PyTorch op's): read it on `stream`, after a sync of
+  // it, or through the default stream's blocking copies when `stream` is null. With check_finite the
+  // call waits until the inputs' NaN/Inf flags are known (after its quantize pass, not its attention
+  // kernel) and throws on one (the output is then unspecified); the kernel may still be running when it returns.
   void* stream = nullptr;
-  // CUDA backend: false skips that read-back: the call returns once its work is enqueued on `stream`
-  // (stream-ordered, as a PyTorch op), and a NaN/Inf input then shows as NaN in the rows it reaches
-  // instead of an exception. The CPU backend always checks.
+  // CUDA backend: false skips that read-back: the call returns once its work is enqueued on `stream`,
+  // and a NaN/Inf input then shows as NaN in the rows it reaches instead of an exception. The CPU
+  // backend always checks.
   bool check_finite = true;
   // Absolute positions of the first query and the first key (default: bottom-right alignment, the
   // queries are the last Nq of Nk positions: q_offset = Nk - Nq, k_offset = 0). Set both to attend a

@@ -76,8 +76,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, high
         block of a longer sequence (mask and tiles use them; k_offset a multiple of 128). Default:
         the queries are the last Nq of the Nk positions. CPU only for now.
       check_finite: raise on NaN/Inf inputs (default). On CUDA this reads flags back from the GPU,
-        so the call waits for its result; False keeps it stream-ordered like any torch op, and a
-        NaN/Inf input then shows as NaN in the output rows it reaches.
+        so the call waits for its quantize pass (not for its attention kernel: the result is
+        stream-ordered like any torch op's either way); False skips that wait, and a NaN/Inf input
+        then shows as NaN in the output rows it reaches.
 
     Returns: out (and lse when return_lse) on q's device; CUDA work runs on torch's current stream.
     Raises: DmattnError (a ValueError) for bad shapes, dtypes, strides, NaN/Inf inputs or

@@ -3,6 +3,7 @@
 // tensors for callers that hold them there.
 #include <cuda_runtime.h>
 
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -240,6 +241,11 @@ void dma_attention(const Problem& p) {
   fold_key_tiles(folds, nslots, p.B * p.Hkv, p.Nk, ldv, d, fork.side(1));
   quantize_rows(p.q, p.policy.scale_rule, qt[0], nslots == 2 ? qt[1] : QuantTarget{}, stream, flags);
   fork.join();
+  // The flags are final once the pre-pass is: their read-back goes behind it, and the prefill kernel is
+  // enqueued before the host waits for them, so the wait overlaps the kernel (the caller's next launches
+  // then overlap it too) instead of following it (session 16: 0.374 against 0.331 ms unchecked at N=4096).
+  std::optional<FlagReadback> readback;
+  if (p.check_finite) readback.emplace(flags, 3, stream);
   pp.nslots = nslots;
 
   pp.vt = vt;
@@ -264,10 +270,8 @@ void dma_attention(const Problem& p) {
   const int64_t blocks = hd::floor_div(p.Nk - 1, kPrefillRows) - pp.first_block + 1;
   pp.blocks = blocks;
   launch_prefill(pp, int(d), p.out.dtype, blocks, int(p.B), stream);
-  if (!p.check_finite) return;  // stream-ordered: the scratch buffers are freed after the work
-  int bad[3];
-  check(cudaMemcpyAsync(bad, flags, sizeof bad, cudaMemcpyDeviceToHost, stream), "DMA prefill");
-  check(cudaStreamSynchronize(stream), "DMA prefill");  // the one sync
+  if (!readback) return;  // stream-ordered: the scratch buffers are freed after the work
+  const int* bad = readback->wait();  // the one host wait: until the pre-pass is done, not the kernel
   const char* names[3] = {"Q", "K", "V"};
   for (int i = 0; i < 3; ++i)
     if (bad[i]) throw Error(std::string(names[i]) + " holds a non-finite value");
@@ -285,6 +289,7 @@ double attention_on_device(const TensorView& q, const TensorView& k, const Tenso
   float* dlse = lse ? buf.alloc<float>(rows * sizeof(float)) : nullptr;
   AttentionOptions o = opts;
   o.backend = Backend::cuda;
+  o.stream = nullptr;  // the default stream, which time_ms times and the blocking downloads follow
   const float ms = cuda::time_ms([&] { attention(dq, dk, dv, dout, dlse, o); });
   cuda::download(out.data, dout.data, size_t(out.numel()) * dtype_size(out.dtype));
   if (lse) cuda::download(lse, dlse, rows * sizeof(float));

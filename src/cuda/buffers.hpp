@@ -178,4 +178,57 @@ class StreamFork {
   bool joined_ = false;
 };
 
+// Reads a call's NaN/Inf flags back without waiting for the work enqueued after them: the copy (into
+// pinned memory, so it is enqueued rather than done on the spot) goes on a side stream ordered behind
+// the work that sets the flags, so the work the caller enqueues next on its stream does not queue
+// behind the copy; wait() blocks only until the flags have landed. Per host thread and device, kept
+// for the thread's life (as StreamFork's streams).
+class FlagReadback {
+ public:
+  static constexpr int kMax = 4;
+  FlagReadback(const int* flags, int n, cudaStream_t stream) : s_(slot()) {
+    if (n > kMax) throw Error("FlagReadback: too many flags");
+    check(cudaEventRecord(s_.ready, stream), "cudaEventRecord");
+    check(cudaStreamWaitEvent(s_.side, s_.ready, 0), "cudaStreamWaitEvent");
+    check(cudaMemcpyAsync(s_.host, flags, size_t(n) * sizeof(int), cudaMemcpyDeviceToHost, s_.side), "flag read-back");
+    check(cudaEventRecord(s_.done, s_.side), "cudaEventRecord");
+  }
+  // The flags, once they have landed (blocks the host until then).
+  const int* wait() {
+    waited_ = true;
+    check(cudaEventSynchronize(s_.done), "flag read-back");
+    return s_.host;
+  }
+  ~FlagReadback() {  // on unwind: the copy lands before the next call reuses the buffer (errors dropped)
+    if (!waited_) cudaEventSynchronize(s_.done);
+  }
+  FlagReadback(const FlagReadback&) = delete;
+  FlagReadback& operator=(const FlagReadback&) = delete;
+
+ private:
+  struct Slot {
+    int* host = nullptr;
+    cudaStream_t side = nullptr;
+    cudaEvent_t ready = nullptr, done = nullptr;
+  };
+  static Slot& slot() {
+    constexpr int kMaxDevices = 64;
+    thread_local std::array<Slot*, kMaxDevices> per_device{};
+    int dev = 0;
+    check(cudaGetDevice(&dev), "cudaGetDevice");
+    if (dev >= kMaxDevices) throw Error("device index out of range for the flag read-back");
+    if (!per_device[dev]) {
+      auto* s = new Slot;
+      check(cudaHostAlloc(reinterpret_cast<void**>(&s->host), kMax * sizeof(int), cudaHostAllocDefault), "cudaHostAlloc");
+      check(cudaStreamCreateWithFlags(&s->side, cudaStreamNonBlocking), "cudaStreamCreate");
+      check(cudaEventCreateWithFlags(&s->ready, cudaEventDisableTiming), "cudaEventCreate");
+      check(cudaEventCreateWithFlags(&s->done, cudaEventDisableTiming), "cudaEventCreate");
+      per_device[dev] = s;
+    }
+    return *per_device[dev];
+  }
+  Slot& s_;
+  bool waited_ = false;
+};
+
 }  // namespace dmattn::cuda
