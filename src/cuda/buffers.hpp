@@ -114,6 +114,20 @@ struct Buffers {
   }
 };
 
+// One T per host thread and device, made by make() on first use and kept for the thread's life
+// (destroying its CUDA objects at thread exit could run after the CUDA context is gone), so concurrent
+// callers never share a stream or an event between record and wait.
+template <class T, class Make>
+T& per_thread_and_device(Make make, const char* what) {
+  constexpr int kMaxDevices = 64;
+  thread_local std::array<T*, kMaxDevices> per_device{};
+  int dev = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  if (dev >= kMaxDevices) throw Error(std::string("device index out of range for ") + what);
+  if (!per_device[dev]) per_device[dev] = make();
+  return *per_device[dev];
+}
+
 // Independent pre-pass work on side streams: side(i) is ordered after everything enqueued on `main`
 // before the fork, and `main` waits for all of it when the fork ends (join(), or the destructor when
 // an error unwinds, before the caller's Buffers free their memory on `main`). The side streams are
@@ -150,15 +164,8 @@ class StreamFork {
     cudaEvent_t fork = nullptr;
     std::array<cudaEvent_t, kSides> done{};
   };
-  // Created on first use and kept for the thread's life (destroying them at thread exit could run
-  // after the CUDA context is gone).
   static Sides& sides() {
-    constexpr int kMaxDevices = 64;
-    thread_local std::array<Sides*, kMaxDevices> per_device{};
-    int dev = 0;
-    check(cudaGetDevice(&dev), "cudaGetDevice");
-    if (dev >= kMaxDevices) throw Error("device index out of range for the side streams");
-    if (!per_device[dev]) {
+    return per_thread_and_device<Sides>([] {
       auto* s = new Sides;
       // The highest priority: the side work is small and latency-bound, so its blocks go ahead of the
       // main stream's queued ones instead of waiting for them to drain.
@@ -169,9 +176,8 @@ class StreamFork {
         check(cudaEventCreateWithFlags(&s->done[i], cudaEventDisableTiming), "cudaEventCreate");
       }
       check(cudaEventCreateWithFlags(&s->fork, cudaEventDisableTiming), "cudaEventCreate");
-      per_device[dev] = s;
-    }
-    return *per_device[dev];
+      return s;
+    }, "the side streams");
   }
   cudaStream_t main_;
   Sides& s_;
@@ -212,20 +218,14 @@ class FlagReadback {
     cudaEvent_t ready = nullptr, done = nullptr;
   };
   static Slot& slot() {
-    constexpr int kMaxDevices = 64;
-    thread_local std::array<Slot*, kMaxDevices> per_device{};
-    int dev = 0;
-    check(cudaGetDevice(&dev), "cudaGetDevice");
-    if (dev >= kMaxDevices) throw Error("device index out of range for the flag read-back");
-    if (!per_device[dev]) {
+    return per_thread_and_device<Slot>([] {
       auto* s = new Slot;
       check(cudaHostAlloc(reinterpret_cast<void**>(&s->host), kMax * sizeof(int), cudaHostAllocDefault), "cudaHostAlloc");
       check(cudaStreamCreateWithFlags(&s->side, cudaStreamNonBlocking), "cudaStreamCreate");
       check(cudaEventCreateWithFlags(&s->ready, cudaEventDisableTiming), "cudaEventCreate");
       check(cudaEventCreateWithFlags(&s->done, cudaEventDisableTiming), "cudaEventCreate");
-      per_device[dev] = s;
-    }
-    return *per_device[dev];
+      return s;
+    }, "the flag read-back");
   }
   Slot& s_;
   bool waited_ = false;
