@@ -335,7 +335,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
   // copy's completion flips the barrier's phase. Stages fill in turn, so the parity of the phase that
   // page j's copy completes flips each time the stage index wraps.
   uint64_t* bars = reinterpret_cast<uint64_t*>(smem + S_::kBar) + warp * kStages;
-  // This warp's record of page 0 and the distance between pages' records (< 2^31 bytes: Hkv <= 2^16).
+  // This warp's record of page 0 and the distance between pages' records (< 2^32 bytes: decode_paged_async checks).
   const uint8_t* rec0 = p.kv.rec + (int64_t(hk) * kWarps + warp) * S_::kWarpStage;
   const uint32_t page_stride = uint32_t(p.kv.Hkv) * kWarps * S_::kWarpStage;
   if (lane == 0) {
@@ -717,6 +717,8 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
     throw Error("decode: q and out must be [S, a multiple of Hkv, Nq, d]");
   const int vbits = policy.pv == PV::bf16 ? 16 : policy.pv == PV::mxfp8 ? 8 : 4;
   if (!kv.rec || kv.vbits != vbits) throw Error("decode: the pages' records do not hold V in the policy's pv format");
+  if (Hkv * (kTile / kRecordKeys) * record_bytes(int(d), vbits) >= (int64_t(1) << 32))
+    throw Error("decode: a page's records exceed 4 GiB (too many KV heads)");
   const Format fmt[2] = {policy.high, policy.low};
   for (Format f : fmt)
     if (f == Format::nvfp4 || f == Format::bf16)
