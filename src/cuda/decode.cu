@@ -297,6 +297,9 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
   constexpr bool kPV8 = S_::kPV8;
   constexpr int kStages = S_::kStages, kRows = S_::kRows;
   extern __shared__ __align__(128) uint8_t smem[];
+  // The merge kernel may launch now (programmatic dependent launch): it waits for this grid's
+  // completion itself (griddepcontrol.wait), so only its launch latency overlaps this kernel.
+  asm volatile("griddepcontrol.launch_dependents;");
   const int split = blockIdx.x, hk = blockIdx.y / p.chunks, chunk = blockIdx.y % p.chunks, s = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int r0 = chunk * kRows, rows = min(kRows, p.G * p.Nq - r0);
@@ -657,6 +660,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
 template <class TOut>
 __global__ void merge_splits(const float* part, int64_t rows, int splits, int d, TOut* out, int64_t osb, int64_t osh,
                              int64_t osn, int Hq, int Nq, float scale, float* lse) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");  // the decode kernel's partials are complete and visible
   const int64_t wid = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32, row = wid / (d / 32);
   const int lane = threadIdx.x % 32, c = int(wid % (d / 32)) * 32 + lane;
   if (row >= rows) return;
@@ -772,9 +776,22 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   launch(p, grid, int(d), vbits, nr, plan.ctas_per_sm, stream);
   check(cudaGetLastError(), "decode kernel");
   const unsigned mblocks = unsigned((rows * (d / 32) + 7) / 8);  // 8 warps a block, a warp per 32 columns of a row
+  // Launched as the decode kernel's programmatic dependent: its CTAs are placed while the decode
+  // finishes (the decode triggers at its start; merge_splits waits for the decode grid's completion).
+  cudaLaunchAttribute pdl{};
+  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(mblocks);
+  cfg.blockDim = dim3(256);
+  cfg.stream = stream;
+  cfg.attrs = &pdl;
+  cfg.numAttrs = 1;
   with_typed(out, [&](auto* typed) {
-    merge_splits<<<mblocks, 256, 0, stream>>>(p.part, rows, p.splits, int(d), typed, out.stride[0], out.stride[1],
-                                              out.stride[2], int(Hq), int(Nq), scale, lse);
+    check(cudaLaunchKernelEx(&cfg, merge_splits<std::remove_pointer_t<decltype(typed)>>, static_cast<const float*>(p.part),
+                             rows, p.splits, int(d), typed, out.stride[0], out.stride[1], out.stride[2], int(Hq), int(Nq),
+                             scale, lse),
+          "merge kernel");
   });
   check(cudaGetLastError(), "merge kernel");
 }
