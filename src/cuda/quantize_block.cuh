@@ -23,15 +23,13 @@ constexpr int kPerLane = 8;
 // value is an f16 value (E5M2 shares f16's exponent range), so each product is exact in f16 whenever
 // it is an FP8 value at all (nonzero FP8 values are >= 2^-16 with <= 4 significant bits); one that
 // is not either fails the round trip through FP8 or has rounded to zero in f16, which the nonzero
-// test catches. Below 2^-24 (not an f16) no nonzero FP8 value stays representable.
+// test catches. Below 2^-24 (not an f16) no nonzero FP8 value stays representable: the factor is then 0,
+// which keeps zeros (signs included) and fails every nonzero value. No branches: k differs between the
+// blocks of a warp, and the branches on it (k = 0, k < -24) cost more than the arithmetic they skipped
+// (k = 0 multiplies by 1, exactly).
 template <bool kE5M2>
 __device__ __forceinline__ uint32_t shift_fp8x4(uint32_t w, int k, bool& exact) {
-  if (k == 0) return w;
-  if (k < -24) {
-    exact &= (w & 0x7F7F7F7Fu) == 0;
-    return w;
-  }
-  const uint32_t p = k >= -14 ? uint32_t(15 + k) << 10 : 1u << (24 + k);  // 2^k as f16 bits
+  const uint32_t p = k >= -14 ? uint32_t(15 + k) << 10 : k >= -24 ? 1u << (24 + k) : 0u;  // 2^k as f16 bits
   const uint32_t scale2 = p | p << 16;
   uint32_t out = 0;
 #pragma unroll
