@@ -24,9 +24,9 @@ constexpr int kPerLane = 8;
 // it is an FP8 value at all (nonzero FP8 values are >= 2^-16 with <= 4 significant bits); one that
 // is not either fails the round trip through FP8 or has rounded to zero in f16, which the nonzero
 // test catches. Below 2^-24 (not an f16) no nonzero FP8 value stays representable: the factor is then 0,
-// which keeps zeros (signs included) and fails every nonzero value. No branches: k differs between the
-// blocks of a warp, and the branches on it (k = 0, k < -24) cost more than the arithmetic they skipped
-// (k = 0 multiplies by 1, exactly).
+// which keeps zeros (signs included) and fails every nonzero value. No branches on k, which differs
+// between the blocks of a warp (k = 0 multiplies by 1, exactly); encode_lane skips the call where k = 0
+// in every lane.
 template <bool kE5M2>
 __device__ __forceinline__ uint32_t shift_fp8x4(uint32_t w, int k, bool& exact) {
   const uint32_t p = k >= -14 ? uint32_t(15 + k) << 10 : k >= -24 ? 1u << (24 + k) : 0u;  // 2^k as f16 bits
@@ -157,7 +157,10 @@ __device__ __forceinline__ uint8_t encode_lane(ScaleRule rule, const float (&v)[
   if (sc == kE8M0NaN) w = make_uint2(0u, 0u);  // the NaN scale carries the block; its codes are zeros
   if (fold) {  // uniform across the grid: every lane takes part in the shuffles
     bool exact = !bad && smax != kE8M0NaN;
-    if (!shifted) f = make_uint2(shift_fp8x4<kE5M2>(w.x, k, exact), shift_fp8x4<kE5M2>(w.y, k, exact));
+    // Where no block of the warp shifts (k = 0 in every lane, as in K's rows of one scale) the codes stand
+    // as they are: one vote skips the shift for the whole warp, which branching on each lane's k cannot.
+    const bool none = __all_sync(0xffffffffu, k == 0);
+    if (!shifted) f = none ? w : make_uint2(shift_fp8x4<kE5M2>(w.x, k, exact), shift_fp8x4<kE5M2>(w.y, k, exact));
     for (int s = 1; s < row_lanes; s <<= 1) exact &= __shfl_xor_sync(0xffffffffu, int(exact), s) != 0;
     if (exact) {
       w = f;
