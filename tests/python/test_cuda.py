@@ -36,6 +36,8 @@ def test_runs_on_the_current_stream():
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
         out = dmattn.attention(q, k, v, causal=True)
+    # The result is stream-ordered on `side` (as any torch op's): the default stream waits for it before use.
+    torch.cuda.current_stream().wait_stream(side)
     assert torch.equal(out, dmattn.attention(q, k, v, causal=True))
 
 
