@@ -79,7 +79,8 @@ int main(int argc, char** argv) {
   const int Hq = 32, Hkv = 8, d = 128, T = 128;
   // usage: bench_decode_cuda [bf16|mxfp8|mxfp4 (V's format, pv)] [B] [ctx]
   const std::string pv_arg = argc > 1 ? argv[1] : "bf16";
-  const bool pv8 = pv_arg == "mxfp8" || pv_arg == "mxfp4", pv4 = pv_arg == "mxfp4";  // pv8: V in MX codes
+  const PV pv = parse_pv(pv_arg);
+  const int vbits = dmattn::cuda::v_bits(pv);  // 16: bf16 V; 8, 4: MX codes and block scales
   std::vector<int> Bs = {1, 16, 64}, ctxs = {8192, 32768, 131072};
   if (argc > 2) Bs = {std::atoi(argv[2])};
   if (argc > 3) ctxs = {std::atoi(argv[3])};
@@ -87,7 +88,6 @@ int main(int argc, char** argv) {
   for (int b : Bs) maxB = std::max(maxB, b);
   for (int c : ctxs) maxctx = std::max(maxctx, c);
   const int64_t pages = int64_t(maxB) * (maxctx / T);
-  const int vbits = pv4 ? 4 : pv8 ? 8 : 16;
   const size_t page_bytes = size_t(Hkv) * (T / 32) * dmattn::cuda::record_bytes(d, vbits);
   uint8_t *rec, *slot;
   CK(cudaMalloc(&rec, pages * page_bytes));
@@ -126,7 +126,7 @@ int main(int argc, char** argv) {
   }
 
   Policy pol;  // default: mxfp8-e4m3 diag 1, mxfp4 elsewhere
-  pol.pv = parse_pv(pv_arg);
+  pol.pv = pv;
   for (int B : Bs)
     for (int ctx : ctxs) {
       const int np = ctx / T;
@@ -139,7 +139,7 @@ int main(int argc, char** argv) {
           table[size_t(pid)] = pid;
           const bool high = j == np - 1;  // the newest page: the diagonal tile
           slots[size_t(pid)] = high ? 0 : 1;
-          bytes += double(Hkv) * T * ((high ? d : d / 2) + d / 32 + (pv4 ? d / 2 + d / 32 : pv8 ? d + d / 32 : 2 * d));
+          bytes += double(Hkv) * T * ((high ? d : d / 2) + d / 32 + (vbits == 16 ? 2 * d : d * vbits / 8 + d / 32));
         }
       bytes += 2.0 * B * Hq * d * 2;  // q in, out
       int32_t *dtable, *dlen;

@@ -106,9 +106,8 @@ __device__ __forceinline__ float e8m0_of_byte(uint32_t word, int c) {
   return __uint_as_float(prmt(word, 0u, 0x4044u | uint32_t(c) << 8) << 7);
 }
 
-// A fragment registers (slots 4t..4t+3 and 16+4t..) of block c of a key row: FP8 bytes (E2M1 and FP6
-// codes widened to E4M3, exactly).
-// Rows of D/2 (E2M1) or D bytes, chunks swizzled (kv_record.hpp).
+// A fragment registers (slots 4t..4t+3 and 16+4t..) of block c of a key row (D/2 bytes for E2M1, else
+// D; chunks swizzled, kv_record.hpp): FP8 bytes (E2M1 and FP6 codes widened to E4M3, exactly).
 template <int D, Elem E>
 __device__ __forceinline__ void k_words(const uint8_t* row, int key, int c, int t, const uint8_t* lut, uint32_t& b0,
                                         uint32_t& b1) {
@@ -358,7 +357,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
     const int pid = __shfl_sync(0xffffffffu, cur_pid, j - win), sl = __shfl_sync(0xffffffffu, cur_sl, j - win);
     ring = (ring & ~(1u << stage)) | uint32_t(sl) << stage;
     // The record from its K codes on: E2M1 rows are half as long and start later in the region.
-    const int first = elem_of(sl) == Elem::e2m1 ? record_k(D, true) : record_k(D, false);
+    const int first = record_k(D, elem_of(sl) == Elem::e2m1);
     if (lane == 0) {
       const uint8_t* src = rec0 + uint64_t(uint32_t(pid)) * page_stride + first;
       tma::arrive_expect(bars + stage, uint32_t(S_::kWarpStage - first));
@@ -736,7 +735,7 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   if (q.stride[3] != 1 || out.stride[3] != 1) throw Error("the CUDA decode needs unit stride on the head dimension");
   if (q.shape[0] != S || q.shape[3] != d || Hq % Hkv != 0 || out.shape != q.shape)
     throw Error("decode: q and out must be [S, a multiple of Hkv, Nq, d]");
-  const int vbits = policy.pv == PV::bf16 ? 16 : policy.pv == PV::mxfp8 ? 8 : 4;
+  const int vbits = v_bits(policy.pv);
   if (!kv.rec || kv.vbits != vbits) throw Error("decode: the pages' records do not hold V in the policy's pv format");
   if (Hkv * (kTile / kRecordKeys) * record_bytes(int(d), vbits) >= (int64_t(1) << 32))
     throw Error("decode: a page's records exceed 4 GiB (too many KV heads)");
@@ -793,7 +792,6 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
                              scale, lse),
           "merge kernel");
   });
-  check(cudaGetLastError(), "merge kernel");
 }
 
 void decode_paged(const PagedKV& kv, const Policy& policy, const TensorView& q, const TensorView& out, float* lse,

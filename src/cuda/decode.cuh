@@ -24,6 +24,9 @@ struct PagedKV {
   int vbits = 16;                   // V's bits in the records (16, 8, 4): must match the policy's pv
 };
 
+// V's bits in the records for a pv mode (bf16 16, mxfp8 8, mxfp4 4).
+inline int v_bits(PV pv) { return pv == PV::bf16 ? 16 : pv == PV::mxfp8 ? 8 : 4; }
+
 // q, out: [S, Hq, Nq, d] CUDA views (unit stride on d); lse [S*Hq*Nq] device floats or null. splits
 // 0 = automatic. Enqueues the work on `stream` (q's quantization, the decode, the split merge) and
 // sets *nonfinite (device memory) to 1 if q holds NaN/Inf; throws dmattn::Error on bad arguments.

@@ -142,8 +142,7 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
     m->device = dev;
     m->d = int(d);
     m->Hkv = Hkv;
-    const PV pv = cache.policy().pv;
-    m->vbits = pv == PV::bf16 ? 16 : pv == PV::mxfp8 ? 8 : 4;
+    m->vbits = v_bits(cache.policy().pv);
     m->page_bytes = Hkv * (T / kRecordKeys) * record_bytes(int(d), m->vbits);
     state = m;
   }
