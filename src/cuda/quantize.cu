@@ -37,47 +37,50 @@ struct Geometry {
 };
 
 // Where a lane's kPerLane elements sit. Four lanes share one 32-block, so a warp reads and writes
-// contiguous memory (coalesced); the block's amax and NaN flag are combined with quad shuffles.
+// contiguous memory (coalesced); the block's amax and NaN flag are combined with quad shuffles. The
+// outputs are dense rows ([rows, d] codes, [rows, d/32] scales), so a lane's codes start at element
+// lane * 8 and its block's scale sits at blk: only the source address of a strided input and the row
+// scales need the block's (b, h, n), whose divisions are skipped otherwise.
 struct Lanes {
-  uint32_t row, c, n, bh;
+  uint32_t lane, blk;  // lane-unit index, 32-block index (lane / 4)
+  uint32_t n, bh, c;   // the block's row within its head, its b * H + h and its column block (when needed)
   int part;
   bool active;
-  int row_lanes;  // the lanes holding one row (a power of two when folding or with row scales)
-  int64_t nblk;
 };
 
-// A target's form: read from the QuantTarget at run time (RuntimeForm), or fixed at compile time for
-// the prefill pre-pass's two forms (FP8 bytes, folded; K's with row scales), with the row's lane
-// count: the encoder then runs without branches on the flags and its shuffle loops unroll.
+// A target's form: read from the QuantTarget at run time (RuntimeForm), or fixed at compile time
+// (FixedForm: the plain codes of the bench and of callers without the prefill's forms, and the
+// prefill pre-pass's two forms, FP8 bytes folded, K's with row scales), with the row's lane count: the
+// encoder then runs without branches on the flags and its shuffle loops unroll.
 struct RuntimeForm {
-  static constexpr bool kFixed = false, kRows = false;
+  static constexpr bool kFixed = false, kBytes = false, kRows = false;
   static constexpr int kRowLanes = 0;
 };
-template <bool kRowScales, int kLanes>
-struct PrefillForm {
-  static constexpr bool kFixed = true, kRows = kRowScales;
+template <bool kFp8BytesFolded, bool kRowScales, int kLanes>
+struct FixedForm {
+  static constexpr bool kFixed = true, kBytes = kFp8BytesFolded, kRows = kRowScales;
   static constexpr int kRowLanes = kLanes;
 };
+using PlainForm = FixedForm<false, false, 0>;
+template <bool kRowScales, int kLanes>
+using PrefillForm = FixedForm<true, kRowScales, kLanes>;
 
 // One target: scale, codes (optionally as FP8 bytes, folded), stores, row-scale flags.
 template <Elem E, bool kHalf, class F>
 __device__ __forceinline__ void emit(const QuantTarget& q, ScaleRule rule, const float (&v)[kPerLane], float amax,
-                                     bool bad, const Lanes& l) {
-  const bool fp8_bytes = F::kFixed || q.fp8_bytes, fold = F::kFixed || q.fold;
+                                     bool bad, const Lanes& l, int nblk) {
+  const bool fp8_bytes = F::kFixed ? F::kBytes : q.fp8_bytes, fold = F::kFixed ? F::kBytes : q.fold;
   const bool rows = F::kFixed ? F::kRows : q.row_scale != nullptr;
-  const int row_lanes = F::kFixed ? F::kRowLanes : l.row_lanes;
+  const int row_lanes = F::kFixed ? F::kRowLanes : nblk * 4;
   uint2 w;
-  const uint8_t sc = encode_lane<E, kHalf>(rule, v, amax, bad, fp8_bytes, fold, row_lanes, w);
+  const uint32_t sc = encode_lane<E, kHalf>(rule, v, amax, bad, fp8_bytes, fold, row_lanes, w);
   if (l.active) {
-    const int64_t d = l.nblk * kBlock;
-    const int64_t first = int64_t(l.row) * d + int64_t(l.c) * kBlock + l.part * kPerLane;  // element index of w's first code
     if (E == Elem::e2m1 && !fp8_bytes)
-      *reinterpret_cast<uint32_t*>(q.codes + first / 2) = w.x;
+      reinterpret_cast<uint32_t*>(q.codes)[l.lane] = w.x;
     else
-      *reinterpret_cast<uint2*>(q.codes + first) = w;
-    // With row scales, the block scales take the same padded row layout: [B*H][row_pad][d/32].
-    if (l.part == 0)
-      q.scales[rows ? (int64_t(l.bh) * q.row_pad + l.n) * l.nblk + l.c : int64_t(l.row) * l.nblk + l.c] = sc;
+      reinterpret_cast<uint2*>(q.codes)[l.lane] = w;
+    // With row scales, the block scales take the padded row layout: [B*H][row_pad][d/32].
+    if (l.part == 0) q.scales[rows ? (int64_t(l.bh) * q.row_pad + l.n) * nblk + l.c : int64_t(l.blk)] = uint8_t(sc);
   }
   if (rows) {  // uniform across the grid, like fold
     const bool equal = row_scales_equal(sc, row_lanes);
@@ -86,6 +89,23 @@ __device__ __forceinline__ void emit(const QuantTarget& q, ScaleRule rule, const
       q.row_scale[int64_t(l.bh) * q.row_pad + l.n] = uniform ? decode_e8m0(sc) : -1.0f;
       if (!uniform) q.tile_split[int64_t(l.bh) * (q.row_pad / 128) + l.n / 128] = 1;  // every writer writes 1
     }
+  }
+}
+
+// A lane's values as floats: bf16 pairs by one shift or one mask each (to_float's 16-bit path costs a
+// permute and a multiply for each odd element).
+template <class T>
+__device__ __forceinline__ void to_floats(const T (&raw)[kPerLane], float (&v)[kPerLane]) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(raw);
+#pragma unroll
+    for (int i = 0; i < kPerLane / 2; ++i) {
+      v[2 * i] = __uint_as_float(w[i] << 16);
+      v[2 * i + 1] = __uint_as_float(w[i] & 0xFFFF0000u);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) v[i] = to_float(raw[i]);
   }
 }
 
@@ -105,21 +125,25 @@ __global__ void __launch_bounds__(256) quantize_rows_kernel(const T* __restrict_
   const uint32_t nblk = uint32_t(g.nblk), N = uint32_t(g.N), H = uint32_t(g.H);  // as FastDiv in g
   Lanes l[kUnits];
   alignas(16) T raw[kUnits][kPerLane];
+  // Row-scale targets (or the run-time form, which may have them) need each block's (n, bh, c).
+  const bool where = !g.packed || F::kRows || !F::kFixed;
 #pragma unroll
   for (int u = 0; u < kUnits; ++u) {
-    const uint32_t lane_id = (blockIdx.x + u * gridDim.x) * blockDim.x + threadIdx.x;
-    const uint32_t blk = lane_id / 4;
-    l[u].part = int(lane_id % 4);
-    l[u].active = blk < nblocks;  // inactive lanes still take part in the shuffles
-    l[u].nblk = g.nblk;
-    l[u].row_lanes = int(g.nblk) * 4;
-    l[u].row = l[u].active ? g.by_nblk.div(blk) : 0;
-    l[u].c = l[u].active ? blk - l[u].row * nblk : 0;
-    l[u].bh = g.by_N.div(l[u].row);
-    l[u].n = l[u].row - l[u].bh * N;
+    const uint32_t lane = (blockIdx.x + u * gridDim.x) * blockDim.x + threadIdx.x;
+    l[u].lane = lane;
+    l[u].blk = lane / 4;
+    l[u].part = int(lane % 4);
+    l[u].active = l[u].blk < nblocks;  // inactive lanes still take part in the shuffles
+    l[u].n = l[u].bh = l[u].c = 0;
+    if (where && l[u].active) {
+      const uint32_t row = g.by_nblk.div(l[u].blk);
+      l[u].c = l[u].blk - row * nblk;
+      l[u].bh = g.by_N.div(row);
+      l[u].n = row - l[u].bh * N;
+    }
     const T* src;
     if (g.packed) {
-      src = x + int64_t(lane_id) * kPerLane;
+      src = x + int64_t(lane) * kPerLane;
     } else {
       const uint32_t b = g.by_H.div(l[u].bh), h = l[u].bh - b * H;
       src = x + int64_t(b) * g.sb + int64_t(h) * g.sh + int64_t(l[u].n) * g.sn + int64_t(l[u].c) * kBlock + l[u].part * kPerLane;
@@ -138,19 +162,18 @@ __global__ void __launch_bounds__(256) quantize_rows_kernel(const T* __restrict_
 #pragma unroll
   for (int u = 0; u < kUnits; ++u) {
     float v[kPerLane];
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) v[i] = to_float(raw[u][i]);
+    to_floats(raw[u], v);
     float amax;
     bool bad;
     block_stats(v, amax, bad);
     if (bad && nonfinite && l[u].part == 0) atomicOr(nonfinite, 1);
     constexpr bool kHalf = sizeof(T) == 2;  // bf16 / fp16: E2M1 rounds in f16 pairs
     if constexpr (kPair) {
-      emit<Elem::e4m3, kHalf, F>(t0, rule, v, amax, bad, l[u]);
-      emit<Elem::e2m1, kHalf, F>(t1, rule, v, amax, bad, l[u]);
+      emit<Elem::e4m3, kHalf, F>(t0, rule, v, amax, bad, l[u], int(nblk));
+      emit<Elem::e2m1, kHalf, F>(t1, rule, v, amax, bad, l[u], int(nblk));
     } else {
-      with_elem(e0, [&](auto e) { emit<decltype(e)::value, kHalf, F>(t0, rule, v, amax, bad, l[u]); });
-      if (targets == 2) with_elem(e1, [&](auto e) { emit<decltype(e)::value, kHalf, F>(t1, rule, v, amax, bad, l[u]); });
+      with_elem(e0, [&](auto e) { emit<decltype(e)::value, kHalf, F>(t0, rule, v, amax, bad, l[u], int(nblk)); });
+      if (targets == 2) with_elem(e1, [&](auto e) { emit<decltype(e)::value, kHalf, F>(t1, rule, v, amax, bad, l[u], int(nblk)); });
     }
   }
 }
@@ -193,6 +216,8 @@ void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first
   const bool rows = first.row_scale != nullptr;
   const bool prefill_form = pair && first.fp8_bytes && first.fold && second.fp8_bytes && second.fold &&
                             rows == (second.row_scale != nullptr) && (nblk == 2 || nblk == 4);
+  auto plain = [](const QuantTarget& t) { return !t.fp8_bytes && !t.fold && !t.row_scale; };
+  const bool plain_form = pair && plain(first) && plain(second);
   with_typed(x, [&](auto* typed) {
     using T = std::remove_pointer_t<decltype(typed)>;
     auto go = [&](auto kernel) {
@@ -209,7 +234,9 @@ void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first
         return;
       }
     }
-    if (pair)
+    if (plain_form)
+      go(quantize_rows_kernel<T, true, true, PlainForm>);
+    else if (pair)
       go(quantize_rows_kernel<T, true, true>);
     else if (vec)
       go(quantize_rows_kernel<T, true, false>);

@@ -48,15 +48,17 @@ __device__ __forceinline__ uint32_t shift_fp8x4(uint32_t w, int k, bool& exact) 
 // saturating at 6: the codec's encode_e2m1) and returned as an f16 pair, lo in the low half, signs
 // kept (a negative value that rounds to zero gives -0, the codec's code 8). Exact only where both
 // values are f16 values already, as a bf16 or fp16 input divided by a power of two is down to 2^-17
-// (smaller ones round to 0 either way): an f32 input would round twice. Per half: the binade's
-// exponent, clamped to [1, 4] (below 1 E2M1 keeps the step 0.5 of [1, 2)), names a power of two M
-// whose f16 ulp is the E2M1 step there; (a + M) - M rounds a to that step. Ten instructions for two
-// values, where the codec's float-bit encoder takes about ten for one.
+// (smaller ones round to 0 either way): an f32 input would round twice. Both magnitudes are below 8,
+// as every finite block's values are over its scale (the scale puts the amax in [4, 8) or lower);
+// a non-finite block's codes are zeroed by the caller. Per half: the binade's exponent, raised to 1
+// (below 1 E2M1 keeps the step 0.5 of [1, 2)), names a power of two M whose f16 ulp is the E2M1 step
+// there; (a + M) - M rounds a to that step. Nine instructions for two values, where the codec's
+// float-bit encoder takes about ten for one.
 __device__ __forceinline__ uint32_t e2m1_round_f16x2(float lo, float hi) {
   const uint32_t h = f16x2_rn(lo, hi);
   const uint32_t a = h & 0x7FFF7FFFu;
-  const uint32_t e = __vminu2(__vmaxu2(a & 0x7C007C00u, 0x3C003C00u), 0x44004400u);  // 1.0 .. 4.0
-  const uint32_t m = e + 0x24002400u;                                                // x 2^9: ulp = step
+  // M = max(binade, 1.0) x 2^9 (exponent field + 9): ulp(M) = the step; binades above 4 do not occur.
+  const uint32_t m = __viaddmax_u16x2(a & 0x7C007C00u, 0x24002400u, 0x60006000u);
   uint32_t r = h2_rn<'-'>(h2_rn<'+'>(a, m), m);
   asm("min.f16x2 %0, %0, %1;" : "+r"(r) : "r"(0x46004600u));  // 6.0: saturate
   return r | (h & 0x80008000u);
@@ -96,16 +98,23 @@ __device__ __forceinline__ uint2 e4m3_bytes_of_f16x2(const uint32_t (&r)[4]) {
 // scale). Bit-identical to the codec (GpuQuantize). Every lane of the warp must call it (shuffles).
 // kHalf: the values came from bf16 or fp16, which lets E2M1 round two values at a time in f16.
 template <Elem E, bool kHalf>
-__device__ __forceinline__ uint8_t encode_lane(ScaleRule rule, const float (&v)[kPerLane], float amax, bool bad,
+__device__ __forceinline__ uint32_t encode_lane(ScaleRule rule, const float (&v)[kPerLane], float amax, bool bad,
                                                bool fp8_bytes, bool fold, int row_lanes, uint2& w) {
   constexpr bool kE5M2 = E == Elem::e5m2;
-  uint8_t sc = bad ? kE8M0NaN : choose_e8m0_nonneg(amax, E, rule);  // amax: a finite |max| here
-  int smax = sc;  // with fold: the row's largest scale (uniform across the grid: every lane shuffles)
+  // 32-bit codes: no byte masks. A finite block's code is at most 253 (choose_e8m0_nonneg), so an OR
+  // with 0xFF gives the NaN scale, without the branch a select compiled to.
+  uint32_t sc = uint32_t(choose_e8m0_nonneg(amax, E, rule)) | (bad ? kE8M0NaN : 0u);
+  int smax = int(sc);  // with fold: the row's largest scale (uniform across the grid: every lane shuffles)
   if (fold)
     for (int s = 4; s < row_lanes; s <<= 1) smax = max(smax, __shfl_xor_sync(0xffffffffu, smax, s));
   const int k = int(sc) - smax;  // <= 0: with fold, this block's values shift down by 2^k
+  // Where no block of the warp shifts (k = 0 in every lane, as in K's rows of one scale) the codes stand
+  // as they are: one vote skips the shift for the whole warp, which branching on each lane's k cannot.
+  const bool none = fold && __all_sync(0xffffffffu, k == 0);
   // 2^-X as one factor: a product by a power of two rounds once, exactly like the codec's ldexp.
-  const float inv = inverse_e8m0(sc);
+  // inverse_e8m0 without its branch for codes 254 and 255: 254 does not occur and the NaN scale's
+  // codes are zeroed below.
+  const float inv = __uint_as_float((254u - sc) << 23);
   bool shifted = false;  // f holds the folded bytes already (E2M1 from f16, k >= -8)
   uint2 f = make_uint2(0u, 0u);
   if constexpr (E == Elem::e4m3 || E == Elem::e5m2) {
@@ -121,7 +130,7 @@ __device__ __forceinline__ uint8_t encode_lane(ScaleRule rule, const float (&v)[
       w = e4m3_bytes_of_f16x2(r);
       // Every E2M1 value times 2^k, -8 <= k <= 0, is an E4M3 value (the smallest, 0.5 x 2^-8 and
       // 1.5 x 2^-8, are multiples of E4M3's 2^-9): the shift is exact, in f16 and in the bytes.
-      if (fold && k >= -8) {
+      if (fold && !none && k >= -8) {
         const uint32_t p = uint32_t(15 + k) << 10, pk = p | p << 16;
         uint32_t q[4];
 #pragma unroll
@@ -157,14 +166,11 @@ __device__ __forceinline__ uint8_t encode_lane(ScaleRule rule, const float (&v)[
   if (sc == kE8M0NaN) w = make_uint2(0u, 0u);  // the NaN scale carries the block; its codes are zeros
   if (fold) {  // uniform across the grid: every lane takes part in the shuffles
     bool exact = !bad && smax != kE8M0NaN;
-    // Where no block of the warp shifts (k = 0 in every lane, as in K's rows of one scale) the codes stand
-    // as they are: one vote skips the shift for the whole warp, which branching on each lane's k cannot.
-    const bool none = __all_sync(0xffffffffu, k == 0);
     if (!shifted) f = none ? w : make_uint2(shift_fp8x4<kE5M2>(w.x, k, exact), shift_fp8x4<kE5M2>(w.y, k, exact));
     for (int s = 1; s < row_lanes; s <<= 1) exact &= __shfl_xor_sync(0xffffffffu, int(exact), s) != 0;
     if (exact) {
       w = f;
-      sc = uint8_t(smax);
+      sc = uint32_t(smax);
     }
   }
   return sc;

@@ -22,9 +22,9 @@ using namespace dmattn;
 TEST(GpuQuantize, MatchesCpuCodecBitForBit) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const int64_t B = 2, H = 3, N = 77, d = 128;
-  // Rows padded to a strided view: 160 keeps 16-byte alignment (vector loads), 132 breaks it for
-  // 16-bit dtypes (scalar loads).
-  for (int64_t dpad : {160, 132}) {
+  // Dense rows (128: the pass skips the row arithmetic), then rows padded to a strided view: 160 keeps
+  // 16-byte alignment (vector loads), 132 breaks it for 16-bit dtypes (scalar loads).
+  for (int64_t dpad : {128, 160, 132}) {
   const std::pair<Format, Format> pairs[] = {{Format::mxfp8_e4m3, Format::mxfp4},
                                              {Format::mxfp8_e5m2, Format::mxfp6_e3m2},
                                              {Format::mxfp6_e2m3, Format::mxfp6_e2m3}};
