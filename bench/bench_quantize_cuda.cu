@@ -74,11 +74,19 @@ int main() {
                             {Format::mxfp4, f4, s4, true, true, r4, N, u4}, nullptr);
       },
       iters);
+  // Q's pre-pass form: both formats as FP8 bytes, folded, no row scales.
+  const float qq_ms = time_ms(
+      [&] {
+        cuda::quantize_rows(v, ScaleRule::ocp, {Format::mxfp8_e4m3, f8, s8, true, true},
+                            {Format::mxfp4, f4, s4, true, true}, nullptr);
+      },
+      iters);
   CK(cudaDeviceSynchronize());
   const double copy_gbs = 2.0 * elems * 2 / (copy_ms * 1e6);
   const double q2_bytes = elems * 2 + elems + elems / 2 + 2 * elems / 32, q1_bytes = elems * 2 + elems / 2 + elems / 32;
   const double q2_gbs = q2_bytes / (q2_ms * 1e6), q1_gbs = q1_bytes / (q1_ms * 1e6);
   const double qp_bytes = elems * 2 + 2 * elems + 2 * elems / 32 + 2 * rows * 4, qp_gbs = qp_bytes / (qp_ms * 1e6);
+  const double qq_bytes = elems * 2 + 2 * elems + 2 * elems / 32, qq_gbs = qq_bytes / (qq_ms * 1e6);
   std::printf("quantize bench: bf16 [%lld,%lld,%lld,%lld] (%.0f MiB)\n", (long long)B, (long long)H, (long long)N,
               (long long)d, elems * 2 / 1048576.0);
   std::printf("%-34s %9s %9s %8s\n", "kernel", "ms", "GB/s", "of copy");
@@ -86,5 +94,6 @@ int main() {
   std::printf("%-34s %9.4f %9.1f %7.1f%%\n", "quantize mxfp8-e4m3 + mxfp4", q2_ms, q2_gbs, 100 * q2_gbs / copy_gbs);
   std::printf("%-34s %9.4f %9.1f %7.1f%%\n", "quantize mxfp4", q1_ms, q1_gbs, 100 * q1_gbs / copy_gbs);
   std::printf("%-34s %9.4f %9.1f %7.1f%%\n", "pre-pass K (fp8 bytes, folded)", qp_ms, qp_gbs, 100 * qp_gbs / copy_gbs);
+  std::printf("%-34s %9.4f %9.1f %7.1f%%\n", "pre-pass Q (fp8 bytes, folded)", qq_ms, qq_gbs, 100 * qq_gbs / copy_gbs);
   return 0;
 }

@@ -47,7 +47,7 @@ if [ -n "${AB:-}" ]; then
     echo "racecheck ($last, 2 CTAs): rc=$? $(grep -m1 SUMMARY "$OUT/ab_racecheck.log")"
   fi
   if [ "${AB_QUANT:-0}" = 1 ]; then  # the quantize pass too: each dir's bench_quantize_cuda, alternating
-    for rep in 1 2 3; do for dir in $AB; do echo "== $dir"; timeout 60 $dir/bench/bench_quantize_cuda | tail -4; done; done \
+    for rep in 1 2 3; do for dir in $AB; do echo "== $dir"; timeout 60 $dir/bench/bench_quantize_cuda | tail -5; done; done \
       | tee "$OUT/ab_quantize.txt"
   fi
   for spec in ${AB_DECODE:-}; do  # decode: "dir dmattn-pv B ctx us us_sync GB/s bytes" lines
@@ -102,7 +102,7 @@ if [ "${QUICK:-0}" = 1 ]; then  # correctness of the GPU tests + the main benchm
     echo "sanitizer $tool ($small) rc=$? $(grep -m1 SUMMARY "$OUT/sanitizer_$tool.log")"
   done
   if [ "$PART" != decode ]; then
-    $B/bench/bench_quantize_cuda 2>&1 | tee "$OUT/bench_quantize.txt" | tail -4
+    $B/bench/bench_quantize_cuda 2>&1 | tee "$OUT/bench_quantize.txt" | tail -5
     # shellcheck disable=SC2086  # SDPA_N: the lengths, e.g. "4096 16384"
     [ "${SDPA:-1}" = 1 ] && PYTHONUNBUFFERED=1 python3 bench/compare_sdpa.py $B "$OUT" ${SDPA_N:-16384} 2>&1 \
       | tee "$OUT/compare_sdpa.txt" | tail -24  # SDPA=0 skips it

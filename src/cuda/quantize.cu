@@ -49,21 +49,29 @@ struct Lanes {
 };
 
 // A target's form: read from the QuantTarget at run time (RuntimeForm), or fixed at compile time
-// (FixedForm: the plain codes of the bench and of callers without the prefill's forms, and the
-// prefill pre-pass's two forms, FP8 bytes folded, K's with row scales), with the row's lane count: the
-// encoder then runs without branches on the flags and its shuffle loops unroll.
+// (FixedForm: the plain codes, and the prefill pre-pass's two forms, FP8 bytes folded, K's with row
+// scales), with the row's lane count: the encoder then runs without branches on the flags and its
+// shuffle loops unroll. kUnits: the lane-units a thread takes (quantize_rows_kernel). Four for the
+// plain forms (session 18: the pair at 88% of copy against 86% with two); two where the encoder holds
+// more (the run-time form spills with four; the pre-pass's K form ran 4% slower with four).
 struct RuntimeForm {
   static constexpr bool kFixed = false, kBytes = false, kRows = false;
-  static constexpr int kRowLanes = 0;
+  static constexpr int kRowLanes = 0, kUnits = 2;
 };
-template <bool kFp8BytesFolded, bool kRowScales, int kLanes>
+template <bool kFp8BytesFolded, bool kRowScales, int kLanes, int kUnits_>
 struct FixedForm {
   static constexpr bool kFixed = true, kBytes = kFp8BytesFolded, kRows = kRowScales;
-  static constexpr int kRowLanes = kLanes;
+  static constexpr int kRowLanes = kLanes, kUnits = kUnits_;
 };
-using PlainForm = FixedForm<false, false, 0>;
+using PlainForm = FixedForm<false, false, 0, 4>;
 template <bool kRowScales, int kLanes>
-using PrefillForm = FixedForm<true, kRowScales, kLanes>;
+using PrefillForm = FixedForm<true, kRowScales, kLanes, 2>;
+constexpr int kMaxUnits = 4;
+
+// The targets' element types: chosen at run time by a switch per target, or fixed at compile time (one
+// E2M1 target, or the (E4M3, E2M1) pair of the prefill pre-pass and of DMA's two formats), so the
+// encoders inline into one straight line the scheduler can interleave.
+enum class Elems { runtime, e2m1, e4m3_e2m1 };
 
 // One target: scale, codes (optionally as FP8 bytes, folded), stores, row-scale flags.
 template <Elem E, bool kHalf, class F>
@@ -109,19 +117,15 @@ __device__ __forceinline__ void to_floats(const T (&raw)[kPerLane], float (&v)[k
   }
 }
 
-// Each thread quantizes kUnits lane-units a grid apart, all loads issued before any arithmetic, so
-// enough bytes are in flight to cover DRAM latency at this kernel's occupancy (~54 registers).
-constexpr int kUnits = 2;
-
+// Each thread quantizes F::kUnits lane-units a grid apart, all loads issued before any arithmetic, so
+// enough bytes are in flight to cover DRAM latency.
 // 32-bit indices: 64-bit division costs the GPU far more than the quantization itself.
-// kPair: the element types of the two targets fixed at compile time (the prefill pre-pass's
-// E4M3 + E2M1), so both encoders inline into one straight line the scheduler can interleave; else
-// (kPair = false) chosen at run time by a switch per target.
-// F: both targets' form (kPair only).
-template <class T, bool kVector, bool kPair, class F = RuntimeForm>
+// F: the targets' form (fixed element types only; RuntimeForm otherwise).
+template <class T, bool kVector, Elems kElems, class F = RuntimeForm>
 __global__ void __launch_bounds__(256) quantize_rows_kernel(const T* __restrict__ x, Geometry g, uint32_t nblocks,
                                                             ScaleRule rule, QuantTarget t0, QuantTarget t1, Elem e0,
                                                             Elem e1, int targets, int* nonfinite) {
+  constexpr int kUnits = F::kUnits;
   const uint32_t nblk = uint32_t(g.nblk), N = uint32_t(g.N), H = uint32_t(g.H);  // as FastDiv in g
   Lanes l[kUnits];
   alignas(16) T raw[kUnits][kPerLane];
@@ -168,9 +172,11 @@ __global__ void __launch_bounds__(256) quantize_rows_kernel(const T* __restrict_
     block_stats(v, amax, bad);
     if (bad && nonfinite && l[u].part == 0) atomicOr(nonfinite, 1);
     constexpr bool kHalf = sizeof(T) == 2;  // bf16 / fp16: E2M1 rounds in f16 pairs
-    if constexpr (kPair) {
+    if constexpr (kElems == Elems::e4m3_e2m1) {
       emit<Elem::e4m3, kHalf, F>(t0, rule, v, amax, bad, l[u], int(nblk));
       emit<Elem::e2m1, kHalf, F>(t1, rule, v, amax, bad, l[u], int(nblk));
+    } else if constexpr (kElems == Elems::e2m1) {
+      emit<Elem::e2m1, kHalf, F>(t0, rule, v, amax, bad, l[u], int(nblk));
     } else {
       with_elem(e0, [&](auto e) { emit<decltype(e)::value, kHalf, F>(t0, rule, v, amax, bad, l[u], int(nblk)); });
       if (targets == 2) with_elem(e1, [&](auto e) { emit<decltype(e)::value, kHalf, F>(t1, rule, v, amax, bad, l[u], int(nblk)); });
@@ -206,42 +212,49 @@ void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first
   const int64_t nblocks = x.shape[0] * x.shape[1] * x.shape[2] * g.nblk;
   if (nblocks == 0) return;
   const int threads = 256;
-  const unsigned grid = unsigned((nblocks * 4 + threads * kUnits - 1) / (threads * kUnits));
   const Elem e0 = format_info(first.format).elem, e1 = targets == 2 ? format_info(second.format).elem : e0;
   const bool vec = rows_16byte_aligned(x);
   // A tensor this large (2^35 elements) cannot sit on one GPU next to its quantized copies.
-  if (nblocks * 4 + threads * kUnits >= (int64_t(1) << 32)) throw Error("quantize_rows: tensor too large (2^35 elements or more)");
+  if (nblocks * 4 + threads * kMaxUnits >= (int64_t(1) << 32)) throw Error("quantize_rows: tensor too large (2^35 elements or more)");
   const bool pair = vec && targets == 2 && e0 == Elem::e4m3 && e1 == Elem::e2m1;
   // The prefill pre-pass's forms, both targets alike, d = 64 or 128: compiled for (see PrefillForm).
   const bool rows = first.row_scale != nullptr;
   const bool prefill_form = pair && first.fp8_bytes && first.fold && second.fp8_bytes && second.fold &&
                             rows == (second.row_scale != nullptr) && (nblk == 2 || nblk == 4);
   auto plain = [](const QuantTarget& t) { return !t.fp8_bytes && !t.fold && !t.row_scale; };
-  const bool plain_form = pair && plain(first) && plain(second);
+  const bool plain_pair = pair && plain(first) && plain(second);
+  const bool plain_e2m1 = vec && targets == 1 && e0 == Elem::e2m1 && plain(first);
   with_typed(x, [&](auto* typed) {
     using T = std::remove_pointer_t<decltype(typed)>;
-    auto go = [&](auto kernel) {
+    // kernel: an instance of quantize_rows_kernel with form F (its units a thread size the grid).
+    auto go = [&]<class F>(void (*kernel)(const T*, Geometry, uint32_t, ScaleRule, QuantTarget, QuantTarget, Elem, Elem,
+                                          int, int*), F) {
+      const int64_t per_cta = int64_t(threads) * F::kUnits;
+      const unsigned grid = unsigned((nblocks * 4 + per_cta - 1) / per_cta);
       kernel<<<grid, threads, 0, stream>>>(typed, g, uint32_t(nblocks), rule, first, second, e0, e1, targets, nonfinite);
     };
+    constexpr Elems kPair = Elems::e4m3_e2m1;
     if constexpr (sizeof(T) == 2) {  // (bf16 / fp16: the prefill's inputs)
       if (prefill_form) {
         if (rows)
-          nblk == 4 ? go(quantize_rows_kernel<T, true, true, PrefillForm<true, 16>>)
-                    : go(quantize_rows_kernel<T, true, true, PrefillForm<true, 8>>);
+          nblk == 4 ? go(quantize_rows_kernel<T, true, kPair, PrefillForm<true, 16>>, PrefillForm<true, 16>{})
+                    : go(quantize_rows_kernel<T, true, kPair, PrefillForm<true, 8>>, PrefillForm<true, 8>{});
         else
-          nblk == 4 ? go(quantize_rows_kernel<T, true, true, PrefillForm<false, 16>>)
-                    : go(quantize_rows_kernel<T, true, true, PrefillForm<false, 8>>);
+          nblk == 4 ? go(quantize_rows_kernel<T, true, kPair, PrefillForm<false, 16>>, PrefillForm<false, 16>{})
+                    : go(quantize_rows_kernel<T, true, kPair, PrefillForm<false, 8>>, PrefillForm<false, 8>{});
         return;
       }
     }
-    if (plain_form)
-      go(quantize_rows_kernel<T, true, true, PlainForm>);
+    if (plain_pair)
+      go(quantize_rows_kernel<T, true, kPair, PlainForm>, PlainForm{});
+    else if (plain_e2m1)
+      go(quantize_rows_kernel<T, true, Elems::e2m1, PlainForm>, PlainForm{});
     else if (pair)
-      go(quantize_rows_kernel<T, true, true>);
+      go(quantize_rows_kernel<T, true, kPair>, RuntimeForm{});
     else if (vec)
-      go(quantize_rows_kernel<T, true, false>);
+      go(quantize_rows_kernel<T, true, Elems::runtime>, RuntimeForm{});
     else
-      go(quantize_rows_kernel<T, false, false>);
+      go(quantize_rows_kernel<T, false, Elems::runtime>, RuntimeForm{});
   });
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw Error(std::string("quantize_rows: launch failed: ") + cudaGetErrorString(err));

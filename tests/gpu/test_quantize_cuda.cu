@@ -68,6 +68,14 @@ TEST(GpuQuantize, MatchesCpuCodecBitForBit) {
         EXPECT_EQ(gs0, want0.scales) << format_name(f0) << " " << dtype_name(dt);
         EXPECT_EQ(g1, want1.codes) << format_name(f1) << " " << dtype_name(dt);
         EXPECT_EQ(gs1, want1.scales) << format_name(f1) << " " << dtype_name(dt);
+        // The second format alone (MXFP4 alone has its own instance).
+        CUDA_OK(cudaMemset(c1, 0xA5, want1.codes.size()));
+        CUDA_OK(cudaMemset(s1, 0xA5, want1.scales.size()));
+        cuda::quantize_rows(view, rule, {f1, c1, s1}, {}, nullptr);
+        CUDA_OK(cudaMemcpy(g1.data(), c1, g1.size(), cudaMemcpyDeviceToHost));
+        CUDA_OK(cudaMemcpy(gs1.data(), s1, gs1.size(), cudaMemcpyDeviceToHost));
+        EXPECT_EQ(g1, want1.codes) << format_name(f1) << " alone, " << dtype_name(dt);
+        EXPECT_EQ(gs1, want1.scales) << format_name(f1) << " alone, " << dtype_name(dt);
         cudaFree(c0);
         cudaFree(s0);
         cudaFree(c1);
