@@ -81,7 +81,8 @@ __device__ __forceinline__ void emit(const QuantTarget& q, ScaleRule rule, const
   const bool rows = F::kFixed ? F::kRows : q.row_scale != nullptr;
   const int row_lanes = F::kFixed ? F::kRowLanes : nblk * 4;
   uint2 w;
-  const uint32_t sc = encode_lane<E, kHalf>(rule, v, amax, bad, fp8_bytes, fold, row_lanes, w);
+  uint32_t row_max;
+  const uint32_t sc = encode_lane<E, kHalf>(rule, v, amax, bad, fp8_bytes, fold, row_lanes, w, row_max);
   if (l.active) {
     if (E == Elem::e2m1 && !fp8_bytes)
       reinterpret_cast<uint32_t*>(q.codes)[l.lane] = w.x;
@@ -91,7 +92,8 @@ __device__ __forceinline__ void emit(const QuantTarget& q, ScaleRule rule, const
     if (l.part == 0) q.scales[rows ? (int64_t(l.bh) * q.row_pad + l.n) * nblk + l.c : int64_t(l.blk)] = uint8_t(sc);
   }
   if (rows) {  // uniform across the grid, like fold
-    const bool equal = row_scales_equal(sc, row_lanes);
+    // With fold, the row's largest code before the fold: every block has it now exactly where all agree.
+    const bool equal = row_scales_equal(sc, row_lanes, fold ? int(row_max) : -1);
     if (l.active && l.part == 0 && l.c == 0) {
       const bool uniform = equal && sc != kE8M0NaN;
       q.row_scale[int64_t(l.bh) * q.row_pad + l.n] = uniform ? decode_e8m0(sc) : -1.0f;

@@ -90,6 +90,18 @@ __device__ __forceinline__ uint2 e4m3_bytes_of_f16x2(const uint32_t (&r)[4]) {
   return make_uint2(b[0] | b[1] << 16, b[2] | b[3] << 16);
 }
 
+// The lanes of the warp that hold this lane's row: row_lanes consecutive lanes (a power of two, at
+// most 32), so a row's AND is one vote where shuffle rounds took two instructions a round. (A row's
+// max stays shuffles: redux.sync over part of a warp compiles to a divergence check and a move from a
+// uniform register, no fewer instructions than two rounds.)
+__device__ __forceinline__ uint32_t row_mask(int row_lanes) {
+  const uint32_t ones = row_lanes >= 32 ? 0xffffffffu : (1u << row_lanes) - 1u;
+  return ones << ((threadIdx.x % 32) & ~uint32_t(row_lanes - 1));
+}
+
+// Whether p holds in every lane of the row (every lane of the warp calls it).
+__device__ __forceinline__ bool row_all(bool p, uint32_t mask) { return (__ballot_sync(0xffffffffu, p) & mask) == mask; }
+
 // One lane's share (kPerLane elements) of a 32-block held by 4 consecutive lanes, whose amax and
 // non-finite flag the caller has combined: the block's E8M0 scale (returned) and the packed codes
 // (above); with fp8_bytes, the codes as FP8 bytes (E5M2 for E5M2, E4M3 for every other element,
@@ -99,7 +111,8 @@ __device__ __forceinline__ uint2 e4m3_bytes_of_f16x2(const uint32_t (&r)[4]) {
 // kHalf: the values came from bf16 or fp16, which lets E2M1 round two values at a time in f16.
 template <Elem E, bool kHalf>
 __device__ __forceinline__ uint32_t encode_lane(ScaleRule rule, const float (&v)[kPerLane], float amax, bool bad,
-                                               bool fp8_bytes, bool fold, int row_lanes, uint2& w) {
+                                               bool fp8_bytes, bool fold, int row_lanes, uint2& w,
+                                               uint32_t& row_max) {
   constexpr bool kE5M2 = E == Elem::e5m2;
   // 32-bit codes: no byte masks. A finite block's code is at most 253 (choose_e8m0_nonneg), so an OR
   // with 0xFF gives the NaN scale, without the branch a select compiled to.
@@ -107,6 +120,7 @@ __device__ __forceinline__ uint32_t encode_lane(ScaleRule rule, const float (&v)
   int smax = int(sc);  // with fold: the row's largest scale (uniform across the grid: every lane shuffles)
   if (fold)
     for (int s = 4; s < row_lanes; s <<= 1) smax = max(smax, __shfl_xor_sync(0xffffffffu, smax, s));
+  row_max = uint32_t(smax);
   const int k = int(sc) - smax;  // <= 0: with fold, this block's values shift down by 2^k
   // Where no block of the warp shifts (k = 0 in every lane, as in K's rows of one scale) the codes stand
   // as they are: one vote skips the shift for the whole warp, which branching on each lane's k cannot.
@@ -167,7 +181,7 @@ __device__ __forceinline__ uint32_t encode_lane(ScaleRule rule, const float (&v)
   if (fold) {  // uniform across the grid: every lane takes part in the shuffles
     bool exact = !bad && smax != kE8M0NaN;
     if (!shifted) f = none ? w : make_uint2(shift_fp8x4<kE5M2>(w.x, k, exact), shift_fp8x4<kE5M2>(w.y, k, exact));
-    for (int s = 1; s < row_lanes; s <<= 1) exact &= __shfl_xor_sync(0xffffffffu, int(exact), s) != 0;
+    exact = row_all(exact, row_mask(row_lanes));
     if (exact) {
       w = f;
       sc = uint32_t(smax);
@@ -190,14 +204,14 @@ __device__ __forceinline__ void block_stats(const float (&v)[kPerLane], float& a
 }
 
 // Whether every block of the row (its row_lanes lanes, 4 a block) has the scale code sc (every lane
-// of the warp calls it).
-__device__ __forceinline__ bool row_scales_equal(int sc, int row_lanes) {
-  int smin = sc, smax = sc;
-  for (int s = 4; s < row_lanes; s <<= 1) {
-    smin = min(smin, __shfl_xor_sync(0xffffffffu, smin, s));
-    smax = max(smax, __shfl_xor_sync(0xffffffffu, smax, s));
+// of the warp calls it). row_max: the row's largest code where the caller has it (encode_lane with
+// fold), else -1.
+__device__ __forceinline__ bool row_scales_equal(uint32_t sc, int row_lanes, int row_max) {
+  if (row_max < 0) {
+    row_max = int(sc);
+    for (int s = 4; s < row_lanes; s <<= 1) row_max = max(row_max, __shfl_xor_sync(0xffffffffu, row_max, s));
   }
-  return smin == smax;
+  return row_all(sc == uint32_t(row_max), row_mask(row_lanes));
 }
 
 template <class F>
