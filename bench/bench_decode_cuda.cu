@@ -77,13 +77,14 @@ __global__ void read_all(const uint4* p, size_t n, uint32_t* sink) {
 
 int main(int argc, char** argv) {
   const int Hq = 32, Hkv = 8, d = 128, T = 128;
-  // usage: bench_decode_cuda [bf16|mxfp8|mxfp4 (V's format, pv)] [B] [ctx]
+  // usage: bench_decode_cuda [bf16|mxfp8|mxfp4 (V's format, pv)] [B] [ctx] [splits (0: the plan's)]
   const std::string pv_arg = argc > 1 ? argv[1] : "bf16";
   const PV pv = parse_pv(pv_arg);
   const int vbits = dmattn::cuda::v_bits(pv);  // 16: bf16 V; 8, 4: MX codes and block scales
   std::vector<int> Bs = {1, 16, 64}, ctxs = {8192, 32768, 131072};
   if (argc > 2) Bs = {std::atoi(argv[2])};
   if (argc > 3) ctxs = {std::atoi(argv[3])};
+  const int splits = argc > 4 ? std::atoi(argv[4]) : 0;
   int maxB = 0, maxctx = 0;
   for (int b : Bs) maxB = std::max(maxB, b);
   for (int c : ctxs) maxctx = std::max(maxctx, c);
@@ -159,21 +160,21 @@ int main(int argc, char** argv) {
       const TensorView tq = TensorView::contiguous(q, DType::bf16, {B, Hq, 1, d}, Device::cuda);
       const TensorView to = TensorView::contiguous(out, DType::bf16, {B, Hq, 1, d}, Device::cuda);
       const float scale = 0.08838835f;
-      decode_paged_async(kv, pol, tq, to, nullptr, scale, 0, bad, nullptr);  // warm-up
+      decode_paged_async(kv, pol, tq, to, nullptr, scale, splits, bad, nullptr);  // warm-up
       CK(cudaDeviceSynchronize());
       const int iters = ctx * B >= 16 * 131072 ? 10 : 50;
       cudaEvent_t e0, e1;
       cudaEventCreate(&e0);
       cudaEventCreate(&e1);
       cudaEventRecord(e0);
-      for (int i = 0; i < iters; ++i) decode_paged_async(kv, pol, tq, to, nullptr, scale, 0, bad, nullptr);
+      for (int i = 0; i < iters; ++i) decode_paged_async(kv, pol, tq, to, nullptr, scale, splits, bad, nullptr);
       cudaEventRecord(e1);
       CK(cudaEventSynchronize(e1));
       float ms = 0;
       cudaEventElapsedTime(&ms, e0, e1);
       const double us = 1e3 * ms / iters;
       const auto t0 = std::chrono::steady_clock::now();
-      for (int i = 0; i < iters; ++i) decode_paged(kv, pol, tq, to, nullptr, scale, 0, nullptr);
+      for (int i = 0; i < iters; ++i) decode_paged(kv, pol, tq, to, nullptr, scale, splits, nullptr);
       const double us_sync =
           std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / iters;
       int bad_host = 0;
