@@ -152,8 +152,8 @@ DMATTN_HD float inverse_e8m0(uint8_t code) {
 DMATTN_HD uint8_t choose_e8m0_nonneg(float amax, Elem e, ScaleRule rule) {
   const ElemSpec s = elem_spec(e);
   const uint32_t b = hd::bits_of(amax);
-  // The code (exponent - emax + 127) stays below 254 - emax + 1 <= 253 (every element type's emax is 2
-  // or more): only the bottom clamp can act.
+  // For a finite amax the code (exponent - emax + 127) is at most 254 - emax + 1 <= 253 (every element
+  // type's emax is 2 or more): only the bottom clamp can act.
   const int c = int(b >> 23) - s.emax + int(rule == ScaleRule::ceil && (b & 0x7FFFFFu) > (hd::bits_of(s.max) & 0x7FFFFFu));
   return uint8_t(c < 0 ? 0 : c);
 }
