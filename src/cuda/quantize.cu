@@ -66,7 +66,6 @@ struct FixedForm {
 using PlainForm = FixedForm<false, false, 0, 4>;
 template <bool kRowScales, int kLanes>
 using PrefillForm = FixedForm<true, kRowScales, kLanes, 2>;
-constexpr int kMaxUnits = 4;
 
 // The targets' element types: chosen at run time by a switch per target, or fixed at compile time (one
 // E2M1 target, or the (E4M3, E2M1) pair of the prefill pre-pass and of DMA's two formats), so the
@@ -123,8 +122,9 @@ __device__ __forceinline__ void to_floats(const T (&raw)[kPerLane], float (&v)[k
 // enough bytes are in flight to cover DRAM latency.
 // 32-bit indices: 64-bit division costs the GPU far more than the quantization itself.
 // F: the targets' form (fixed element types only; RuntimeForm otherwise).
+constexpr int kThreads = 256;
 template <class T, bool kVector, Elems kElems, class F = RuntimeForm>
-__global__ void __launch_bounds__(256) quantize_rows_kernel(const T* __restrict__ x, Geometry g, uint32_t nblocks,
+__global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T* __restrict__ x, Geometry g, uint32_t nblocks,
                                                             ScaleRule rule, QuantTarget t0, QuantTarget t1, Elem e0,
                                                             Elem e1, int targets, int* nonfinite) {
   constexpr int kUnits = F::kUnits;
@@ -186,6 +186,30 @@ __global__ void __launch_bounds__(256) quantize_rows_kernel(const T* __restrict_
   }
 }
 
+// What every instance of quantize_rows_kernel is launched with.
+struct Launch {
+  Geometry g;
+  int64_t nblocks;
+  ScaleRule rule;
+  QuantTarget t0, t1;
+  Elem e0, e1;
+  int targets;
+  int* nonfinite;
+  cudaStream_t stream;
+};
+
+// One instance, its grid sized by its form's units a thread.
+template <class T, bool kVector, Elems kElems, class F = RuntimeForm>
+void launch(const T* x, const Launch& a) {
+  constexpr int64_t per_cta = int64_t(kThreads) * F::kUnits;
+  // The kernel's 32-bit lane indices: a tensor this large (2^35 elements) cannot sit on one GPU next to
+  // its quantized copies anyway.
+  if (a.nblocks * 4 + per_cta >= (int64_t(1) << 32)) throw Error("quantize_rows: tensor too large (2^35 elements or more)");
+  const unsigned grid = unsigned((a.nblocks * 4 + per_cta - 1) / per_cta);
+  quantize_rows_kernel<T, kVector, kElems, F><<<grid, kThreads, 0, a.stream>>>(x, a.g, uint32_t(a.nblocks), a.rule, a.t0, a.t1,
+                                                                                a.e0, a.e1, a.targets, a.nonfinite);
+}
+
 }  // namespace
 
 void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first, const QuantTarget& second,
@@ -213,11 +237,8 @@ void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first
              x.stride[2] == x.shape[3] && x.stride[1] == x.shape[2] * x.stride[2] && x.stride[0] == x.shape[1] * x.stride[1]};
   const int64_t nblocks = x.shape[0] * x.shape[1] * x.shape[2] * g.nblk;
   if (nblocks == 0) return;
-  const int threads = 256;
   const Elem e0 = format_info(first.format).elem, e1 = targets == 2 ? format_info(second.format).elem : e0;
   const bool vec = rows_16byte_aligned(x);
-  // A tensor this large (2^35 elements) cannot sit on one GPU next to its quantized copies.
-  if (nblocks * 4 + threads * kMaxUnits >= (int64_t(1) << 32)) throw Error("quantize_rows: tensor too large (2^35 elements or more)");
   const bool pair = vec && targets == 2 && e0 == Elem::e4m3 && e1 == Elem::e2m1;
   // The prefill pre-pass's forms, both targets alike, d = 64 or 128: compiled for (see PrefillForm).
   const bool rows = first.row_scale != nullptr;
@@ -226,37 +247,29 @@ void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first
   auto plain = [](const QuantTarget& t) { return !t.fp8_bytes && !t.fold && !t.row_scale; };
   const bool plain_pair = pair && plain(first) && plain(second);
   const bool plain_e2m1 = vec && targets == 1 && e0 == Elem::e2m1 && plain(first);
+  const Launch a{g, nblocks, rule, first, second, e0, e1, targets, nonfinite, stream};
   with_typed(x, [&](auto* typed) {
     using T = std::remove_pointer_t<decltype(typed)>;
-    // kernel: an instance of quantize_rows_kernel with form F (its units a thread size the grid).
-    auto go = [&]<class F>(void (*kernel)(const T*, Geometry, uint32_t, ScaleRule, QuantTarget, QuantTarget, Elem, Elem,
-                                          int, int*), F) {
-      const int64_t per_cta = int64_t(threads) * F::kUnits;
-      const unsigned grid = unsigned((nblocks * 4 + per_cta - 1) / per_cta);
-      kernel<<<grid, threads, 0, stream>>>(typed, g, uint32_t(nblocks), rule, first, second, e0, e1, targets, nonfinite);
-    };
     constexpr Elems kPair = Elems::e4m3_e2m1;
     if constexpr (sizeof(T) == 2) {  // (bf16 / fp16: the prefill's inputs)
       if (prefill_form) {
         if (rows)
-          nblk == 4 ? go(quantize_rows_kernel<T, true, kPair, PrefillForm<true, 16>>, PrefillForm<true, 16>{})
-                    : go(quantize_rows_kernel<T, true, kPair, PrefillForm<true, 8>>, PrefillForm<true, 8>{});
+          nblk == 4 ? launch<T, true, kPair, PrefillForm<true, 16>>(typed, a) : launch<T, true, kPair, PrefillForm<true, 8>>(typed, a);
         else
-          nblk == 4 ? go(quantize_rows_kernel<T, true, kPair, PrefillForm<false, 16>>, PrefillForm<false, 16>{})
-                    : go(quantize_rows_kernel<T, true, kPair, PrefillForm<false, 8>>, PrefillForm<false, 8>{});
+          nblk == 4 ? launch<T, true, kPair, PrefillForm<false, 16>>(typed, a) : launch<T, true, kPair, PrefillForm<false, 8>>(typed, a);
         return;
       }
     }
     if (plain_pair)
-      go(quantize_rows_kernel<T, true, kPair, PlainForm>, PlainForm{});
+      launch<T, true, kPair, PlainForm>(typed, a);
     else if (plain_e2m1)
-      go(quantize_rows_kernel<T, true, Elems::e2m1, PlainForm>, PlainForm{});
+      launch<T, true, Elems::e2m1, PlainForm>(typed, a);
     else if (pair)
-      go(quantize_rows_kernel<T, true, kPair>, RuntimeForm{});
+      launch<T, true, kPair>(typed, a);
     else if (vec)
-      go(quantize_rows_kernel<T, true, Elems::runtime>, RuntimeForm{});
+      launch<T, true, Elems::runtime>(typed, a);
     else
-      go(quantize_rows_kernel<T, false, Elems::runtime>, RuntimeForm{});
+      launch<T, false, Elems::runtime>(typed, a);
   });
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw Error(std::string("quantize_rows: launch failed: ") + cudaGetErrorString(err));
