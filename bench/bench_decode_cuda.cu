@@ -140,7 +140,9 @@ int main(int argc, char** argv) {
           table[size_t(pid)] = pid;
           const bool high = j == np - 1;  // the newest page: the diagonal tile
           slots[size_t(pid)] = high ? 0 : 1;
-          bytes += double(Hkv) * T * ((high ? d : d / 2) + d / 32 + (vbits == 16 ? 2 * d : d * vbits / 8 + d / 32));
+          // What the kernel copies: each record from its K codes on (E4M3 on the high page, E2M1 elsewhere).
+          bytes += double(Hkv) * (T / dmattn::cuda::kRecordKeys) *
+                   (dmattn::cuda::record_bytes(d, vbits) - dmattn::cuda::record_k(d, !high));
         }
       bytes += 2.0 * B * Hq * d * 2;  // q in, out
       int32_t *dtable, *dlen;

@@ -29,10 +29,10 @@ void pack_page(const KVCache::Page& pg, int64_t Hkv, int d, int vbits, uint8_t* 
   const int64_t rb = record_bytes(d, vbits), nb = d / 32;
   const bool k4 = format_info(pg.format).elem == Elem::e2m1, v4 = vbits == 4;
   const int kr = record_k_row(d, k4);
-  std::memset(dst, 0, size_t(Hkv * (T / kRecordKeys) * rb));  // the unused head of the K region
   for (int64_t h = 0; h < Hkv; ++h)
     for (int64_t w = 0; w < T / kRecordKeys; ++w) {
       uint8_t* r = dst + (h * (T / kRecordKeys) + w) * rb;
+      std::memset(r, 0, size_t(record_k(d, k4)));  // the K region's unused head (E2M1 rows); every other byte is written below
       const int64_t key0 = h * T + w * kRecordKeys;  // the host page's row of the block's first key
       for (int k = 0; k < kRecordKeys; ++k)  // K rows, chunks swizzled
         for (int c = 0; c < kr / 16; ++c)
