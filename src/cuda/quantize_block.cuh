@@ -99,6 +99,13 @@ __device__ __forceinline__ uint32_t row_mask(int row_lanes) {
   return ones << ((threadIdx.x % 32) & ~uint32_t(row_lanes - 1));
 }
 
+// The largest of the row's block scale codes (its blocks' lanes hold them four times over, so the
+// shuffles start at 4; every lane of the warp calls it).
+__device__ __forceinline__ int row_max_code(int sc, int row_lanes) {
+  for (int s = 4; s < row_lanes; s <<= 1) sc = max(sc, __shfl_xor_sync(0xffffffffu, sc, s));
+  return sc;
+}
+
 // Whether p holds in every lane of the row (every lane of the warp calls it).
 __device__ __forceinline__ bool row_all(bool p, uint32_t mask) { return (__ballot_sync(0xffffffffu, p) & mask) == mask; }
 
@@ -117,9 +124,8 @@ __device__ __forceinline__ uint32_t encode_lane(ScaleRule rule, const float (&v)
   // 32-bit codes: no byte masks. A finite block's code is at most 253 (choose_e8m0_nonneg), so an OR
   // with 0xFF gives the NaN scale, without the branch a select compiled to.
   uint32_t sc = uint32_t(choose_e8m0_nonneg(amax, E, rule)) | (bad ? kE8M0NaN : 0u);
-  int smax = int(sc);  // with fold: the row's largest scale (uniform across the grid: every lane shuffles)
-  if (fold)
-    for (int s = 4; s < row_lanes; s <<= 1) smax = max(smax, __shfl_xor_sync(0xffffffffu, smax, s));
+  // With fold: the row's largest scale (fold is uniform across the grid: every lane shuffles).
+  const int smax = fold ? row_max_code(int(sc), row_lanes) : int(sc);
   row_max = uint32_t(smax);
   const int k = int(sc) - smax;  // <= 0: with fold, this block's values shift down by 2^k
   // Where no block of the warp shifts (k = 0 in every lane, as in K's rows of one scale) the codes stand
@@ -207,10 +213,7 @@ __device__ __forceinline__ void block_stats(const float (&v)[kPerLane], float& a
 // of the warp calls it). row_max: the row's largest code where the caller has it (encode_lane with
 // fold), else -1.
 __device__ __forceinline__ bool row_scales_equal(uint32_t sc, int row_lanes, int row_max) {
-  if (row_max < 0) {
-    row_max = int(sc);
-    for (int s = 4; s < row_lanes; s <<= 1) row_max = max(row_max, __shfl_xor_sync(0xffffffffu, row_max, s));
-  }
+  if (row_max < 0) row_max = row_max_code(int(sc), row_lanes);
   return row_all(sc == uint32_t(row_max), row_mask(row_lanes));
 }
 
