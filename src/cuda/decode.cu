@@ -322,20 +322,19 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
     row_off = s * p.qsb + int64_t(hk * p.G + rr / p.Nq) * p.qsh + int64_t(rr % p.Nq) * p.qsn;
   }
   // q's values for the prologue's quantization (below): a warp per (row, 32-block) of the real rows (4
-  // of 8 at G = 4, Nq = 1), a lane per element. Every load is issued first, before the page table's
-  // loads: one dependent load an iteration serialised the DRAM latency (29% of the kernel's stall
-  // samples at B = 1, 8k; session 18 ncu).
+  // of 8 at G = 4, Nq = 1), a lane per element. Every load is issued first, as raw bits (a conversion
+  // next to its load would wait for it), before the page table's loads: one dependent load an
+  // iteration serialised the DRAM latency (29% of the kernel's stall samples at B = 1, 8k; session 18).
   constexpr int kJobs = (kRows * NB + kWarps - 1) / kWarps;
-  float vq[kJobs];
+  const bool q32 = p.qdt == DType::f32;
+  uint32_t qraw[kJobs];  // f32 bits, or a 16-bit value's in the low half
 #pragma unroll
   for (int i = 0; i < kJobs; ++i) {
     const int it = warp + i * kWarps;  // uniform across the warp (the shuffle below)
-    vq[i] = 0.0f;
+    qraw[i] = 0;
     if (it < rows * NB) {
       const int64_t off = __shfl_sync(0xffffffffu, row_off, it / NB) + (it % NB) * 32 + lane;
-      vq[i] = p.qdt == DType::f32   ? static_cast<const float*>(p.q)[off]
-              : p.qdt == DType::f16 ? to_float(static_cast<const fp16*>(p.q)[off])
-                                    : to_float(static_cast<const bf16*>(p.q)[off]);
+      qraw[i] = q32 ? static_cast<const uint32_t*>(p.q)[off] : static_cast<const uint16_t*>(p.q)[off];
     }
   }
   const int32_t* table = p.kv.table + int64_t(s) * p.kv.max_pages;
@@ -409,7 +408,8 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
     const int it = warp + i * kWarps;
     if (it >= rows * NB) break;
     const int r = it / NB, c = it % NB;
-    const float v = vq[i];
+    const uint16_t h = uint16_t(qraw[i]);
+    const float v = q32 ? __uint_as_float(qraw[i]) : p.qdt == DType::f16 ? to_float(fp16{h}) : to_float(bf16{h});
     const bool bad = __any_sync(0xffffffffu, !hd::is_finite(v));
     float amax = fabsf(v);
 #pragma unroll
