@@ -314,29 +314,6 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
     return;
   }
   const int j0 = int(int64_t(split) * np / eff), j1 = int(int64_t(split + 1) * np / eff);
-  // Each row's element offset in q, computed once by lane r (32-bit divisions by Nq per element took
-  // most of the prologue's ~16K instructions a CTA, session 17 ncu), then read with shuffles.
-  int64_t row_off = 0;
-  if (lane < rows) {
-    const int rr = r0 + lane;  // the row within the KV head's G x Nq
-    row_off = s * p.qsb + int64_t(hk * p.G + rr / p.Nq) * p.qsh + int64_t(rr % p.Nq) * p.qsn;
-  }
-  // q's values for the prologue's quantization (below): a warp per (row, 32-block) of the real rows (4
-  // of 8 at G = 4, Nq = 1), a lane per element. Every load is issued first, as raw bits (a conversion
-  // next to its load would wait for it), before the page table's loads: one dependent load an
-  // iteration serialised the DRAM latency (29% of the kernel's stall samples at B = 1, 8k; session 18).
-  constexpr int kJobs = (kRows * NB + kWarps - 1) / kWarps;
-  const bool q32 = p.qdt == DType::f32;
-  uint32_t qraw[kJobs];  // f32 bits, or a 16-bit value's in the low half
-#pragma unroll
-  for (int i = 0; i < kJobs; ++i) {
-    const int it = warp + i * kWarps;  // uniform across the warp (the shuffle below)
-    qraw[i] = 0;
-    if (it < rows * NB) {
-      const int64_t off = __shfl_sync(0xffffffffu, row_off, it / NB) + (it % NB) * 32 + lane;
-      qraw[i] = q32 ? static_cast<const uint32_t*>(p.q)[off] : static_cast<const uint16_t*>(p.q)[off];
-    }
-  }
   const int32_t* table = p.kv.table + int64_t(s) * p.kv.max_pages;
   auto stage_of = [&](int i) { return smem + (i * kWarps + warp) * S_::kWarpStage; };
 
@@ -389,6 +366,32 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
   };
   for (int i = 0; i < kStages - 1; ++i) issue(j0 + i, i);
 
+  // Each row's element offset in q, computed once by lane r (32-bit divisions by Nq per element took
+  // most of the prologue's ~16K instructions a CTA, session 17 ncu), then read with shuffles.
+  int64_t row_off = 0;
+  if (lane < rows) {
+    const int rr = r0 + lane;  // the row within the KV head's G x Nq
+    row_off = s * p.qsb + int64_t(hk * p.G + rr / p.Nq) * p.qsh + int64_t(rr % p.Nq) * p.qsn;
+  }
+  // q's values for the prologue's quantization (below): a warp per (row, 32-block) of the real rows (4
+  // of 8 at G = 4, Nq = 1), a lane per element. Every load is issued before any arithmetic, as raw bits
+  // (a conversion next to its load would wait for it): one dependent load an iteration serialised the
+  // DRAM latency (29% of the kernel's stall samples at B = 1, 8k; session 18). After the first page
+  // copies' issue: issued ahead of the page table's loads, they delayed the copies of a cold step
+  // (session 18 run 7, ncu).
+  constexpr int kJobs = (kRows * NB + kWarps - 1) / kWarps;
+  const bool q32 = p.qdt == DType::f32;
+  uint32_t qraw[kJobs];  // f32 bits, or a 16-bit value's in the low half
+#pragma unroll
+  for (int i = 0; i < kJobs; ++i) {
+    const int it = warp + i * kWarps;  // uniform across the warp (the shuffle below)
+    qraw[i] = 0;
+    if (it < rows * NB) {
+      const int64_t off = __shfl_sync(0xffffffffu, row_off, it / NB) + (it % NB) * 32 + lane;
+      qraw[i] = q32 ? static_cast<const uint32_t*>(p.q)[off] : static_cast<const uint16_t*>(p.q)[off];
+    }
+  }
+
   // q's rows quantized here, in both formats, as the codec's quantize_mx_block (the CPU decode's
   // rule; a CTA's rows are a few KB, so no separate pass or launch): a warp per (format slot, row,
   // 32-block), a lane per element; FP8 bytes of the element values (E2M1/FP6 values widened to
@@ -402,7 +405,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
     q8[(sl * kRows + rows) * D + k] = 0;
     if (k % 32 == 0) sq[(sl * NB + k % D / 32) * kRows + rows + k / D] = 0.0f;
   }
-  // q's values (loaded at the kernel's start, above) quantized, both slots from one load and one amax.
+  // q's values (loaded above) quantized, both slots from one load and one amax.
 #pragma unroll
   for (int i = 0; i < kJobs; ++i) {
     const int it = warp + i * kWarps;
