@@ -418,7 +418,8 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
     if (lane == 0 && bad && p.nonfinite) *p.nonfinite = 1;
-    for (int sl = 0; sl < 2; ++sl) {
+#pragma unroll 1
+    for (int sl = 0; sl < 2; ++sl) {  // rolled: the encoders' branches twice over would double the code
       const Elem e = elem_of(sl);
       const uint8_t sc = bad ? kE8M0NaN : choose_e8m0_nonneg(amax, e, p.rule);  // amax finite unless bad
       // 2^-X as one factor (a product by a power of two rounds once, as the codec's ldexp); the element
