@@ -366,6 +366,32 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
   };
   for (int i = 0; i < kStages - 1; ++i) issue(j0 + i, i);
 
+  // Each row's element offset in q, computed once by lane r (32-bit divisions by Nq per element took
+  // most of the prologue's ~16K instructions a CTA, session 17 ncu), then read with shuffles.
+  int64_t row_off = 0;
+  if (lane < rows) {
+    const int rr = r0 + lane;  // the row within the KV head's G x Nq
+    row_off = s * p.qsb + int64_t(hk * p.G + rr / p.Nq) * p.qsh + int64_t(rr % p.Nq) * p.qsn;
+  }
+  // q's values for the prologue's quantization (below): a warp per (row, 32-block) of the real rows (4
+  // of 8 at G = 4, Nq = 1), a lane per element. Every load is issued before any arithmetic, as raw bits
+  // (a conversion next to its load would wait for it): one dependent load an iteration serialised the
+  // DRAM latency (29% of the kernel's stall samples at B = 1, 8k; session 18). After the first page
+  // copies' issue: issued ahead of the page table's loads, they delayed the copies of a cold step
+  // (session 18 run 7, ncu).
+  constexpr int kJobs = (kRows * NB + kWarps - 1) / kWarps;
+  const bool q32 = p.qdt == DType::f32;
+  uint32_t qraw[kJobs];  // f32 bits, or a 16-bit value's in the low half
+#pragma unroll
+  for (int i = 0; i < kJobs; ++i) {
+    const int it = warp + i * kWarps;  // uniform across the warp (the shuffle below)
+    qraw[i] = 0;
+    if (it < rows * NB) {
+      const int64_t off = __shfl_sync(0xffffffffu, row_off, it / NB) + (it % NB) * 32 + lane;
+      qraw[i] = q32 ? static_cast<const uint32_t*>(p.q)[off] : static_cast<const uint16_t*>(p.q)[off];
+    }
+  }
+
   // q's rows quantized here, in both formats, as the codec's quantize_mx_block (the CPU decode's
   // rule; a CTA's rows are a few KB, so no separate pass or launch): a warp per (format slot, row,
   // 32-block), a lane per element; FP8 bytes of the element values (E2M1/FP6 values widened to
@@ -374,47 +400,45 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
   float* sq = reinterpret_cast<float*>(smem + S_::kSq);  // [slot][c][row]
   uint8_t* q8 = stage_of(kStages - 1) - warp * S_::kWarpStage;  // [slot][kRows][D] bytes
   static_assert(2 * kRows * D <= kWarps * S_::kWarpStage);
-  // Each row's element offset in q, computed once by lane r (32-bit divisions by Nq per element took
-  // most of the prologue's ~16K instructions a CTA, session 17 ncu), then read with shuffles.
-  int64_t row_off = 0;
-  if (lane < rows) {
-    const int rr = r0 + lane;  // the row within the KV head's G x Nq
-    row_off = s * p.qsb + int64_t(hk * p.G + rr / p.Nq) * p.qsh + int64_t(rr % p.Nq) * p.qsn;
-  }
   for (int i = tid; i < 2 * (kRows - rows) * D; i += kThreads) {  // rows past the GQA group's: zero codes and scales
     const int sl = i / ((kRows - rows) * D), k = i % ((kRows - rows) * D);
     q8[(sl * kRows + rows) * D + k] = 0;
     if (k % 32 == 0) sq[(sl * NB + k % D / 32) * kRows + rows + k / D] = 0.0f;
   }
-  for (int it = warp; it < 2 * rows * NB; it += kWarps) {  // the real rows only (4 of 8 at G = 4, Nq = 1)
-    const int sl = it / (rows * NB), r = it / NB % rows, c = it % NB;
-    const int64_t off = __shfl_sync(0xffffffffu, row_off, r) + c * 32 + lane;
-    const float v = p.qdt == DType::f32   ? static_cast<const float*>(p.q)[off]
-                    : p.qdt == DType::f16 ? to_float(static_cast<const fp16*>(p.q)[off])
-                                          : to_float(static_cast<const bf16*>(p.q)[off]);
+  // q's values (loaded above) quantized, both slots from one load and one amax.
+#pragma unroll
+  for (int i = 0; i < kJobs; ++i) {
+    const int it = warp + i * kWarps;
+    if (it >= rows * NB) break;
+    const int r = it / NB, c = it % NB;
+    const uint16_t h = uint16_t(qraw[i]);
+    const float v = q32 ? __uint_as_float(qraw[i]) : p.qdt == DType::f16 ? to_float(fp16{h}) : to_float(bf16{h});
     const bool bad = __any_sync(0xffffffffu, !hd::is_finite(v));
     float amax = fabsf(v);
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
-    const Elem e = elem_of(sl);
-    const uint8_t sc = bad ? kE8M0NaN : choose_e8m0_nonneg(amax, e, p.rule);  // amax finite unless bad
-    // 2^-X as one factor (a product by a power of two rounds once, as the codec's ldexp); the element
-    // code as its FP8 byte: E4M3/E5M2 by the hardware conversion (the codec's encode_elem), E2M1 by
-    // the branch-free encoder widened to E4M3, FP6 through the codec (rare: no fast path).
-    const float x = v * inverse_e8m0(sc);
-    uint8_t code;
-    if (e == Elem::e4m3)
-      code = fp8_encode<false>(x);
-    else if (e == Elem::e5m2)
-      code = fp8_encode<true>(x);
-    else if (e == Elem::e2m1)
-      code = uint8_t(e2m1x4_to_e4m3x4(encode_e2m1_fast(x)));
-    else
-      code = fp8_encode<false>(decode_elem(e, encode_elem(e, x)));
-    q8[(sl * kRows + r) * D + c * 32 + lane] = sc == kE8M0NaN ? uint8_t(0) : code;
-    // E2M1: block_scores' integer dot is 4x the values' (both operands doubled); a power of two, exact.
-    if (lane == 0) sq[(sl * NB + c) * kRows + r] = decode_e8m0(sc) * (e == Elem::e2m1 ? 0.25f : 1.0f);
     if (lane == 0 && bad && p.nonfinite) *p.nonfinite = 1;
+#pragma unroll 1
+    for (int sl = 0; sl < 2; ++sl) {  // rolled: the encoders' branches twice over would double the code
+      const Elem e = elem_of(sl);
+      const uint8_t sc = bad ? kE8M0NaN : choose_e8m0_nonneg(amax, e, p.rule);  // amax finite unless bad
+      // 2^-X as one factor (a product by a power of two rounds once, as the codec's ldexp); the element
+      // code as its FP8 byte: E4M3/E5M2 by the hardware conversion (the codec's encode_elem), E2M1 by
+      // the branch-free encoder widened to E4M3, FP6 through the codec (rare: no fast path).
+      const float x = v * inverse_e8m0(sc);
+      uint8_t code;
+      if (e == Elem::e4m3)
+        code = fp8_encode<false>(x);
+      else if (e == Elem::e5m2)
+        code = fp8_encode<true>(x);
+      else if (e == Elem::e2m1)
+        code = uint8_t(e2m1x4_to_e4m3x4(encode_e2m1_fast(x)));
+      else
+        code = fp8_encode<false>(decode_elem(e, encode_elem(e, x)));
+      q8[(sl * kRows + r) * D + c * 32 + lane] = sc == kE8M0NaN ? uint8_t(0) : code;
+      // E2M1: block_scores' integer dot is 4x the values' (both operands doubled); a power of two, exact.
+      if (lane == 0) sq[(sl * NB + c) * kRows + r] = decode_e8m0(sc) * (e == Elem::e2m1 ? 0.25f : 1.0f);
+    }
   }
   __syncthreads();
   // q^T as B fragments (row 8nr + g; contraction slots ordered by d_of_slot), per slot: FP8 bytes, or
