@@ -6,7 +6,8 @@
 // split merge) with CUDA events, and the synchronous call (with its NaN check) on the wall clock.
 // Bytes read = every page's K codes + scales + V, plus q and out. Ceilings, same run: a device copy
 // (read + write bytes) and a read-only pass over 2 GiB.
-// Prints one line per configuration: "dmattn-<pv> B ctx us_async us_sync GB/s bytes".
+// Prints one line per configuration: "dmattn-<pv> B ctx us_async us_sync GB/s bytes". DMATTN_BENCH_COLD=1: each
+// asynchronous step timed alone with L2 evicted first (the synchronous figure stays warm).
 #include <cuda_runtime.h>
 
 #include <chrono>
@@ -85,6 +86,14 @@ int main(int argc, char** argv) {
   if (argc > 2) Bs = {std::atoi(argv[2])};
   if (argc > 3) ctxs = {std::atoi(argv[3])};
   const int splits = argc > 4 ? std::atoi(argv[4]) : 0;
+  // DMATTN_BENCH_COLD=1: every step starts with L2 evicted, as in a model, where the other layers' weights
+  // pass through L2 between two steps of one layer (B=1's pages, 9-36 MB at 8-32k, otherwise stay in the
+  // 50 MB L2 between the repeated steps). Each step is then timed alone.
+  const char* cold_env = std::getenv("DMATTN_BENCH_COLD");
+  const bool cold = cold_env && cold_env[0] == '1';
+  constexpr size_t kFlushBytes = size_t(256) << 20;
+  void* flush = nullptr;
+  if (cold) CK(cudaMalloc(&flush, kFlushBytes));
   int maxB = 0, maxctx = 0;
   for (int b : Bs) maxB = std::max(maxB, b);
   for (int c : ctxs) maxctx = std::max(maxctx, c);
@@ -165,16 +174,35 @@ int main(int argc, char** argv) {
       decode_paged_async(kv, pol, tq, to, nullptr, scale, splits, bad, nullptr);  // warm-up
       CK(cudaDeviceSynchronize());
       const int iters = ctx * B >= 16 * 131072 ? 10 : 50;
-      cudaEvent_t e0, e1;
-      cudaEventCreate(&e0);
-      cudaEventCreate(&e1);
-      cudaEventRecord(e0);
-      for (int i = 0; i < iters; ++i) decode_paged_async(kv, pol, tq, to, nullptr, scale, splits, bad, nullptr);
-      cudaEventRecord(e1);
-      CK(cudaEventSynchronize(e1));
-      float ms = 0;
-      cudaEventElapsedTime(&ms, e0, e1);
-      const double us = 1e3 * ms / iters;
+      double us = 0;
+      if (cold) {  // each step timed alone, after a 256 MiB write has evicted L2 (the 50 MB of an H200)
+        std::vector<cudaEvent_t> ev(size_t(2 * iters));
+        for (auto& e : ev) cudaEventCreate(&e);
+        for (int i = 0; i < iters; ++i) {
+          CK(cudaMemsetAsync(flush, i & 0xFF, kFlushBytes));
+          cudaEventRecord(ev[size_t(2 * i)]);
+          decode_paged_async(kv, pol, tq, to, nullptr, scale, splits, bad, nullptr);
+          cudaEventRecord(ev[size_t(2 * i + 1)]);
+        }
+        CK(cudaEventSynchronize(ev.back()));
+        for (int i = 0; i < iters; ++i) {
+          float ms = 0;
+          cudaEventElapsedTime(&ms, ev[size_t(2 * i)], ev[size_t(2 * i + 1)]);
+          us += 1e3 * ms / iters;
+        }
+        for (auto& e : ev) cudaEventDestroy(e);
+      } else {
+        cudaEvent_t e0, e1;
+        cudaEventCreate(&e0);
+        cudaEventCreate(&e1);
+        cudaEventRecord(e0);
+        for (int i = 0; i < iters; ++i) decode_paged_async(kv, pol, tq, to, nullptr, scale, splits, bad, nullptr);
+        cudaEventRecord(e1);
+        CK(cudaEventSynchronize(e1));
+        float ms = 0;
+        cudaEventElapsedTime(&ms, e0, e1);
+        us = 1e3 * ms / iters;
+      }
       const auto t0 = std::chrono::steady_clock::now();
       for (int i = 0; i < iters; ++i) decode_paged(kv, pol, tq, to, nullptr, scale, splits, nullptr);
       const double us_sync =

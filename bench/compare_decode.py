@@ -7,8 +7,9 @@ efficient, cuDNN), CUDA events over 20 steps; bytes = K + V + q + out. dmattn: b
 NaN check), V in bf16 (pv = bf16), MXFP8 (pv = mxfp8) and MXFP4 (pv = mxfp4, beyond DESIGN). The copy
 ceiling comes from the same binary. Prints one table last.
 
-usage: python3 bench/compare_decode.py BUILD_DIR OUT_DIR [B ...]
+usage: python3 bench/compare_decode.py BUILD_DIR OUT_DIR [B ...]   (DMATTN_BENCH_COLD=1: every step with L2 evicted)
 """
+import os
 import subprocess
 import warnings
 import sys
@@ -24,9 +25,24 @@ ctxs = [8192, 32768, 131072]
 Hq, Hkv, d = 32, 8, 128
 
 
+# DMATTN_BENCH_COLD=1 (read by bench_decode_cuda too): each step timed alone after a 256 MiB write has
+# evicted L2, as in a model, where the other layers' weights pass through L2 between two steps of a layer.
+COLD = os.environ.get("DMATTN_BENCH_COLD") == "1"
+flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda") if COLD else None
+
+
 def time_us(fn, iters=20):
     fn()
     torch.cuda.synchronize()
+    if COLD:
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+        for i, (a, b) in enumerate(ev):
+            flush.fill_(i & 0xFF)
+            a.record()
+            fn()
+            b.record()
+        ev[-1][1].synchronize()
+        return 1e3 * sum(a.elapsed_time(b) for a, b in ev) / iters
     a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     a.record()
     for _ in range(iters):
