@@ -283,7 +283,8 @@ struct Folds {
 
 // One CTA per (b*h, tile, K form), a thread per key; the tile's decision is the AND of its keys' exactness.
 template <int D, bool kE5M2>
-__global__ void __launch_bounds__(kTile) fold_key_tiles_kernel(const Folds folds, int64_t N, int64_t row_pad) {
+__global__ void __launch_bounds__(kTile) fold_key_tiles_kernel(const __grid_constant__ Folds folds, int64_t N,
+                                                                  int64_t row_pad) {
   constexpr int NB = D / 32;
   __shared__ uint32_t warp_max[kTile / 32];
   const KeyFold& fk = folds.f[blockIdx.z];
@@ -293,12 +294,23 @@ __global__ void __launch_bounds__(kTile) fold_key_tiles_kernel(const Folds folds
   float* tile_scale = fk.tile_scale;
   const int64_t bh = blockIdx.y, tile = blockIdx.x, tiles = row_pad / kTile;
   const int64_t key = tile * kTile + threadIdx.x, slot = bh * row_pad + key;  // slot: index into row_scale
-  if (fk.tile_split[bh * tiles + tile] != 0) {  // some key keeps several scales: nothing to fold
+  // Every global load first (the tile's split flag, the key's row scale and codes), so the thread waits
+  // one DRAM latency: the chain flag -> scale -> reduction -> codes waited three (11-13 us at N = 4096,
+  // session 19 run 1). A split tile's codes are then read for nothing (rare: MXFP4 keys fold whenever
+  // their scales span at most 2^8).
+  const int split = fk.tile_split[bh * tiles + tile];
+  // Row scales are powers of two (or 0 past N): their bits order like their values.
+  const uint32_t mine = __float_as_uint(row_scale[slot]);
+  uint4 row[D / 16];
+  if (key < N) {  // padding keys have no bytes
+    const uint4* src = reinterpret_cast<const uint4*>(codes + (bh * N + key) * D);
+#pragma unroll
+    for (int i = 0; i < D / 16; ++i) row[i] = src[i];
+  }
+  if (split != 0) {  // some key keeps several scales: nothing to fold
     if (threadIdx.x == 0) tile_scale[bh * tiles + tile] = -1.0f;
     return;
   }
-  // Row scales are powers of two (or 0 past N): their bits order like their values.
-  const uint32_t mine = __float_as_uint(row_scale[slot]);
   const uint32_t wmax = __reduce_max_sync(0xffffffffu, mine);
   if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = wmax;
   __syncthreads();
@@ -307,13 +319,9 @@ __global__ void __launch_bounds__(kTile) fold_key_tiles_kernel(const Folds folds
   for (int w = 0; w < kTile / 32; ++w) tmax = max(tmax, warp_max[w]);
   const float smax = __uint_as_float(tmax);
   bool exact = smax > 0.0f;
-  uint4 row[D / 16];
-  const bool live = key < N && mine != 0;  // padding keys have no bytes and scale 0
-  if (live) {
+  const bool live = key < N && mine != 0;  // padding keys have scale 0
+  if (live && mine != tmax) {  // (a key at the tile's scale keeps its bytes: a shift by 2^0 is exact)
     const int k = ilogbf(__uint_as_float(mine)) - ilogbf(smax);  // <= 0
-    const uint4* src = reinterpret_cast<const uint4*>(codes + (bh * N + key) * D);
-#pragma unroll
-    for (int i = 0; i < D / 16; ++i) row[i] = src[i];
 #pragma unroll
     for (int i = 0; i < D / 16; ++i)
       row[i] = make_uint4(shift_fp8x4<kE5M2>(row[i].x, k, exact), shift_fp8x4<kE5M2>(row[i].y, k, exact),
