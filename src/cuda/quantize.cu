@@ -282,6 +282,8 @@ struct Folds {
 };
 
 // One CTA per (b*h, tile, K form), a thread per key; the tile's decision is the AND of its keys' exactness.
+// The forms come as a __grid_constant__ parameter: indexed by blockIdx.z, a plain by-value parameter was
+// copied to local memory in every thread (session 19, SASS).
 template <int D, bool kE5M2>
 __global__ void __launch_bounds__(kTile) fold_key_tiles_kernel(const __grid_constant__ Folds folds, int64_t N,
                                                                   int64_t row_pad) {
