@@ -107,13 +107,14 @@ if [ "${QUICK:-0}" = 1 ]; then  # correctness of the GPU tests + the main benchm
     [ "${SDPA:-1}" = 1 ] && PYTHONUNBUFFERED=1 python3 bench/compare_sdpa.py $B "$OUT" ${SDPA_N:-16384} 2>&1 \
       | tee "$OUT/compare_sdpa.txt" | tail -24  # SDPA=0 skips it
   fi
-  [ "$PART" != prefill ] && PYTHONUNBUFFERED=1 python3 bench/compare_decode.py $B "$OUT" 2>&1 | tee "$OUT/compare_decode.txt" | tail -30
-  if [ "$PART" != prefill ] && [ "${COLD:-1}" = 1 ]; then  # the same table with L2 evicted before every step (COLD=0 skips it)
-    mkdir -p "$OUT/cold"
-    DMATTN_BENCH_COLD=1 PYTHONUNBUFFERED=1 python3 bench/compare_decode.py $B "$OUT/cold" 2>&1 \
-      | tee "$OUT/compare_decode_cold.txt" | tail -30
-  fi
-  if [ "$PART" != prefill ]; then  # instructions and time of one decode launch (B=16, 32k): per V format
+  if [ "$PART" != prefill ]; then
+    PYTHONUNBUFFERED=1 python3 bench/compare_decode.py $B "$OUT" 2>&1 | tee "$OUT/compare_decode.txt" | tail -30
+    if [ "${COLD:-1}" = 1 ]; then  # the same table with L2 evicted before every step (COLD=0 skips it)
+      mkdir -p "$OUT/cold"
+      DMATTN_BENCH_COLD=1 PYTHONUNBUFFERED=1 python3 bench/compare_decode.py $B "$OUT/cold" 2>&1 \
+        | tee "$OUT/compare_decode_cold.txt" | tail -30
+    fi
+    # Instructions and time of one decode launch (B=16, 32k), per V format.
     for pv in mxfp8 mxfp4; do
       ncu --kernel-name regex:decode_kernel --launch-skip 3 --launch-count 1 \
         --metrics smsp__inst_executed.sum,gpu__time_duration.sum $B/bench/bench_decode_cuda $pv 16 32768 >"$OUT/ncu_inst_${pv}.txt" 2>&1
