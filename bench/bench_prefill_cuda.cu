@@ -48,7 +48,8 @@ int main(int argc, char** argv) {
   const Named policies[] = {{"DMA-default", Policy{}},
                             {"all-MXFP8", Policy::all(Format::mxfp8_e4m3)},
                             {"all-MXFP4", Policy::all(Format::mxfp4)},
-                            {"DMA-pv-fp8", pv_fp8}};
+                            {"DMA-pv-fp8", pv_fp8},
+                            {"DMA-NVFP4", Policy{Format::mxfp8_e4m3, Format::nvfp4, 1, 0}}};
   cudaEvent_t a, b;
   cudaEventCreate(&a);
   cudaEventCreate(&b);

@@ -159,12 +159,10 @@ void require_supported(const Problem& p) {
   if (major != 9)
     throw Error("the CUDA backend is built for Hopper (sm_90a); this GPU is sm_" + std::to_string(major) +
                 std::to_string(minor) + ": use --backend cpu");
-  for (Format f : {p.policy.high, p.policy.low}) {
-    const FormatInfo fi = format_info(f);
-    if (!fi.has_codes || fi.block != 32)
-      throw Error("the CUDA backend computes MX 32-block formats (mxfp8-e4m3, mxfp8-e5m2, mxfp6-*, mxfp4); " +
-                  std::string(fi.name) + " tiles run on --backend cpu for now");
-  }
+  for (Format f : {p.policy.high, p.policy.low})
+    if (!format_info(f).has_codes)
+      throw Error("the CUDA backend computes MX and NVFP4 tiles; " + std::string(format_info(f).name) +
+                  " tiles run on --backend cpu for now");
   if (p.policy.pv != PV::bf16 && p.policy.pv != PV::fp8)
     throw Error("the CUDA prefill computes pv=bf16 and pv=fp8 (per-32-key-block scales on P and V do not map onto "
                 "Hopper's wgmma at speed: README); pv=" + std::string(pv_name(p.policy.pv)) + " runs on --backend cpu");
@@ -189,7 +187,7 @@ void dma_attention(const Problem& p) {
   const cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   Buffers buf(stream);
   const int nslots = p.policy.high == p.policy.low ? 1 : 2;
-  const int64_t d = p.d, nb = d / 32;
+  const int64_t d = p.d;
   const int64_t ldv = (p.Nk + kTile - 1) / kTile * kTile;
   const int64_t k_tiles = p.B * p.Hkv * (ldv / kTile), k_pad_rows = p.B * p.Hkv * ldv;
   // The pre-pass's zero-initialised scratch in one allocation and one memset: the NaN/Inf flags of
@@ -208,27 +206,45 @@ void dma_attention(const Problem& p) {
   const Format fmt[2] = {p.policy.high, p.policy.low};
   PrefillParams pp{};
   const int64_t q_rows = p.B * p.Hq * p.Nq, k_rows = p.B * p.Hkv * p.Nk;
+  // MX slots go through quantize_rows (both in one pass where both are MX) and fold_key_tiles; NVFP4
+  // slots through quantize_rows_nvfp4 (their tensor scales need a pass over each head first).
   QuantTarget qt[2], kt[2];
+  Nvfp4Target qn[2], kn[2];
   KeyFold folds[2];
+  int mx[2], n_mx = 0;
   for (int s = 0; s < nslots; ++s) {
+    const bool nv = fmt[s] == Format::nvfp4;
+    const int64_t nb = d / (nv ? 16 : 32);
     uint8_t* q8 = buf.alloc<uint8_t>(size_t(q_rows * d));
     uint8_t* qs = buf.alloc<uint8_t>(size_t(q_rows * nb));
-    qt[s] = {fmt[s], q8, qs, true, true};
     pp.q8[s] = q8;
     pp.qs[s] = qs;
     uint8_t* k8 = buf.alloc<uint8_t>(size_t(k_rows * d));
     uint8_t* ks = buf.alloc<uint8_t>(size_t(k_pad_rows * nb));  // padded rows (see QuantTarget)
-    float* krs = reinterpret_cast<float*>(zero + 16) + s * slot_words;
+    float* krs = reinterpret_cast<float*>(zero + 16) + s * slot_words;  // (zeros for NVFP4: never read)
     int* ksplit = reinterpret_cast<int*>(krs + k_pad_rows);
-    kt[s] = {fmt[s], k8, ks, true, true, krs, ldv, ksplit};
     pp.krs[s] = krs;
-    // per key tile (fold_key_tiles): its one key scale, 0 or -1 (PrefillParams::kts)
+    // per key tile (fold_key_tiles; -1 for NVFP4): its one key scale, 0 or -1 (PrefillParams::kts)
     float* kts = buf.alloc<float>(size_t(k_tiles) * sizeof(float));
     pp.kts[s] = kts;
     pp.k8[s] = k8;
     pp.ks[s] = ks;
     pp.elem[s] = format_info(fmt[s]).elem;
-    folds[s] = {k8, ks, krs, ksplit, kts, pp.elem[s] == Elem::e5m2};
+    pp.nv[s] = nv;
+    if (nv) {
+      float* qten = buf.alloc<float>(size_t(p.B * p.Hq) * sizeof(float));
+      float* kten = buf.alloc<float>(size_t(p.B * p.Hkv) * sizeof(float));
+      uint32_t* amax = buf.alloc<uint32_t>(size_t(p.B * (p.Hq + p.Hkv)) * sizeof(uint32_t));
+      qn[s] = {q8, qs, p.Nq, qten, nullptr, amax};
+      kn[s] = {k8, ks, ldv, kten, kts, amax + p.B * p.Hq};
+      pp.qten[s] = qten;
+      pp.kten[s] = kten;
+    } else {
+      qt[s] = {fmt[s], q8, qs, true, true};
+      kt[s] = {fmt[s], k8, ks, true, true, krs, ldv, ksplit};
+      folds[n_mx] = {k8, ks, krs, ksplit, kts, pp.elem[s] == Elem::e5m2};
+      mx[n_mx++] = s;
+    }
   }
   // The pre-pass's three independent jobs run concurrently: V on one side stream, K and its tile fold
   // on the other, Q (the largest) on the caller's stream; the prefill waits for all three.
@@ -236,10 +252,17 @@ void dma_attention(const Problem& p) {
   transpose_v(p.v, ldv, vt, flags + 2, pv_fp8, p.policy.scale_rule, vamax, vscale, fork.side(0));
   // The quantize pass reads every element of Q and K once and flags NaN/Inf on the way. (Q quantized
   // inside the prefill kernel instead was 5-12% slower at N = 16384: bench/RESULTS.md, session 8.)
-  quantize_rows(p.k, p.policy.scale_rule, kt[0], nslots == 2 ? kt[1] : QuantTarget{}, fork.side(1), flags + 1);
-  // one scale per key tile where exact (always for MXFP4 keys within 2^8)
-  fold_key_tiles(folds, nslots, p.B * p.Hkv, p.Nk, ldv, d, fork.side(1));
-  quantize_rows(p.q, p.policy.scale_rule, qt[0], nslots == 2 ? qt[1] : QuantTarget{}, stream, flags);
+  if (n_mx > 0) {
+    quantize_rows(p.k, p.policy.scale_rule, kt[mx[0]], n_mx == 2 ? kt[mx[1]] : QuantTarget{}, fork.side(1), flags + 1);
+    // one scale per key tile where exact (always for MXFP4 keys within 2^8)
+    fold_key_tiles(folds, n_mx, p.B * p.Hkv, p.Nk, ldv, d, fork.side(1));
+    quantize_rows(p.q, p.policy.scale_rule, qt[mx[0]], n_mx == 2 ? qt[mx[1]] : QuantTarget{}, stream, flags);
+  }
+  for (int s = 0; s < nslots; ++s)
+    if (pp.nv[s]) {
+      quantize_rows_nvfp4(p.k, kn[s], fork.side(1), flags + 1);
+      quantize_rows_nvfp4(p.q, qn[s], stream, flags);
+    }
   fork.join();
   // The flags are final once the pre-pass is: their read-back goes behind it, and the prefill kernel is
   // enqueued before the host waits for them, so the wait overlaps the kernel (the caller's next launches

@@ -36,24 +36,28 @@ constexpr int kStages = 3;
 constexpr float kLog2e = 1.4426950408889634f;
 
 // Shared memory (every tile 1024-byte aligned, as the swizzle needs):
-//   Q: [2 slots][BM rows][D bytes] swizzled, then Q scales as floats [2][BM][D/32];
+//   Q: [2 slots][BM rows][D bytes] swizzled (kNv: 4, an NVFP4 slot s in two copies, s and s + 2: see
+//   load_q), then Q scales as floats [2][BM][kNbQ];
 //   per stage: V^T as two [D][64 keys] bf16 halves (128-byte rows), or with kF8V (pv = fp8) as one
 //   [D][128 keys] E4M3 tile, K [BN][D bytes], the keys' row scales [BN] floats (folded tiles) and
-//   block scales [BN][D/32] E8M0 bytes (per-block tiles); then the stages' full/empty barriers and
-//   the Q-fold flags.
-template <int D, bool kF8V>
+//   block scales [BN][D/32] E8M0 bytes (per-block tiles; NVFP4 [BN][D/16] E4M3); then the stages'
+//   full/empty barriers and the Q-fold flags.
+// kNv: some slot is NVFP4 (instances of their own, so the MX ones keep their layout and code).
+template <int D, bool kF8V, bool kNv = false>
 struct Smem {
-  static constexpr int kNb = D / 32;
+  static constexpr int kNbQ = kNv ? D / 16 : D / 32;  // Q scales a row (an MX slot uses the first D/32)
   static constexpr int kQK = BN * D;                 // one K tile or one Q slot
   static constexpr int kVHalf = D * 128, kVt = kF8V ? kVHalf : 2 * kVHalf;
-  static constexpr int kQ = 2 * kQK, kQs = 2 * BM * kNb * 4;
-  static constexpr int kStage = kVt + kQK + 1024;  // + BN floats and BN * kNb bytes (<= 1024 for D <= 128)
-  static constexpr uint32_t kTx = kVt + kQK + BN * 4 + BN * kNb;  // bytes a stage's copies bring
-  static_assert(BN * 4 + BN * kNb <= 1024);
+  static constexpr int kQ = (kNv ? 4 : 2) * kQK, kQs = 2 * BM * kNbQ * 4;
+  static constexpr int kScaleBytes = BN * 4 + BN * kNbQ;  // row scales and the most block scales a tile has
+  static constexpr int kStage = kVt + kQK + (kScaleBytes + 1023) / 1024 * 1024;
+  // Bytes a stage's copies bring, with nb block scales a key.
+  static constexpr uint32_t tx(int nb) { return uint32_t(kVt + kQK + BN * 4 + BN * nb); }
   static constexpr int kBars = kQ + kQs + kStages * kStage;  // uint64_t full[kStages], empty[kStages]
   static constexpr int kFlags = kBars + 2 * kStages * 8;     // int q_folded[2][2]
   static constexpr int kBytes = kFlags + 16;
   static_assert(kQ % 1024 == 0 && kQs % 1024 == 0 && kStage % 1024 == 0);
+  static_assert(kBytes <= 227 * 1024, "more shared memory than an sm_90 CTA can have");
 };
 
 // The accumulator register i of a m64nN tile holds column 8*(i/4) + 2t + (i%2) of row half (i/2)%2.
@@ -91,10 +95,15 @@ __device__ __forceinline__ void issue_chain(float (&s)[BN / 2], wg::Desc sq, wg:
   wg::commit();
 }
 
-template <int D, bool kE5M2>
-__device__ __forceinline__ void scores_per_block(float (&s)[BN / 2], wg::Desc sq, const float* sqs, wg::Desc sk,
-                                                 const uint8_t* sks8, float scale, int t) {
-  constexpr int NB = D / 32;
+// kNvfp4: 16-blocks, which a K = 32 wgmma cannot take alone: Q's even blocks sit in the slot's copy sq
+// (odd ones zeroed), its odd blocks in sq_hi (even ones zeroed), so block c is the product of one
+// copy's 32-byte chunk c/2 with K's, the other block's products being zeros (exact: E2M1 values).
+// Its key scales are E4M3 codes times K's tensor scale kten, rounded as the CPU's
+// block_scale_value. kQStride: the floats a Q row's scales take in sqs.
+template <int D, bool kE5M2, int kQStride, bool kNvfp4 = false>
+__device__ __forceinline__ void scores_per_block(float (&s)[BN / 2], wg::Desc sq, wg::Desc sq_hi, const float* sqs,
+                                                 wg::Desc sk, const uint8_t* sks8, float kten, float scale, int t) {
+  constexpr int NB = D / (kNvfp4 ? 16 : 32);
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) s[i] = 0.0f;
 #pragma unroll
@@ -104,15 +113,18 @@ __device__ __forceinline__ void scores_per_block(float (&s)[BN / 2], wg::Desc sq
       float part[BN / 4];
 #pragma unroll
       for (int i = 0; i < BN / 4; ++i) part[i] = 0.0f;
+      const int kc = kNvfp4 ? c / 2 : c;  // the 32-byte chunk that holds block c
+      const wg::Desc q = kNvfp4 && c % 2 ? sq_hi : sq;
       wg::fence();
-      wg::mma_fp8<BN / 2, kE5M2>(part, (sq + c * 32).u64(), (sk + (half * (BN / 2) * D + c * 32)).u64(), false);
+      wg::mma_fp8<BN / 2, kE5M2>(part, (q + kc * 32).u64(), (sk + (half * (BN / 2) * D + kc * 32)).u64(), false);
       wg::commit();
       wg::wait<0>();
       wg::pin(part);
 #pragma unroll
       for (int i = 0; i < BN / 4; ++i) {
-        const float k = decode_e8m0(sks8[(half * BN / 2 + acc_col(i, t)) * NB + c]);
-        s[half * BN / 4 + i] += sqs[((i / 2) % 2) * 8 * NB + c] * k * part[i];
+        const uint8_t code = sks8[(half * BN / 2 + acc_col(i, t)) * NB + c];
+        const float k = kNvfp4 ? fp8_decode<false>(code) * kten : decode_e8m0(code);
+        s[half * BN / 4 + i] += sqs[((i / 2) % 2) * 8 * kQStride + c] * k * part[i];
       }
     }
 #pragma unroll
@@ -175,10 +187,13 @@ __device__ __forceinline__ void store_pair(fp16* dst, float lo, float hi) { *rei
 // swizzled shared memory (every load issued before any store), block scales as floats, and
 // q_folded[slot][wgi] cleared where a row keeps several scales. Rows outside [0, Nq) are zeros with
 // scale 0. Each warpgroup loads its own rows, so warpgroup 1's run under warpgroup 0's first tile.
-template <int D, bool kF8V>
+// An NVFP4 slot s goes in twice: its even 16-blocks at s (odd ones zeroed), its odd ones at s + 2
+// (scores_per_block); a 16-byte chunk is one block. Its scales are E4M3 codes times Q's tensor scale.
+template <int D, bool kF8V, bool kNv>
 __device__ __forceinline__ void load_q(const PrefillParams& p, int b, int h, int64_t pos0, int64_t off, int wgi,
                                        uint8_t* sQ, float* sQs, int (*q_folded)[2]) {
-  constexpr int NB = D / 32, kChunks = D / 16, kLoads = 2 * 64 * kChunks / 128;
+  using S = Smem<D, kF8V, kNv>;
+  constexpr int NBQ = S::kNbQ, kChunks = D / 16, kLoads = 2 * 64 * kChunks / 128;
   const int tid = threadIdx.x % 128;
   const int64_t row0 = (int64_t(b) * p.Hq + h) * p.Nq;
   uint4 w[kLoads];
@@ -193,28 +208,40 @@ __device__ __forceinline__ void load_q(const PrefillParams& p, int b, int h, int
 #pragma unroll
   for (int k = 0; k < kLoads; ++k) {
     const int i = tid + 128 * k, s = i / (64 * kChunks), r = wgi * 64 + i / kChunks % 64, chunk = i % kChunks;
-    *reinterpret_cast<uint4*>(sQ + s * Smem<D, kF8V>::kQK + wg::swizzled<D>(r, chunk * 16)) = w[k];
+    uint8_t* dst = sQ + s * S::kQK + wg::swizzled<D>(r, chunk * 16);
+    if (kNv && s < p.nslots && p.nv[s]) {
+      const uint4 z = make_uint4(0, 0, 0, 0);
+      *reinterpret_cast<uint4*>(dst) = chunk % 2 ? z : w[k];
+      *reinterpret_cast<uint4*>(dst + 2 * S::kQK) = chunk % 2 ? w[k] : z;
+    } else {
+      *reinterpret_cast<uint4*>(dst) = w[k];
+    }
   }
   // One (slot, row) a thread: its scales, and whether they agree.
   const int s = tid / 64, r = wgi * 64 + tid % 64;
   const int64_t qrow = pos0 + r - off;
   const bool ok = s < p.nslots && qrow >= 0 && qrow < p.Nq;
-  bool uniform = true;
+  const bool nv = kNv && s < p.nslots && p.nv[s];
+  const int nb = nv ? D / 16 : D / 32;
+  const float ts = nv ? p.qten[s][int64_t(b) * p.Hq + h] : 1.0f;
+  bool uniform = !nv;  // NVFP4 slots never fold
   float first = 0.0f;
 #pragma unroll
-  for (int c = 0; c < NB; ++c) {
-    const float v = ok ? decode_e8m0(p.qs[s][(row0 + qrow) * NB + c]) : 0.0f;
-    sQs[(s * BM + r) * NB + c] = v;
+  for (int c = 0; c < NBQ; ++c) {
+    if (c >= nb) break;
+    const uint8_t code = ok ? p.qs[s][(row0 + qrow) * nb + c] : uint8_t(0);
+    const float v = !ok ? 0.0f : nv ? fp8_decode<false>(code) * ts : decode_e8m0(code);
+    sQs[(s * BM + r) * NBQ + c] = v;
     first = c == 0 ? v : first;
     uniform &= v == first;
   }
   if (!uniform) q_folded[s][wgi] = 0;
 }
 
-template <int D, class TOut, bool kF8V>
+template <int D, class TOut, bool kF8V, bool kNv>
 __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_constant__ PrefillParams p) {
-  using S = Smem<D, kF8V>;
-  constexpr int NB = S::kNb;
+  using S = Smem<D, kF8V, kNv>;
+  constexpr int NBQ = S::kNbQ;
   extern __shared__ __align__(1024) uint8_t smem[];
   uint8_t* sQ = smem;
   float* sQs = reinterpret_cast<float*>(smem + S::kQ);
@@ -257,14 +284,14 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     if (threadIdx.x == kConsumers) {
       const int bh = b * p.Hkv + hk;
       for (int j = 0, st = 0, phase = 0; j < tiles; ++j, phase ^= (st == kStages - 1), st = (st + 1) % kStages) {
-        const int slot = slot_of(j);
+        const int slot = slot_of(j), nb = kNv && p.nv[slot] ? D / 16 : D / 32;
         if (j >= kStages) tma::wait(&empty[st], uint32_t(phase ^ 1));
-        tma::arrive_expect(&full[st], S::kTx);
+        tma::arrive_expect(&full[st], S::tx(nb));
         tma::load_3d(sK(st), &p.kmap[slot], 0, j * BN, bh, &full[st]);
         tma::load_3d(sVt(st), &p.vmap, j * BN, 0, bh, &full[st]);
         if (!kF8V) tma::load_3d(sVt(st) + S::kVHalf, &p.vmap, j * BN + BN / 2, 0, bh, &full[st]);
         tma::load_bytes(sKr(st), p.krs[slot] + kv_tile0 + int64_t(j) * BN, BN * 4, &full[st]);
-        tma::load_bytes(sKb(st), p.ks[slot] + (kv_tile0 + int64_t(j) * BN) * NB, BN * NB, &full[st]);
+        tma::load_bytes(sKb(st), p.ks[slot] + (kv_tile0 + int64_t(j) * BN) * nb, BN * nb, &full[st]);
       }
     }
     return;
@@ -276,7 +303,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   const int me = 1 + wgi, other = 2 - wgi;
   if (wgi == 1 && tiles > 0) wg::bar_arrive(1, kConsumers);
   // Each warpgroup brings in its Q rows while the producer's first copies are in flight.
-  load_q<D, kF8V>(p, b, h, pos0, off, wgi, sQ, sQs, q_folded);
+  load_q<D, kF8V, kNv>(p, b, h, pos0, off, wgi, sQ, sQs, q_folded);
   wg::fence_async_smem();       // Q bytes written by st.shared are read by wgmma
   wg::bar_sync(3 + wgi, 128);   // the warpgroup's Q rows, scales and fold flag are ready
 
@@ -323,6 +350,10 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   float kts_next = tiles > 0 ? (slot_of(0) ? kts1 : kts0)[0] : 0.0f;
   // Each slot's element type in registers: indexing the parameter by slot cost a stalled constant load per tile (ncu).
   const bool e5m2_high = p.elem[0] == Elem::e5m2, e5m2_low = p.elem[1] == Elem::e5m2;
+  // NVFP4 slots (kNv instances) and K's tensor scales for them.
+  const bool nv_high = kNv && p.nv[0], nv_low = kNv && nslots == 2 && p.nv[1];
+  const float kten_high = nv_high ? p.kten[0][int64_t(b) * p.Hkv + hk] : 1.0f,
+              kten_low = nv_low ? p.kten[1][int64_t(b) * p.Hkv + hk] : 1.0f;
   // wgmma descriptors of the warpgroup's Q slots and of stage 0's K and V^T (stage st: + st * kStage).
   const wg::Desc dq0 = wg::make_desc<D>(sQ + wgi * 64 * D), dq1 = dq0 + S::kQK, dk0 = wg::make_desc<D>(sK(0)),
                  dv0 = wg::make_desc<128>(sVt(0));
@@ -361,7 +392,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     const bool folded = kts_j >= 0.0f && q_folded[slot][wgi];
     const int pv_stage = j > 0 ? prev : st;  // P_{j-1}.V_{j-1}'s V (tile 0's at j = 0, with P = 0)
     const wg::Desc sq = slot ? dq1 : dq0, sk = dk0 + st * S::kStage;
-    const float* sqs = sQs + (slot * BM + wgi * 64 + warp * 16 + g) * NB;
+    const float* sqs = sQs + (slot * BM + wgi * 64 + warp * 16 + g) * NBQ;
     tma::wait(&full[st], phase);
 
     float s[BN / 2];
@@ -400,7 +431,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       // (kmax < 0: a row outside the output or one that sees no key; kmax, not valid[], because ptxas
       // recomputed valid[] from 64-bit positions every tile.)
       c[0] = kmax[0] >= 0 ? p.scale * kLog2e * sqs[0] * kf : 1.0f;
-      c[1] = kmax[1] >= 0 ? p.scale * kLog2e * sqs[8 * NB] * kf : 1.0f;
+      c[1] = kmax[1] >= 0 ? p.scale * kLog2e * sqs[8 * NBQ] * kf : 1.0f;
       if (kts_j <= 0.0f) scale_by_keys(s, sKr(st), t);
     } else {
       if constexpr (!kF8V) {
@@ -412,10 +443,13 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
         wg::wait<0>();
         finish_pv(j);
       }
-      if (e5m2)
-        scores_per_block<D, true>(s, sq, sqs, sk, sKb(st), p.scale, t);
+      // s: scaled logits
+      if (kNv && (slot ? nv_low : nv_high))
+        scores_per_block<D, false, NBQ, kNv>(s, sq, sq + 2 * S::kQK, sqs, sk, sKb(st), slot ? kten_low : kten_high, p.scale, t);
+      else if (e5m2)
+        scores_per_block<D, true, NBQ>(s, sq, sq, sqs, sk, sKb(st), 1.0f, p.scale, t);
       else
-        scores_per_block<D, false>(s, sq, sqs, sk, sKb(st), p.scale, t);  // s: scaled logits
+        scores_per_block<D, false, NBQ>(s, sq, sq, sqs, sk, sKb(st), 1.0f, p.scale, t);
     }
 
     // Mask (tiles every row of the warp sees whole skip it), online softmax (fp32).
@@ -507,7 +541,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   }
 }
 
-template <int D, class TOut, bool kF8V>
+template <int D, class TOut, bool kF8V, bool kNv>
 void launch(PrefillParams p, int64_t blocks, int batch, cudaStream_t stream) {
   // TMA maps: K bytes [B*Hkv][Nk][D] in boxes of one tile (zeros past Nk), swizzled like wg::swizzled<D>;
   // V^T bf16 [B*Hkv][D][ldv] in boxes of 64 keys x D (128-byte rows).
@@ -523,29 +557,37 @@ void launch(PrefillParams p, int64_t blocks, int batch, cudaStream_t stream) {
   else
     p.vmap = tensor_map_3d(p.vt, CU_TENSOR_MAP_DATA_TYPE_UINT16, {ldv, D, bh}, {ldv * 2, D * ldv * 2}, {BN / 2, D, 1},
                            CU_TENSOR_MAP_SWIZZLE_128B);
-  constexpr int bytes = Smem<D, kF8V>::kBytes;
-  auto kernel = prefill_kernel<D, TOut, kF8V>;
+  constexpr int bytes = Smem<D, kF8V, kNv>::kBytes;
+  auto kernel = prefill_kernel<D, TOut, kF8V, kNv>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   kernel<<<dim3(unsigned(blocks), unsigned(p.Hq), unsigned(batch)), kThreads, bytes, stream>>>(p);
 }
 
-template <int D, bool kF8V>
+template <int D, bool kF8V, bool kNv>
 void launch_d(const PrefillParams& p, DType out, int64_t blocks, int batch, cudaStream_t stream) {
   switch (out) {
-    case DType::f32: return launch<D, float, kF8V>(p, blocks, batch, stream);
-    case DType::f16: return launch<D, fp16, kF8V>(p, blocks, batch, stream);
-    case DType::bf16: return launch<D, bf16, kF8V>(p, blocks, batch, stream);
+    case DType::f32: return launch<D, float, kF8V, kNv>(p, blocks, batch, stream);
+    case DType::f16: return launch<D, fp16, kF8V, kNv>(p, blocks, batch, stream);
+    case DType::bf16: return launch<D, bf16, kF8V, kNv>(p, blocks, batch, stream);
   }
+}
+
+template <int D>
+void launch_pv(const PrefillParams& p, DType out, int64_t blocks, int batch, cudaStream_t stream) {
+  const bool nv = p.nv[0] || (p.nslots == 2 && p.nv[1]);
+  if (p.pv_fp8)
+    nv ? launch_d<D, true, true>(p, out, blocks, batch, stream) : launch_d<D, true, false>(p, out, blocks, batch, stream);
+  else
+    nv ? launch_d<D, false, true>(p, out, blocks, batch, stream) : launch_d<D, false, false>(p, out, blocks, batch, stream);
 }
 
 }  // namespace
 
 void launch_prefill(const PrefillParams& p, int d, DType out_dtype, int64_t blocks, int batch, cudaStream_t stream) {
-  const bool f8v = p.pv_fp8;
   if (d == 64)
-    f8v ? launch_d<64, true>(p, out_dtype, blocks, batch, stream) : launch_d<64, false>(p, out_dtype, blocks, batch, stream);
+    launch_pv<64>(p, out_dtype, blocks, batch, stream);
   else if (d == 128)
-    f8v ? launch_d<128, true>(p, out_dtype, blocks, batch, stream) : launch_d<128, false>(p, out_dtype, blocks, batch, stream);
+    launch_pv<128>(p, out_dtype, blocks, batch, stream);
   else
     throw Error("the CUDA prefill kernel supports head dims 64 and 128 (got " + std::to_string(d) + ")");
   const cudaError_t err = cudaGetLastError();

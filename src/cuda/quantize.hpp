@@ -51,6 +51,25 @@ inline Elem mma_elem(Format f) { return f == Format::mxfp8_e5m2 ? Elem::e5m2 : E
 void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first, const QuantTarget& second,
                    cudaStream_t stream, int* nonfinite = nullptr);
 
+// NVFP4 in the prefill's tensor-core form (DESIGN §2): per (b, h) slice one fp32 tensor scale from the
+// slice's amax (nvfp4_tensor_scale), per 16-block an E4M3 scale code, the elements as E4M3 bytes of
+// their E2M1 values, bit-identical to the CPU codec (quantize_nvfp4_block, the same header). Two
+// launches: the slices' amax, then the blocks (one thread a block). codes: [rows, d] bytes; scales:
+// [B*H][row_pad][d/16] (row_pad >= N; a multiple of 128 with tile_scale: a key tile's scales are one run of bytes);
+// tensor_scale: [B*H]; tile_scale (optional): [B*H][row_pad/128] set to -1, the prefill kernel's mark
+// of tiles whose keys keep several scales. amax: [B*H] scratch. Sets *nonfinite = 1 on NaN/Inf (the
+// slice's tensor scale is then meaningless, as the CPU's quantize throws there). Asynchronous on
+// `stream`. x: a CUDA tensor view with unit stride on d, d a multiple of 16.
+struct Nvfp4Target {
+  uint8_t* codes = nullptr;
+  uint8_t* scales = nullptr;
+  int64_t row_pad = 0;
+  float* tensor_scale = nullptr;
+  float* tile_scale = nullptr;
+  uint32_t* amax = nullptr;
+};
+void quantize_rows_nvfp4(const TensorView& x, const Nvfp4Target& t, cudaStream_t stream, int* nonfinite = nullptr);
+
 // The prefill pre-pass's second step, on K's tensor-core form after quantize_rows (fold + row
 // scales): per 128-key tile of each (b, h) whose keys each carry one scale (tile_split 0), shift every
 // key's FP8 bytes to the tile's largest key scale where that is exact for every key of the tile,

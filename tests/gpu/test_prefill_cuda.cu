@@ -191,6 +191,50 @@ TEST(GpuPrefill, PvFp8MatchesCpuOracle) {
   }
 }
 
+// NVFP4 tiles (16-blocks, E4M3 block scales, a tensor scale per (b, head)): the per-block path with Q
+// in two zero-padded copies. E2M1 products sum exactly, so where every tile is NVFP4 the kernel agrees
+// with the oracle to DESIGN's 1e-5; mixed with MX tiles, to those tiles' bound. Rows of V and K of
+// very different size per head make the tensor scales and block scales differ.
+TEST(GpuPrefill, Nvfp4MatchesCpuOracle) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4, nv = Format::nvfp4;
+  auto fp8 = [](Policy p) {
+    p.pv = PV::fp8;
+    return p;
+  };
+  constexpr double kExact = 1e-5;
+  const std::pair<Case, double> cases[] = {
+      {{1, 1, 1, 1, 64, true, Policy::all(nv), "nvfp4 N=1"}, kExact},
+      {{4, 1, 1000, 1000, 128, true, Policy::all(nv), "all-nvfp4 N=1000 GQA 4"}, kExact},
+      {{8, 2, 300, 1000, 64, true, Policy::all(nv), "all-nvfp4 Nq<Nk"}, kExact},
+      {{4, 4, 1000, 300, 128, false, Policy::all(nv), "all-nvfp4 Nq>Nk non-causal"}, kExact},
+      {{4, 1, 4096, 4096, 128, true, Policy{e4, nv, 1, 0}, "mxfp8 diag / nvfp4 N=4096"}, kTol},
+      {{4, 2, 2000, 2000, 64, true, Policy{nv, f4, 2, 1}, "nvfp4 diag2 sink1 / mxfp4"}, kTol},
+      {{2, 2, 1500, 1500, 128, false, Policy{Format::mxfp8_e5m2, nv, 1, 1}, "e5m2 / nvfp4 non-causal"}, kTol},
+      {{4, 1, 2000, 2000, 128, true, fp8(Policy::all(nv)), "fp8 P.V all-nvfp4"}, kPvFp8ExactScores},
+      {{4, 1, 2000, 2000, 64, true, fp8(Policy{e4, nv, 1, 0}), "fp8 P.V mxfp8 / nvfp4"}, kPvFp8Tol},
+  };
+  const uint64_t seed = fresh_seed();
+  const DType dtypes[3] = {DType::bf16, DType::f16, DType::f32};
+  for (size_t i = 0; i < std::size(cases); ++i) {
+    const auto& [c, tol] = cases[i];
+    const DType dt = dtypes[i % 3];
+    QKV x = random_qkv({1, c.hq, c.hkv, c.nq, c.nk, c.d}, seed + i, dt);
+    std::vector<float> q = x.q.to_floats(), k = x.k.to_floats();
+    for (size_t e = 0; e < q.size(); ++e) q[e] *= std::ldexp(1.0f, int(e / size_t(c.d * c.nq)) % 5 - 2);  // per head
+    for (size_t e = 0; e < k.size(); ++e) k[e] *= std::ldexp(1.0f, int(e / size_t(c.d)) % 7 - 3);         // per key
+    x.q = HostTensor::from_floats(q, x.q.shape(), dt);
+    x.k = HostTensor::from_floats(k, x.k.shape(), dt);
+    check_qkv(c, x, dt, tol);
+  }
+  // A real model's activations (SmolLM2, layer 1) with NVFP4 off the diagonal.
+  const char* src = std::getenv("DMATTN_SOURCE_DIR");
+  const std::string base = std::string(src ? src : DMATTN_SOURCE_DIR) + "/tests/data/layer1_";
+  const QKV real{read_npy_tensor(base + "q.npy", "q"), read_npy_tensor(base + "k.npy", "k"), read_npy_tensor(base + "v.npy", "v")};
+  check_qkv({9, 3, 512, 512, 64, true, Policy{e4, nv, 1, 0}, "real layer 1 mxfp8 / nvfp4"}, real, DType::f16);
+  check_qkv({9, 3, 512, 512, 64, true, Policy::all(nv), "real layer 1 all-nvfp4"}, real, DType::f16, kExact);
+}
+
 // Scales every 32-element block of the chosen rows outside [lo, hi) by f (r: the row within its head).
 HostTensor spread(const HostTensor& t, int64_t d, int64_t n, int64_t lo, int64_t hi, float f, bool (*chosen)(int64_t r)) {
   std::vector<float> v = t.to_floats();
@@ -438,7 +482,7 @@ TEST(GpuPrefill, RejectsWhatItCannotDo) {
   const QKV x = random_qkv({1, 1, 1, 8, 8, 64}, 1);
   HostTensor out(DType::f32, x.q.shape());
   AttentionOptions o;
-  o.policy.low = Format::nvfp4;
+  o.policy.low = Format::bf16;  // bf16 tiles: the CPU backend's
   EXPECT_THROW(attention_on_device(x.q.view(), x.k.view(), x.v.view(), out.view(), nullptr, o), Error);
   o = {};
   o.policy.pv = PV::mxfp8;
