@@ -121,7 +121,8 @@ for N in Ns:
         files[nm] = os.path.join(tmp, f"{nm}.npy")
         np.save(files[nm], t.to(torch.float16).cpu().numpy())
     for pol, extra in [("dmattn DMA default", []), ("dmattn all-MXFP8", ["--low", "mxfp8-e4m3"]),
-                       ("dmattn all-MXFP4", ["--high", "mxfp4"]), ("dmattn DMA pv=fp8", ["--pv", "fp8"])]:
+                       ("dmattn all-MXFP4", ["--high", "mxfp4"]), ("dmattn DMA pv=fp8", ["--pv", "fp8"]),
+                       ("dmattn DMA-NVFP4", ["--low", "nvfp4"])]:
         o = os.path.join(tmp, "o.npy")
         cmd = [os.path.join(build, "dmattn"), "run", "--q", files["q"], "--k", files["k"], "--v", files["v"],
                "--out", o, "--causal", "--backend", "cuda", "--repeat", "5"] + extra

@@ -20,7 +20,7 @@ def qkv(seed, N=1000, d=128, dtype=torch.bfloat16):
     return mk(8), mk(2), mk(2)
 
 
-@pytest.mark.parametrize("policy", [{}, {"high": "mxfp4"}, {"diag_tiles": 2, "sink_tiles": 1}])
+@pytest.mark.parametrize("policy", [{}, {"high": "mxfp4"}, {"diag_tiles": 2, "sink_tiles": 1}, {"low": "nvfp4"}])
 def test_cuda_matches_cpu_oracle(policy):
     q, k, v = qkv(1)
     ref, ref_lse = dmattn.attention(q, k, v, causal=True, return_lse=True, **policy)
@@ -50,8 +50,8 @@ def test_bnhd_layout_on_cuda():
 
 def test_cuda_errors():
     q, k, v = (t.cuda() for t in qkv(4))
-    with pytest.raises(dmattn.DmattnError, match="nvfp4|MX"):
-        dmattn.attention(q, k, v, low="nvfp4")
+    with pytest.raises(dmattn.DmattnError, match="bf16 tiles"):
+        dmattn.attention(q, k, v, low="bf16")
     with pytest.raises(ValueError, match="one device"):
         dmattn.attention(q, k.cpu(), v)
     bad = q.clone()
