@@ -207,20 +207,21 @@ void dma_attention(const Problem& p) {
   PrefillParams pp{};
   const int64_t q_rows = p.B * p.Hq * p.Nq, k_rows = p.B * p.Hkv * p.Nk;
   // MX slots go through quantize_rows (both in one pass where both are MX) and fold_key_tiles; NVFP4
-  // slots through quantize_rows_nvfp4 (their tensor scales need a pass over each head first).
+  // slots through quantize_rows_nvfp4 (their tensor scales need a pass over each head first), as bf16
+  // values with the block scales folded in, and each K tile's one scale the tensor scale.
   QuantTarget qt[2], kt[2];
   Nvfp4Target qn[2], kn[2];
   KeyFold folds[2];
   int mx[2], n_mx = 0;
   for (int s = 0; s < nslots; ++s) {
     const bool nv = fmt[s] == Format::nvfp4;
-    const int64_t nb = d / (nv ? 16 : 32);
-    uint8_t* q8 = buf.alloc<uint8_t>(size_t(q_rows * d));
-    uint8_t* qs = buf.alloc<uint8_t>(size_t(q_rows * nb));
+    const int64_t nb = d / 32, bytes = nv ? 2 : 1;  // NVFP4: bf16 values, no block scales
+    uint8_t* q8 = buf.alloc<uint8_t>(size_t(q_rows * d * bytes));
+    uint8_t* qs = nv ? nullptr : buf.alloc<uint8_t>(size_t(q_rows * nb));
     pp.q8[s] = q8;
     pp.qs[s] = qs;
-    uint8_t* k8 = buf.alloc<uint8_t>(size_t(k_rows * d));
-    uint8_t* ks = buf.alloc<uint8_t>(size_t(k_pad_rows * nb));  // padded rows (see QuantTarget)
+    uint8_t* k8 = buf.alloc<uint8_t>(size_t(k_rows * d * bytes));
+    uint8_t* ks = nv ? nullptr : buf.alloc<uint8_t>(size_t(k_pad_rows * nb));  // padded rows (see QuantTarget)
     float* krs = reinterpret_cast<float*>(zero + 16) + s * slot_words;  // (zeros for NVFP4: never read)
     int* ksplit = reinterpret_cast<int*>(krs + k_pad_rows);
     pp.krs[s] = krs;
@@ -235,10 +236,9 @@ void dma_attention(const Problem& p) {
       float* qten = buf.alloc<float>(size_t(p.B * p.Hq) * sizeof(float));
       float* kten = buf.alloc<float>(size_t(p.B * p.Hkv) * sizeof(float));
       uint32_t* amax = buf.alloc<uint32_t>(size_t(p.B * (p.Hq + p.Hkv)) * sizeof(uint32_t));
-      qn[s] = {q8, qs, p.Nq, qten, nullptr, amax};
-      kn[s] = {k8, ks, ldv, kten, kts, amax + p.B * p.Hq};
+      qn[s] = {reinterpret_cast<uint16_t*>(q8), nullptr, p.Nq, qten, nullptr, amax};
+      kn[s] = {reinterpret_cast<uint16_t*>(k8), nullptr, ldv, kten, kts, amax + p.B * p.Hq};
       pp.qten[s] = qten;
-      pp.kten[s] = kten;
     } else {
       qt[s] = {fmt[s], q8, qs, true, true};
       kt[s] = {fmt[s], k8, ks, true, true, krs, ldv, ksplit};

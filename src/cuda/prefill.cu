@@ -32,27 +32,29 @@ namespace {
 
 constexpr int BM = kPrefillRows, BN = kTile;
 constexpr int kConsumers = 256, kThreads = kConsumers + 128;  // 2 consumer warpgroups x 64 rows + a producer
-constexpr int kStages = 3;
 constexpr float kLog2e = 1.4426950408889634f;
 
 // Shared memory (every tile 1024-byte aligned, as the swizzle needs):
-//   Q: [2 slots][BM rows][D bytes] swizzled (kNv: 4, an NVFP4 slot s in two copies, s and s + 2: see
-//   load_q), then Q scales as floats [2][BM][kNbQ];
+//   Q: [2 slots][BM rows][D bytes] swizzled, then Q scales as floats [2][BM][D/32];
 //   per stage: V^T as two [D][64 keys] bf16 halves (128-byte rows), or with kF8V (pv = fp8) as one
 //   [D][128 keys] E4M3 tile, K [BN][D bytes], the keys' row scales [BN] floats (folded tiles) and
-//   block scales [BN][D/32] E8M0 bytes (per-block tiles; NVFP4 [BN][D/16] E4M3); then the stages'
-//   full/empty barriers and the Q-fold flags.
-// kNv: some slot is NVFP4 (instances of their own, so the MX ones keep their layout and code).
+//   block scales [BN][D/32] E8M0 bytes (per-block tiles); then the stages' full/empty barriers and
+//   the Q-fold flags.
+// kNv (some slot is NVFP4: instances of their own, so the MX ones keep their layout and code): an
+// NVFP4 slot's Q and its K tiles are bf16 (issue_chain_bf16), twice the bytes, as [D/64 atoms][rows]
+// [128 B]; every Q slot and K tile gets that room, and 2 stages where 3 do not fit.
 template <int D, bool kF8V, bool kNv = false>
 struct Smem {
-  static constexpr int kNbQ = kNv ? D / 16 : D / 32;  // Q scales a row (an MX slot uses the first D/32)
-  static constexpr int kQK = BN * D;                 // one K tile or one Q slot
+  static constexpr int kNb = D / 32;
+  static constexpr int kQK = BN * D;              // one FP8 K tile or Q slot
+  static constexpr int kOp = kNv ? 2 * kQK : kQK;  // the room a Q slot or K tile takes
   static constexpr int kVHalf = D * 128, kVt = kF8V ? kVHalf : 2 * kVHalf;
-  static constexpr int kQ = (kNv ? 4 : 2) * kQK, kQs = 2 * BM * kNbQ * 4;
-  static constexpr int kScaleBytes = BN * 4 + BN * kNbQ;  // row scales and the most block scales a tile has
-  static constexpr int kStage = kVt + kQK + (kScaleBytes + 1023) / 1024 * 1024;
-  // Bytes a stage's copies bring, with nb block scales a key.
-  static constexpr uint32_t tx(int nb) { return uint32_t(kVt + kQK + BN * 4 + BN * nb); }
+  static constexpr int kQ = 2 * kOp, kQs = 2 * BM * kNb * 4;
+  static constexpr int kStage = kVt + kOp + 1024;  // + BN floats and BN * kNb bytes (<= 1024 for D <= 128)
+  static constexpr uint32_t kTx = kVt + kQK + BN * 4 + BN * kNb;  // bytes an MX tile's copies bring
+  static constexpr uint32_t kTxBf16 = kVt + 2 * kQK + BN * 4;     // an NVFP4 tile's (no block scales)
+  static_assert(BN * 4 + BN * kNb <= 1024);
+  static constexpr int kStages = kQ + kQs + 3 * kStage + 64 <= 227 * 1024 ? 3 : 2;
   static constexpr int kBars = kQ + kQs + kStages * kStage;  // uint64_t full[kStages], empty[kStages]
   static constexpr int kFlags = kBars + 2 * kStages * 8;     // int q_folded[2][2]
   static constexpr int kBytes = kFlags + 16;
@@ -95,15 +97,10 @@ __device__ __forceinline__ void issue_chain(float (&s)[BN / 2], wg::Desc sq, wg:
   wg::commit();
 }
 
-// kNvfp4: 16-blocks, which a K = 32 wgmma cannot take alone: Q's even blocks sit in the slot's copy sq
-// (odd ones zeroed), its odd blocks in sq_hi (even ones zeroed), so block c is the product of one
-// copy's 32-byte chunk c/2 with K's, the other block's products being zeros (exact: E2M1 values).
-// Its key scales are E4M3 codes times K's tensor scale kten, rounded as the CPU's
-// block_scale_value. kQStride: the floats a Q row's scales take in sqs.
-template <int D, bool kE5M2, int kQStride, bool kNvfp4 = false>
-__device__ __forceinline__ void scores_per_block(float (&s)[BN / 2], wg::Desc sq, wg::Desc sq_hi, const float* sqs,
-                                                 wg::Desc sk, const uint8_t* sks8, float kten, float scale, int t) {
-  constexpr int NB = D / (kNvfp4 ? 16 : 32);
+template <int D, bool kE5M2>
+__device__ __forceinline__ void scores_per_block(float (&s)[BN / 2], wg::Desc sq, const float* sqs, wg::Desc sk,
+                                                 const uint8_t* sks8, float scale, int t) {
+  constexpr int NB = D / 32;
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) s[i] = 0.0f;
 #pragma unroll
@@ -113,22 +110,33 @@ __device__ __forceinline__ void scores_per_block(float (&s)[BN / 2], wg::Desc sq
       float part[BN / 4];
 #pragma unroll
       for (int i = 0; i < BN / 4; ++i) part[i] = 0.0f;
-      const int kc = kNvfp4 ? c / 2 : c;  // the 32-byte chunk that holds block c
-      const wg::Desc q = kNvfp4 && c % 2 ? sq_hi : sq;
       wg::fence();
-      wg::mma_fp8<BN / 2, kE5M2>(part, (q + kc * 32).u64(), (sk + (half * (BN / 2) * D + kc * 32)).u64(), false);
+      wg::mma_fp8<BN / 2, kE5M2>(part, (sq + c * 32).u64(), (sk + (half * (BN / 2) * D + c * 32)).u64(), false);
       wg::commit();
       wg::wait<0>();
       wg::pin(part);
 #pragma unroll
       for (int i = 0; i < BN / 4; ++i) {
-        const uint8_t code = sks8[(half * BN / 2 + acc_col(i, t)) * NB + c];
-        const float k = kNvfp4 ? fp8_decode<false>(code) * kten : decode_e8m0(code);
-        s[half * BN / 4 + i] += sqs[((i / 2) % 2) * 8 * kQStride + c] * k * part[i];
+        const float k = decode_e8m0(sks8[(half * BN / 2 + acc_col(i, t)) * NB + c]);
+        s[half * BN / 4 + i] += sqs[((i / 2) % 2) * 8 * NB + c] * k * part[i];
       }
     }
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) s[i] *= scale;
+}
+
+// NVFP4 tiles: Q and K arrive as bf16 values with their E4M3 block scales folded in (an E2M1 value
+// times an E4M3 scale has at most 6 significant bits: exact in bf16), so all of d runs as one bf16
+// wgmma chain, 16 elements a wgmma, in 128-byte swizzle atoms of 64 elements ([atom][rows][128 B]);
+// the tensor scales multiply S once, as the row and tile factors of the folded path. Issued and
+// committed here, awaited by the caller.
+template <int D>
+__device__ __forceinline__ void issue_chain_bf16(float (&s)[BN / 2], wg::Desc sq, wg::Desc sk) {
+  wg::fence();
+#pragma unroll
+  for (int k = 0; k < D / 16; ++k)
+    wg::mma_bf16<BN>(s, (sq + ((k / 4) * BM * 128 + (k % 4) * 32)).u64(), (sk + ((k / 4) * BN * 128 + (k % 4) * 32)).u64(), k > 0);
+  wg::commit();
 }
 
 // O += bf16(P) . V over one key tile, 16 keys per wgmma; P's accumulator layout is the A-fragment
@@ -187,34 +195,51 @@ __device__ __forceinline__ void store_pair(fp16* dst, float lo, float hi) { *rei
 // swizzled shared memory (every load issued before any store), block scales as floats, and
 // q_folded[slot][wgi] cleared where a row keeps several scales. Rows outside [0, Nq) are zeros with
 // scale 0. Each warpgroup loads its own rows, so warpgroup 1's run under warpgroup 0's first tile.
-// An NVFP4 slot s goes in twice: its even 16-blocks at s (odd ones zeroed), its odd ones at s + 2
-// (scores_per_block); a 16-byte chunk is one block. Its scales are E4M3 codes times Q's tensor scale.
+// kNv: slot by slot, an NVFP4 slot's rows as bf16 (2D bytes) in 128-byte atoms, with Q's tensor scale
+// (per b, h) as the row's one scale.
 template <int D, bool kF8V, bool kNv>
 __device__ __forceinline__ void load_q(const PrefillParams& p, int b, int h, int64_t pos0, int64_t off, int wgi,
                                        uint8_t* sQ, float* sQs, int (*q_folded)[2]) {
   using S = Smem<D, kF8V, kNv>;
-  constexpr int NBQ = S::kNbQ, kChunks = D / 16, kLoads = 2 * 64 * kChunks / 128;
+  constexpr int NB = D / 32, kChunks = D / 16, kLoads = 2 * 64 * kChunks / 128;
   const int tid = threadIdx.x % 128;
   const int64_t row0 = (int64_t(b) * p.Hq + h) * p.Nq;
-  uint4 w[kLoads];
+  if constexpr (kNv) {
+    constexpr int kMaxLoads = 64 * (2 * D / 16) / 128;
+    for (int s = 0; s < 2; ++s) {
+      const bool nv = s < p.nslots && p.nv[s];
+      const int chunks = nv ? D / 8 : D / 16, wb = 16 * chunks;  // 16-byte chunks and bytes a row
+      uint4 w[kMaxLoads];
 #pragma unroll
-  for (int k = 0; k < kLoads; ++k) {
-    const int i = tid + 128 * k, s = i / (64 * kChunks), r = wgi * 64 + i / kChunks % 64, chunk = i % kChunks;
-    const int64_t qrow = pos0 + r - off;
-    w[k] = s < p.nslots && qrow >= 0 && qrow < p.Nq
-               ? *reinterpret_cast<const uint4*>(p.q8[s] + (row0 + qrow) * D + chunk * 16)
-               : make_uint4(0, 0, 0, 0);
-  }
+      for (int k = 0; k < kMaxLoads; ++k) {
+        const int i = tid + 128 * k, r = wgi * 64 + i / chunks, chunk = i % chunks;
+        const int64_t qrow = pos0 + r - off;
+        w[k] = i < 64 * chunks && s < p.nslots && qrow >= 0 && qrow < p.Nq
+                   ? *reinterpret_cast<const uint4*>(p.q8[s] + (row0 + qrow) * wb + chunk * 16)
+                   : make_uint4(0, 0, 0, 0);
+      }
 #pragma unroll
-  for (int k = 0; k < kLoads; ++k) {
-    const int i = tid + 128 * k, s = i / (64 * kChunks), r = wgi * 64 + i / kChunks % 64, chunk = i % kChunks;
-    uint8_t* dst = sQ + s * S::kQK + wg::swizzled<D>(r, chunk * 16);
-    if (kNv && s < p.nslots && p.nv[s]) {
-      const uint4 z = make_uint4(0, 0, 0, 0);
-      *reinterpret_cast<uint4*>(dst) = chunk % 2 ? z : w[k];
-      *reinterpret_cast<uint4*>(dst + 2 * S::kQK) = chunk % 2 ? w[k] : z;
-    } else {
-      *reinterpret_cast<uint4*>(dst) = w[k];
+      for (int k = 0; k < kMaxLoads; ++k) {
+        const int i = tid + 128 * k, r = wgi * 64 + i / chunks, byte = (i % chunks) * 16;
+        if (i >= 64 * chunks) break;
+        const uint32_t at = nv ? (byte / 128) * (BM * 128) + wg::swizzled<128>(r, byte % 128) : wg::swizzled<D>(r, byte);
+        *reinterpret_cast<uint4*>(sQ + s * S::kOp + at) = w[k];
+      }
+    }
+  } else {
+    uint4 w[kLoads];
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      const int i = tid + 128 * k, s = i / (64 * kChunks), r = wgi * 64 + i / kChunks % 64, chunk = i % kChunks;
+      const int64_t qrow = pos0 + r - off;
+      w[k] = s < p.nslots && qrow >= 0 && qrow < p.Nq
+                 ? *reinterpret_cast<const uint4*>(p.q8[s] + (row0 + qrow) * D + chunk * 16)
+                 : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int k = 0; k < kLoads; ++k) {
+      const int i = tid + 128 * k, s = i / (64 * kChunks), r = wgi * 64 + i / kChunks % 64, chunk = i % kChunks;
+      *reinterpret_cast<uint4*>(sQ + s * S::kQK + wg::swizzled<D>(r, chunk * 16)) = w[k];
     }
   }
   // One (slot, row) a thread: its scales, and whether they agree.
@@ -222,16 +247,13 @@ __device__ __forceinline__ void load_q(const PrefillParams& p, int b, int h, int
   const int64_t qrow = pos0 + r - off;
   const bool ok = s < p.nslots && qrow >= 0 && qrow < p.Nq;
   const bool nv = kNv && s < p.nslots && p.nv[s];
-  const int nb = nv ? D / 16 : D / 32;
-  const float ts = nv ? p.qten[s][int64_t(b) * p.Hq + h] : 1.0f;
-  bool uniform = !nv;  // NVFP4 slots never fold
+  const float ts = nv && ok ? p.qten[s][int64_t(b) * p.Hq + h] : 0.0f;
+  bool uniform = true;
   float first = 0.0f;
 #pragma unroll
-  for (int c = 0; c < NBQ; ++c) {
-    if (c >= nb) break;
-    const uint8_t code = ok ? p.qs[s][(row0 + qrow) * nb + c] : uint8_t(0);
-    const float v = !ok ? 0.0f : nv ? fp8_decode<false>(code) * ts : decode_e8m0(code);
-    sQs[(s * BM + r) * NBQ + c] = v;
+  for (int c = 0; c < NB; ++c) {
+    const float v = nv ? ts : ok ? decode_e8m0(p.qs[s][(row0 + qrow) * NB + c]) : 0.0f;
+    sQs[(s * BM + r) * NB + c] = v;
     first = c == 0 ? v : first;
     uniform &= v == first;
   }
@@ -241,7 +263,7 @@ __device__ __forceinline__ void load_q(const PrefillParams& p, int b, int h, int
 template <int D, class TOut, bool kF8V, bool kNv>
 __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_constant__ PrefillParams p) {
   using S = Smem<D, kF8V, kNv>;
-  constexpr int NBQ = S::kNbQ;
+  constexpr int NB = S::kNb, kStages = S::kStages;
   extern __shared__ __align__(1024) uint8_t smem[];
   uint8_t* sQ = smem;
   float* sQs = reinterpret_cast<float*>(smem + S::kQ);
@@ -284,14 +306,19 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     if (threadIdx.x == kConsumers) {
       const int bh = b * p.Hkv + hk;
       for (int j = 0, st = 0, phase = 0; j < tiles; ++j, phase ^= (st == kStages - 1), st = (st + 1) % kStages) {
-        const int slot = slot_of(j), nb = kNv && p.nv[slot] ? D / 16 : D / 32;
+        const int slot = slot_of(j);
+        const bool nv = kNv && p.nv[slot];  // bf16 K in D/64 atoms of 128-byte rows, no block scales
         if (j >= kStages) tma::wait(&empty[st], uint32_t(phase ^ 1));
-        tma::arrive_expect(&full[st], S::tx(nb));
-        tma::load_3d(sK(st), &p.kmap[slot], 0, j * BN, bh, &full[st]);
+        tma::arrive_expect(&full[st], nv ? S::kTxBf16 : S::kTx);
+        if (nv) {
+          for (int a = 0; a < D / 64; ++a) tma::load_3d(sK(st) + a * BN * 128, &p.kmap[slot], a * 64, j * BN, bh, &full[st]);
+        } else {
+          tma::load_3d(sK(st), &p.kmap[slot], 0, j * BN, bh, &full[st]);
+        }
         tma::load_3d(sVt(st), &p.vmap, j * BN, 0, bh, &full[st]);
         if (!kF8V) tma::load_3d(sVt(st) + S::kVHalf, &p.vmap, j * BN + BN / 2, 0, bh, &full[st]);
         tma::load_bytes(sKr(st), p.krs[slot] + kv_tile0 + int64_t(j) * BN, BN * 4, &full[st]);
-        tma::load_bytes(sKb(st), p.ks[slot] + (kv_tile0 + int64_t(j) * BN) * nb, BN * nb, &full[st]);
+        if (!nv) tma::load_bytes(sKb(st), p.ks[slot] + (kv_tile0 + int64_t(j) * BN) * NB, BN * NB, &full[st]);
       }
     }
     return;
@@ -350,13 +377,13 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   float kts_next = tiles > 0 ? (slot_of(0) ? kts1 : kts0)[0] : 0.0f;
   // Each slot's element type in registers: indexing the parameter by slot cost a stalled constant load per tile (ncu).
   const bool e5m2_high = p.elem[0] == Elem::e5m2, e5m2_low = p.elem[1] == Elem::e5m2;
-  // NVFP4 slots (kNv instances) and K's tensor scales for them.
+  // NVFP4 slots (kNv instances): their tiles always run as one bf16 chain (issue_chain_bf16).
   const bool nv_high = kNv && p.nv[0], nv_low = kNv && nslots == 2 && p.nv[1];
-  const float kten_high = nv_high ? p.kten[0][int64_t(b) * p.Hkv + hk] : 1.0f,
-              kten_low = nv_low ? p.kten[1][int64_t(b) * p.Hkv + hk] : 1.0f;
   // wgmma descriptors of the warpgroup's Q slots and of stage 0's K and V^T (stage st: + st * kStage).
-  const wg::Desc dq0 = wg::make_desc<D>(sQ + wgi * 64 * D), dq1 = dq0 + S::kQK, dk0 = wg::make_desc<D>(sK(0)),
+  const wg::Desc dq0 = wg::make_desc<D>(sQ + wgi * 64 * D), dq1 = dq0 + S::kOp, dk0 = wg::make_desc<D>(sK(0)),
                  dv0 = wg::make_desc<128>(sVt(0));
+  // kNv: the bf16 forms' descriptors (128-byte atoms; the warpgroup's rows start 64 rows in).
+  const wg::Desc bq0 = wg::make_desc<128>(sQ + wgi * 64 * 128), bq1 = bq0 + S::kOp, bk0 = wg::make_desc<128>(sK(0));
   // Stage st of tile j and the parity of its fill, kept as counters (64-bit j % 3 and j / 3 cost ~40
   // instructions a tile).
   int st = 0, prev = kStages - 1;
@@ -389,10 +416,11 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     const float kts_j = kts_next;
     if (j + 1 < tiles) kts_next = (slot_of(j + 1) ? kts1 : kts0)[j + 1];
     const bool e5m2 = slot ? e5m2_low : e5m2_high;
-    const bool folded = kts_j >= 0.0f && q_folded[slot][wgi];
+    const bool nv = slot ? nv_low : nv_high;
+    const bool folded = nv || (kts_j >= 0.0f && q_folded[slot][wgi]);
     const int pv_stage = j > 0 ? prev : st;  // P_{j-1}.V_{j-1}'s V (tile 0's at j = 0, with P = 0)
     const wg::Desc sq = slot ? dq1 : dq0, sk = dk0 + st * S::kStage;
-    const float* sqs = sQs + (slot * BM + wgi * 64 + warp * 16 + g) * NBQ;
+    const float* sqs = sQs + (slot * BM + wgi * 64 + warp * 16 + g) * NB;
     tma::wait(&full[st], phase);
 
     float s[BN / 2];
@@ -408,7 +436,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       wg::commit();
     }
     if (folded) {
-      if (e5m2)
+      if (kNv && nv)
+        issue_chain_bf16<D>(s, slot ? bq1 : bq0, bk0 + st * S::kStage);
+      else if (e5m2)
         issue_chain<D, true>(s, sq, sk);
       else
         issue_chain<D, false>(s, sq, sk);
@@ -431,7 +461,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       // (kmax < 0: a row outside the output or one that sees no key; kmax, not valid[], because ptxas
       // recomputed valid[] from 64-bit positions every tile.)
       c[0] = kmax[0] >= 0 ? p.scale * kLog2e * sqs[0] * kf : 1.0f;
-      c[1] = kmax[1] >= 0 ? p.scale * kLog2e * sqs[8 * NBQ] * kf : 1.0f;
+      c[1] = kmax[1] >= 0 ? p.scale * kLog2e * sqs[8 * NB] * kf : 1.0f;
       if (kts_j <= 0.0f) scale_by_keys(s, sKr(st), t);
     } else {
       if constexpr (!kF8V) {
@@ -443,13 +473,10 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
         wg::wait<0>();
         finish_pv(j);
       }
-      // s: scaled logits
-      if (kNv && (slot ? nv_low : nv_high))
-        scores_per_block<D, false, NBQ, kNv>(s, sq, sq + 2 * S::kQK, sqs, sk, sKb(st), slot ? kten_low : kten_high, p.scale, t);
-      else if (e5m2)
-        scores_per_block<D, true, NBQ>(s, sq, sq, sqs, sk, sKb(st), 1.0f, p.scale, t);
+      if (e5m2)
+        scores_per_block<D, true>(s, sq, sqs, sk, sKb(st), p.scale, t);
       else
-        scores_per_block<D, false, NBQ>(s, sq, sq, sqs, sk, sKb(st), 1.0f, p.scale, t);
+        scores_per_block<D, false>(s, sq, sqs, sk, sKb(st), p.scale, t);  // s: scaled logits
     }
 
     // Mask (tiles every row of the warp sees whole skip it), online softmax (fp32).
@@ -546,8 +573,12 @@ void launch(PrefillParams p, int64_t blocks, int batch, cudaStream_t stream) {
   // TMA maps: K bytes [B*Hkv][Nk][D] in boxes of one tile (zeros past Nk), swizzled like wg::swizzled<D>;
   // V^T bf16 [B*Hkv][D][ldv] in boxes of 64 keys x D (128-byte rows).
   const uint64_t bh = uint64_t(batch) * uint64_t(p.Hkv), nk = uint64_t(p.Nk), ldv = uint64_t(p.ldv);
+  // (An NVFP4 slot's K: bf16 values in boxes of 64 elements x one tile, D/64 a tile.)
   for (int s = 0; s < 2; ++s)
-    if (p.k8[s])
+    if (p.k8[s] && p.nv[s])
+      p.kmap[s] = tensor_map_3d(p.k8[s], CU_TENSOR_MAP_DATA_TYPE_UINT16, {D, nk, bh}, {2 * D, nk * 2 * D}, {64, BN, 1},
+                                CU_TENSOR_MAP_SWIZZLE_128B);
+    else if (p.k8[s])
       p.kmap[s] = tensor_map_3d(p.k8[s], CU_TENSOR_MAP_DATA_TYPE_UINT8, {D, nk, bh}, {D, nk * D}, {D, BN, 1},
                                 D == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B);
   // (pv = fp8: E4M3 V^T in boxes of 128 keys x D.)

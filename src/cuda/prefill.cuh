@@ -15,17 +15,16 @@ struct PrefillParams {
   // TMA maps (filled by launch_prefill): K bytes per slot [B*Hkv][Nk][d] (zeros past Nk), V^T [B*Hkv][d][ldv].
   CUtensorMap kmap[2], vmap;
   const uint8_t* q8[2];           // [B*Hq*Nq, d] FP8 bytes
-  const uint8_t* qs[2];           // [B*Hq*Nq, d/32] E8M0 (NVFP4: d/16 E4M3)
+  const uint8_t* qs[2];           // [B*Hq*Nq, d/32] E8M0
   Elem elem[2];                   // each slot's element type (E5M2 bytes for e5m2, else E4M3 bytes)
   int nslots;                     // 1 when high == low
   // NVFP4 slots: 16-blocks with E4M3 block scales under one fp32 tensor scale per (b, head). q8 and k8
-  // then hold E4M3 bytes of the E2M1 values, qs and ks the E4M3 scale codes ([..., d/16]); qten
-  // [B*Hq] and kten [B*Hkv] the tensor scales. Every NVFP4 tile takes the per-block path.
+  // then hold bf16 values, each E2M1 value times its block's scale (exact); qten [B*Hq] the Q tensor
+  // scales; kts each tile's K tensor scale (qs, ks and krs unused).
   bool nv[2];
   const float* qten[2];
-  const float* kten[2];
   const uint8_t* k8[2];  // [B*Hkv*Nk, d]
-  const uint8_t* ks[2];  // [B*Hkv, ldv, d/32] (rows padded like krs; NVFP4: d/16 E4M3)
+  const uint8_t* ks[2];  // [B*Hkv, ldv, d/32] (rows padded like krs)
   const float* krs[2];   // [B*Hkv, ldv]: a key's one scale when its blocks share it (else < 0)
   const float* kts[2];   // [B*Hkv, ldv/128] (fold_key_tiles): the tile's one key scale, 0 where each key
                          // has one scale of its own, < 0 where some key keeps several

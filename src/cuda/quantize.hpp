@@ -52,16 +52,16 @@ void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first
                    cudaStream_t stream, int* nonfinite = nullptr);
 
 // NVFP4 in the prefill's tensor-core form (DESIGN §2): per (b, h) slice one fp32 tensor scale from the
-// slice's amax (nvfp4_tensor_scale), per 16-block an E4M3 scale code, the elements as E4M3 bytes of
-// their E2M1 values, bit-identical to the CPU codec (quantize_nvfp4_block, the same header). Two
-// launches: the slices' amax, then the blocks (one thread a block). codes: [rows, d] bytes; scales:
-// [B*H][row_pad][d/16] (row_pad >= N; a multiple of 128 with tile_scale: a key tile's scales are one run of bytes);
-// tensor_scale: [B*H]; tile_scale (optional): [B*H][row_pad/128] set to -1, the prefill kernel's mark
-// of tiles whose keys keep several scales. amax: [B*H] scratch. Sets *nonfinite = 1 on NaN/Inf (the
-// slice's tensor scale is then meaningless, as the CPU's quantize throws there). Asynchronous on
-// `stream`. x: a CUDA tensor view with unit stride on d, d a multiple of 16.
+// slice's amax (nvfp4_tensor_scale), per 16-block an E4M3 scale, each element's E2M1 value times its
+// block's scale as bf16 (at most 6 significant bits: exact), from the CPU codec's own encoder (the
+// same header). Two launches: the slices' amax, then the blocks (one thread a block). values: [rows, d]
+// bf16, 16-byte aligned; tensor_scale: [B*H]; optional: scales, the E4M3 codes as
+// [B*H][row_pad][d/16] (row_pad >= N), and tile_scale [B*H][row_pad/128] (row_pad a multiple of 128)
+// set to the slice's tensor scale: the prefill kernel's one K scale a tile. amax: [B*H] scratch. Sets
+// *nonfinite = 1 on NaN/Inf (the slice's tensor scale is then meaningless, as the CPU's quantize throws
+// there). Asynchronous on `stream`. x: a CUDA tensor view with unit stride on d, d a multiple of 16.
 struct Nvfp4Target {
-  uint8_t* codes = nullptr;
+  uint16_t* values = nullptr;
   uint8_t* scales = nullptr;
   int64_t row_pad = 0;
   float* tensor_scale = nullptr;

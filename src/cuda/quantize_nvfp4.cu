@@ -5,7 +5,6 @@
 #include <type_traits>
 
 #include "cuda/buffers.hpp"
-#include "cuda/fp8.cuh"
 #include "cuda/quantize.hpp"
 #include "dmattn/error.hpp"
 #include "dmattn/mx_codec.hpp"
@@ -34,8 +33,8 @@ __global__ void slice_amax_kernel(const T* x, Shape shape, Shape stride, uint32_
   }
 }
 
-// One 16-block a thread: the codec's quantize_nvfp4_block under the slice's tensor scale, the codes
-// stored as E4M3 bytes of their E2M1 values (exact: E2M1 values are E4M3 values).
+// One 16-block a thread: the codec's quantize_nvfp4_block under the slice's tensor scale, each E2M1
+// value times its block's E4M3 scale stored as bf16 (exact: at most 2 x 4 significant bits).
 template <class T>
 __global__ void nvfp4_blocks_kernel(const T* x, Shape shape, Shape stride, Nvfp4Target t) {
   const int64_t nb = shape[3] / kNvfp4Block, blk = int64_t(blockIdx.x) * kThreads + threadIdx.x;
@@ -48,13 +47,16 @@ __global__ void nvfp4_blocks_kernel(const T* x, Shape shape, Shape stride, Nvfp4
   const float ts = nvfp4_tensor_scale(__uint_as_float(t.amax[bh]));
   uint8_t codes[kNvfp4Block];
   const uint8_t sc = quantize_nvfp4_block(v, kNvfp4Block, ts, codes);
-  uint32_t w[4] = {0, 0, 0, 0};
+  const float bs = decode_elem(Elem::e4m3, sc);
+  uint32_t w[8] = {0, 0, 0, 0, 0, 0, 0, 0};
 #pragma unroll
-  for (int i = 0; i < kNvfp4Block; ++i) w[i / 4] |= uint32_t(fp8_encode<false>(decode_elem(Elem::e2m1, codes[i]))) << (8 * (i % 4));
-  reinterpret_cast<uint4*>(t.codes)[blk] = make_uint4(w[0], w[1], w[2], w[3]);
-  t.scales[(bh * t.row_pad + n) * nb + c] = sc;
+  for (int i = 0; i < kNvfp4Block; ++i) w[i / 2] |= uint32_t(to_bf16(decode_elem(Elem::e2m1, codes[i]) * bs).bits) << (16 * (i % 2));
+  uint4* dst = reinterpret_cast<uint4*>(t.values) + 2 * blk;
+  dst[0] = make_uint4(w[0], w[1], w[2], w[3]);
+  dst[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  if (t.scales) t.scales[(bh * t.row_pad + n) * nb + c] = sc;
   if (c == 0 && n == 0) t.tensor_scale[bh] = ts;
-  if (c == 0 && n % 128 == 0 && t.tile_scale) t.tile_scale[bh * (t.row_pad / 128) + n / 128] = -1.0f;
+  if (c == 0 && n % 128 == 0 && t.tile_scale) t.tile_scale[bh * (t.row_pad / 128) + n / 128] = ts;
 }
 
 }  // namespace
@@ -63,8 +65,9 @@ void quantize_rows_nvfp4(const TensorView& x, const Nvfp4Target& t, cudaStream_t
   if (x.device != Device::cuda) throw Error("quantize_rows_nvfp4: the tensor is not on a CUDA device");
   if (x.shape[3] % kNvfp4Block != 0 || x.stride[3] != 1)
     throw Error("quantize_rows_nvfp4: d must be a multiple of 16, with unit stride");
-  if (!t.codes || !t.scales || !t.tensor_scale || !t.amax || t.row_pad < x.shape[2] || (t.tile_scale && t.row_pad % 128 != 0))
+  if (!t.values || !t.tensor_scale || !t.amax || t.row_pad < x.shape[2] || (t.tile_scale && t.row_pad % 128 != 0))
     throw Error("quantize_rows_nvfp4: missing output buffers, row_pad below N, or tile scales with row_pad not a multiple of 128");
+  if (reinterpret_cast<uintptr_t>(t.values) % 16 != 0) throw Error("quantize_rows_nvfp4: values must be 16-byte aligned");
   const int64_t bh = x.shape[0] * x.shape[1], elems = x.shape[2] * x.shape[3];
   if (bh == 0 || elems == 0) return;
   if (bh > 65535) throw Error("quantize_rows_nvfp4: more than 65535 (batch, head) slices");

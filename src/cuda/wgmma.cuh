@@ -1,5 +1,5 @@
 // Warpgroup-level tensor-core primitives (wgmma, sm_90a), written as PTX: the prefill kernel needs
-// three instruction shapes and one shared-memory layout, so a 100-line header is the whole
+// four instruction shapes and one shared-memory layout, so a 100-line header is the whole
 // dependency (README, "Why raw PTX").
 //
 // Shared-memory operands are K-major tiles stored row by row (a row = one M or N index, its K
@@ -125,6 +125,15 @@ __device__ __forceinline__ void mma_fp8(float (&d)[N / 2], uint64_t a, uint64_t 
                  ", %32, %33, p, 1, 1;\n}\n"
                  : DM_ACC32 : "l"(a), "l"(b), "r"(acc));
   }
+}
+
+// d (+)= A.B over K = 16 bf16 elements, A [64 x 16] and B [128 x 16] in shared memory (both K-major).
+template <int N>
+__device__ __forceinline__ void mma_bf16(float (&d)[N / 2], uint64_t a, uint64_t b, bool accumulate) {
+  static_assert(N == 128);
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\nwgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " DM_REGS64
+               ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+               : DM_ACC64 : "l"(a), "l"(b), "r"(accumulate ? 1 : 0));
 }
 
 // d += A.B over K = 16 bf16 elements, A [64 x 16] from registers, B [N x 16] K-major in shared memory.

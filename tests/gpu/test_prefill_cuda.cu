@@ -191,10 +191,10 @@ TEST(GpuPrefill, PvFp8MatchesCpuOracle) {
   }
 }
 
-// NVFP4 tiles (16-blocks, E4M3 block scales, a tensor scale per (b, head)): the per-block path with Q
-// in two zero-padded copies. E2M1 products sum exactly, so where every tile is NVFP4 the scores agree
-// with the oracle's to an ulp (the promotion's FFMA against the CPU's multiply-add) and the outputs to
-// kExact; mixed with MX tiles, to those tiles' bound. Q scaled per head (2^4 apart) and K per key
+// NVFP4 tiles (16-blocks, E4M3 block scales, a tensor scale per (b, head)): one bf16 wgmma chain over
+// values with their block scales folded in (exact), the tensor scales applied once. Where every tile is
+// NVFP4 the scores agree with the oracle's to a few ulps (fp32 sums in another order, the tensor
+// scales' roundings moved) and the outputs to kExact; mixed with MX tiles, to those tiles' bound. Q scaled per head (2^4 apart) and K per key
 // (2^6) make the tensor and block scales differ, and the softmax peaked: there an ulp can flip one bf16
 // rounding of P, which moves that row by up to 2^-9 (H200, session 20: one row at 2.2e-3, rel. L2
 // 2.5e-5 over the case; other seeds 1.5e-6..4e-6), hence 1e-4 rather than DESIGN's 1e-5.

@@ -422,9 +422,10 @@ TEST(GpuQuantize, KeyTileFoldingKeepsValues) {
   }
 }
 
-// NVFP4 (quantize_rows_nvfp4) against the CPU codec on each (b, h) slice, bit for bit: the E4M3 bytes
-// of the E2M1 codes, the E4M3 block scales in the padded row layout, the slices' tensor scales, the
-// tile marks; strided rows of each dtype, one slice all zeros (tensor scale 1), outputs poisoned.
+// NVFP4 (quantize_rows_nvfp4) against the CPU codec on each (b, h) slice, bit for bit: the E4M3 block
+// scales in the padded row layout, each value (E2M1 times its block scale, bf16), the slices' tensor
+// scales, the tiles' scales; strided rows of each dtype, one slice all zeros (tensor scale 1), outputs
+// poisoned.
 TEST(GpuQuantize, Nvfp4MatchesCpuCodecBitForBit) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const int64_t B = 2, H = 3, N = 200, d = 64, dpad = 80, pad = 256, BH = B * H;
@@ -440,27 +441,29 @@ TEST(GpuQuantize, Nvfp4MatchesCpuCodecBitForBit) {
     CUDA_OK(cudaMemcpy(dx, host.bytes(), host.nbytes(), cudaMemcpyHostToDevice));
     TensorView view = TensorView::contiguous(dx, dt, {B, H, N, dpad}, Device::cuda);
     view.shape[3] = d;
-    uint8_t *codes, *scales;
+    uint16_t* codes;
+    uint8_t* scales;
     float *ts, *tiles;
     uint32_t* amax;
     int* flag;
-    CUDA_OK(cudaMalloc(&codes, size_t(BH * N * d)));
+    CUDA_OK(cudaMalloc(&codes, size_t(BH * N * d) * 2));
     CUDA_OK(cudaMalloc(&scales, size_t(BH * pad * d / 16)));
     CUDA_OK(cudaMalloc(&ts, size_t(BH) * 4));
     CUDA_OK(cudaMalloc(&tiles, size_t(BH * pad / 128) * 4));
     CUDA_OK(cudaMalloc(&amax, size_t(BH) * 4));
     CUDA_OK(cudaMalloc(&flag, 4));
-    CUDA_OK(cudaMemset(codes, 0xA5, size_t(BH * N * d)));  // poison
+    CUDA_OK(cudaMemset(codes, 0xA5, size_t(BH * N * d) * 2));  // poison
     CUDA_OK(cudaMemset(scales, 0xA5, size_t(BH * pad * d / 16)));
     CUDA_OK(cudaMemset(ts, 0xA5, size_t(BH) * 4));
     CUDA_OK(cudaMemset(tiles, 0xA5, size_t(BH * pad / 128) * 4));
     CUDA_OK(cudaMemset(flag, 0, 4));
     cuda::quantize_rows_nvfp4(view, {codes, scales, pad, ts, tiles, amax}, nullptr, flag);
     CUDA_OK(cudaDeviceSynchronize());
-    std::vector<uint8_t> gc(size_t(BH * N * d)), gs(size_t(BH * pad * d / 16));
+    std::vector<uint16_t> gc(size_t(BH * N * d));
+    std::vector<uint8_t> gs(size_t(BH * pad * d / 16));
     std::vector<float> gts(static_cast<size_t>(BH)), gtiles(size_t(BH * pad / 128));
     int gflag = -1;
-    CUDA_OK(cudaMemcpy(gc.data(), codes, gc.size(), cudaMemcpyDeviceToHost));
+    CUDA_OK(cudaMemcpy(gc.data(), codes, gc.size() * 2, cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(gs.data(), scales, gs.size(), cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(gts.data(), ts, gts.size() * 4, cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(gtiles.data(), tiles, gtiles.size() * 4, cudaMemcpyDeviceToHost));
@@ -476,16 +479,16 @@ TEST(GpuQuantize, Nvfp4MatchesCpuCodecBitForBit) {
       for (int64_t n = 0; n < N; ++n) {
         for (int64_t i = 0; i < d; ++i) {
           const uint8_t code = element_code(want.codes.data() + n * want.code_cols(), i, true);
-          const float value = decode_elem(Elem::e2m1, code);
-          const uint8_t got = gc[size_t((s * N + n) * d + i)];
-          ASSERT_EQ(decode_elem(Elem::e4m3, got), value) << dtype_name(dt) << " slice " << s << " row " << n << " col " << i;
-          ASSERT_EQ(got >> 7, code >> 3) << "sign, " << dtype_name(dt) << " slice " << s << " row " << n << " col " << i;
+          const float value = decode_elem(Elem::e2m1, code) * decode_elem(Elem::e4m3, want.scales[size_t(n * (d / 16) + i / 16)]);
+          const uint16_t got = gc[size_t((s * N + n) * d + i)];
+          ASSERT_EQ(to_float(bf16{got}), value) << dtype_name(dt) << " slice " << s << " row " << n << " col " << i;
+          ASSERT_EQ(got >> 15, code >> 3) << "sign, " << dtype_name(dt) << " slice " << s << " row " << n << " col " << i;
         }
         for (int64_t c = 0; c < d / 16; ++c)
           ASSERT_EQ(gs[size_t((s * pad + n) * (d / 16) + c)], want.scales[size_t(n * (d / 16) + c)])
               << dtype_name(dt) << " slice " << s << " row " << n << " block " << c;
       }
-      for (int64_t tile = 0; tile < (N + 127) / 128; ++tile) EXPECT_EQ(gtiles[size_t(s * (pad / 128) + tile)], -1.0f);
+      for (int64_t tile = 0; tile < (N + 127) / 128; ++tile) EXPECT_EQ(gtiles[size_t(s * (pad / 128) + tile)], want.tensor_scale);
     }
     // A NaN raises the flag.
     const float nan = std::nanf("");
