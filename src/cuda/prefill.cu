@@ -269,8 +269,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   float* sQs = reinterpret_cast<float*>(smem + S::kQ);
   auto sVt = [&](int st) { return smem + S::kQ + S::kQs + st * S::kStage; };
   auto sK = [&](int st) { return sVt(st) + S::kVt; };
-  auto sKr = [&](int st) { return reinterpret_cast<float*>(sK(st) + S::kQK); };
-  auto sKb = [&](int st) { return sK(st) + S::kQK + BN * 4; };
+  auto sKr = [&](int st) { return reinterpret_cast<float*>(sK(st) + S::kOp); };
+  auto sKb = [&](int st) { return sK(st) + S::kOp + BN * 4; };
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::kBars);  // a stage's copies have landed
   uint64_t* empty = full + kStages;                                // both consumer warpgroups are done with it
   // [slot][warpgroup]: every Q row of the warpgroup has one scale for all of d.
