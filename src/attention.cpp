@@ -97,7 +97,6 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v, co
 #if defined(DMATTN_HAVE_CUDA)
     if (!on_gpu) throw Error("the CUDA backend needs tensors on the GPU (attention_on_device stages host tensors)");
     if (opts.exact) throw Error("the exact fp64 reference runs on the CPU only");
-    if (opts.q_offset || opts.k_offset) throw Error("q_offset / k_offset run on the CPU backend for now");
     cuda::dma_attention(p);
     return;
 #else

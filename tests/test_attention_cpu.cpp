@@ -129,22 +129,25 @@ TEST(AttentionCpu, HugeDiagIsAllHighAndZeroIsAllLow) {
 
 // The CUDA prefill's 32-bit per-tile test equals Policy::is_high on every key tile of a query tile,
 // for bands that reach past either end (huge diag_tiles), none (0), negative query tiles (Nq > Nk)
-// and sink counts beyond the tiles.
+// and sink counts beyond the tiles; with the key tiles starting at absolute tile ktile0 (a block of a
+// longer sequence), in absolute tiles.
 TEST(Policy, HighTilesEqualsIsHigh) {
   constexpr int kBig = std::numeric_limits<int>::max();
   int checked = 0;
-  for (int diag : {0, 1, 2, 3, 7, 100, kBig})
-    for (int sinks : {0, 1, 2, 5, kBig})
-      for (int64_t qtile = -5; qtile <= 40; ++qtile)
-        for (int tiles : {0, 1, 2, 3, 17, 41}) {
-          Policy p;
-          p.diag_tiles = diag;
-          p.sink_tiles = sinks;
-          const HighTiles high(p, qtile, tiles);
-          for (int j = 0; j < tiles; ++j, ++checked)
-            ASSERT_EQ(high(j), p.is_high(qtile, j)) << "diag " << diag << " sinks " << sinks << " qtile " << qtile << " j " << j;
-        }
-  EXPECT_GT(checked, 100000);
+  for (int64_t ktile0 : {0, 1, 3, 40, 1 << 20})
+    for (int diag : {0, 1, 2, 3, 7, 100, kBig})
+      for (int sinks : {0, 1, 2, 5, 42, kBig})
+        for (int64_t qtile = -5; qtile <= 40; ++qtile)
+          for (int tiles : {0, 1, 2, 3, 17, 41}) {
+            Policy p;
+            p.diag_tiles = diag;
+            p.sink_tiles = sinks;
+            const HighTiles high(p, qtile, tiles, ktile0);
+            for (int j = 0; j < tiles; ++j, ++checked)
+              ASSERT_EQ(high(j), p.is_high(qtile + ktile0, j + ktile0))
+                  << "ktile0 " << ktile0 << " diag " << diag << " sinks " << sinks << " qtile " << qtile << " j " << j;
+          }
+  EXPECT_GT(checked, 500000);
 }
 
 TEST(AttentionCpu, DmaSitsBetweenItsFormats) {

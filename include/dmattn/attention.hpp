@@ -56,7 +56,6 @@ struct AttentionOptions {
   // queries are the last Nq of Nk positions: q_offset = Nk - Nq, k_offset = 0). Set both to attend a
   // block of a longer sequence, e.g. one shard pair of ring attention: the causal mask and the
   // policy's tiles then use these positions. k_offset must be a multiple of 128 (whole key tiles).
-  // CPU backend only for now.
   std::optional<int64_t> q_offset, k_offset;
 };
 

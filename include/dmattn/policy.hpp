@@ -54,15 +54,17 @@ struct Policy {
   std::string describe() const;
 };
 
-// is_high(qtile, j) for the key tiles 0 <= j < tiles of one query tile, in 32-bit compares (the CUDA
-// prefill kernel's per-tile test; 64-bit tile arithmetic there cost ~100 instructions a tile): the
-// diagonal band [lo, hi], clamped to [-1, tiles], and the sink tiles j < sinks.
+// is_high(qtile + ktile0, j + ktile0) for the key tiles 0 <= j < tiles of one query tile, in 32-bit
+// compares (the CUDA prefill kernel's per-tile test; 64-bit tile arithmetic there cost ~100
+// instructions a tile): the diagonal band [lo, hi], clamped to [-1, tiles], and the sink tiles
+// j < sinks. qtile and j count from the first key tile, whose absolute index is ktile0 (a block of a
+// longer sequence: AttentionOptions::k_offset / 128).
 struct HighTiles {
   int lo, hi, sinks;
-  DMATTN_HD HighTiles(const Policy& p, int64_t qtile, int tiles)
+  DMATTN_HD HighTiles(const Policy& p, int64_t qtile, int tiles, int64_t ktile0 = 0)
       : lo(int(qtile - p.diag_tiles + 1 < -1 ? -1 : qtile - p.diag_tiles + 1)),
         hi(int(qtile + p.diag_tiles - 1 > tiles ? tiles : qtile + p.diag_tiles - 1)),
-        sinks(p.sink_tiles) {}
+        sinks(int(p.sink_tiles - ktile0 < 0 ? 0 : p.sink_tiles - ktile0 > tiles ? tiles : p.sink_tiles - ktile0)) {}
   DMATTN_HD bool operator()(int j) const { return (j >= lo && j <= hi) || j < sinks; }
 };
 

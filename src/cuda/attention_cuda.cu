@@ -289,8 +289,10 @@ void dma_attention(const Problem& p) {
   pp.scale = p.scale;
   pp.causal = p.causal;
   pp.policy = p.policy;
-  pp.first_block = hd::floor_div(p.Nk - p.Nq, kPrefillRows);
-  const int64_t blocks = hd::floor_div(p.Nk - 1, kPrefillRows) - pp.first_block + 1;
+  pp.q_pos0 = p.q_pos0 - p.k_pos0;  // from key 0 (Problem's are absolute)
+  pp.ktile0 = p.k_pos0 / kTile;
+  pp.first_block = hd::floor_div(pp.q_pos0, kPrefillRows);
+  const int64_t blocks = hd::floor_div(pp.q_pos0 + p.Nq - 1, kPrefillRows) - pp.first_block + 1;
   pp.blocks = blocks;
   launch_prefill(pp, int(d), p.out.dtype, blocks, int(p.B), stream);
   if (!readback) return;  // stream-ordered: the scratch buffers are freed after the work

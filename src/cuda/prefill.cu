@@ -278,14 +278,14 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   if (threadIdx.x == 0 && (__cvta_generic_to_shared(smem) & 1023) != 0) __trap();  // the swizzle needs it
 
   const int h = blockIdx.y, b = blockIdx.z, hk = h / (p.Hq / p.Hkv);
-  const int64_t off = int64_t(p.Nk) - p.Nq;
+  const int64_t off = p.q_pos0;
   const int64_t pos0 = (p.first_block + (p.blocks - 1 - blockIdx.x)) * BM;  // late tiles first
   const int64_t qtile = hd::floor_div(pos0, kTile);
   const int nslots = p.nslots;
   const int64_t kend = p.causal ? min(int64_t(p.Nk), max(int64_t(0), pos0 + BM)) : int64_t(p.Nk);
   const int tiles = int((kend + BN - 1) / BN);  // < 2^24: the host checks Nk < 2^31
   const int64_t kv_tile0 = (int64_t(b) * p.Hkv + hk) * p.ldv;  // this head's row scales
-  const HighTiles high(p.policy, qtile, tiles);
+  const HighTiles high(p.policy, qtile, tiles, p.ktile0);
   auto slot_of = [&](int j) { return (nslots == 2 && !high(j)) ? 1 : 0; };
 
   if (threadIdx.x < 4) q_folded[threadIdx.x / 2][threadIdx.x % 2] = 1;

@@ -41,6 +41,9 @@ struct PrefillParams {
   float scale;
   bool causal;
   Policy policy;
+  // Positions count from key 0 (absolute position k_offset, a multiple of 128): query row r sits at
+  // q_pos0 + r (default Nk - Nq: bottom-right), and key tile j is absolute tile ktile0 + j.
+  int64_t q_pos0, ktile0;
   int64_t first_block;  // the first 128-position block (positions can be negative when Nq > Nk)
   int64_t blocks;       // number of query blocks (the grid's x)
 };

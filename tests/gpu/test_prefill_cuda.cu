@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <functional>
 #include <limits>
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -40,6 +41,7 @@ struct Case {
   bool causal;
   Policy policy;
   const char* name;
+  std::optional<int64_t> q_offset{}, k_offset{};  // a block of a longer sequence (AttentionOptions)
 };
 
 
@@ -53,6 +55,8 @@ Pair run_pair(const Case& c, const QKV& x) {
   AttentionOptions o;
   o.causal = c.causal;
   o.policy = c.policy;
+  o.q_offset = c.q_offset;
+  o.k_offset = c.k_offset;
   HostTensor ref(DType::f32, x.q.shape()), got(DType::f32, x.q.shape());
   const size_t rows = size_t(c.hq * c.nq);
   Pair r{{}, {}, std::vector<float>(rows), std::vector<float>(rows, std::numeric_limits<float>::quiet_NaN())};
@@ -189,6 +193,25 @@ TEST(GpuPrefill, PvFp8MatchesCpuOracle) {
     x.v = HostTensor::from_floats(v, x.v.shape(), dt);
     check_qkv(c, x, dt, tol);
   }
+}
+
+// Blocks of a longer sequence (q_offset, k_offset: ring attention's shard pairs): the causal mask and
+// the policy's tiles in absolute positions, against the oracle given the same offsets. Queries after,
+// inside and before the keys; sinks inside and outside the key block; a block no query row reaches.
+TEST(GpuPrefill, PositionOffsetsMatchCpuOracle) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
+  const Case cases[] = {
+      {4, 1, 300, 700, 128, true, Policy{}, "queries after the keys", 1024, 512},
+      {4, 2, 512, 512, 64, true, Policy{e4, f4, 2, 3}, "same block, sinks partly in it", 256, 256},
+      {4, 4, 384, 640, 128, true, Policy{e4, f4, 1, 1}, "queries inside the keys", 2048 + 100, 2048},
+      {2, 1, 256, 256, 128, true, Policy{}, "every key in the future", 0, 1024},
+      {4, 1, 1000, 1000, 64, false, Policy{e4, f4, 2, 1}, "non-causal, sink outside", 4096, 8192},
+      {2, 2, 777, 333, 128, true, Policy{e4, Format::nvfp4, 1, 0}, "nvfp4 off the diagonal", 5000, 4608},
+  };
+  const uint64_t seed = fresh_seed();
+  const DType dtypes[3] = {DType::bf16, DType::f16, DType::f32};
+  for (size_t i = 0; i < std::size(cases); ++i) check_case(cases[i], dtypes[i % 3], seed + i);
 }
 
 // NVFP4 tiles (16-blocks, E4M3 block scales, a tensor scale per (b, head)): one bf16 wgmma chain over
