@@ -74,7 +74,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, high
       policy: a Policy; overrides high/low/diag_tiles/sink_tiles/pv/scale_rule when given.
       q_offset, k_offset: absolute positions of the first query and the first key, to attend a
         block of a longer sequence (mask and tiles use them; k_offset a multiple of 128). Default:
-        the queries are the last Nq of the Nk positions. CPU only for now.
+        the queries are the last Nq of the Nk positions.
       check_finite: raise on NaN/Inf inputs (default). On CUDA this reads flags back from the GPU,
         so the call waits for its quantize pass (not for its attention kernel: the result is
         stream-ordered like any torch op's either way); False skips that wait, and a NaN/Inf input

@@ -219,8 +219,8 @@ TEST(GpuPrefill, PositionOffsetsMatchCpuOracle) {
 // NVFP4 the scores agree with the oracle's to a few ulps (fp32 sums in another order, the tensor
 // scales' roundings moved) and the outputs to kExact; mixed with MX tiles, to those tiles' bound. Q scaled per head (2^4 apart) and K per key
 // (2^6) make the tensor and block scales differ, and the softmax peaked: there an ulp can flip one bf16
-// rounding of P, which moves that row by up to 2^-9 (H200, session 20: one row at 2.2e-3, rel. L2
-// 2.5e-5 over the case; other seeds 1.5e-6..4e-6), hence 1e-4 rather than DESIGN's 1e-5.
+// rounding of P, which moves that row by up to 2^-9 (H200, session 20: one row at 2.2e-3; rel. L2 over
+// a case 1.1e-6 … 7.7e-5 on five seeds), hence 3e-4 rather than DESIGN's 1e-5 (still 7x below kTol).
 TEST(GpuPrefill, Nvfp4MatchesCpuOracle) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4, nv = Format::nvfp4;
@@ -228,7 +228,7 @@ TEST(GpuPrefill, Nvfp4MatchesCpuOracle) {
     p.pv = PV::fp8;
     return p;
   };
-  constexpr double kExact = 1e-4;
+  constexpr double kExact = 3e-4;
   const std::pair<Case, double> cases[] = {
       {{1, 1, 1, 1, 64, true, Policy::all(nv), "nvfp4 N=1"}, kExact},
       {{4, 1, 1000, 1000, 128, true, Policy::all(nv), "all-nvfp4 N=1000 GQA 4"}, kExact},
