@@ -12,7 +12,8 @@
 // key of the tile carries one scale for all of d (block scales are folded into the FP8 codes where
 // that is exact, for Q here and for K by the quantize pass), all of d runs as one wgmma chain and
 // the row x key scales multiply S once; otherwise one wgmma per 32-wide block, promoted with the
-// block scales on the CUDA cores.
+// block scales on the CUDA cores. NVFP4 tiles (16-blocks, E4M3 scales) arrive as bf16 values with
+// their block scales folded in and always run as one bf16 wgmma chain (issue_chain_bf16).
 // Online softmax in fp32; P rounded to bf16 (registers) times bf16 V (shared memory), or with pv = fp8
 // (kF8V) P in E4M3 times E4M3 V with per-channel scales, one wgmma chain a tile into a fresh
 // accumulator that is added to O in fp32.
