@@ -225,7 +225,8 @@ void dma_attention(const Problem& p) {
     float* krs = reinterpret_cast<float*>(zero + 16) + s * slot_words;  // (zeros for NVFP4: never read)
     int* ksplit = reinterpret_cast<int*>(krs + k_pad_rows);
     pp.krs[s] = krs;
-    // per key tile (fold_key_tiles; -1 for NVFP4): its one key scale, 0 or -1 (PrefillParams::kts)
+    // per key tile: its one key scale, 0 or -1 (fold_key_tiles; PrefillParams::kts), or for NVFP4
+    // K's tensor scale (quantize_rows_nvfp4)
     float* kts = buf.alloc<float>(size_t(k_tiles) * sizeof(float));
     pp.kts[s] = kts;
     pp.k8[s] = k8;

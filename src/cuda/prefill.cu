@@ -197,7 +197,8 @@ __device__ __forceinline__ void store_pair(fp16* dst, float lo, float hi) { *rei
 // q_folded[slot][wgi] cleared where a row keeps several scales. Rows outside [0, Nq) are zeros with
 // scale 0. Each warpgroup loads its own rows, so warpgroup 1's run under warpgroup 0's first tile.
 // kNv: slot by slot, an NVFP4 slot's rows as bf16 (2D bytes) in 128-byte atoms, with Q's tensor scale
-// (per b, h) as the row's one scale.
+// (per b, h) as the row's one scale. (The MX instances keep their own loop, both slots' loads issued
+// before any store: the general one would change their SASS, which session 20 kept as measured.)
 template <int D, bool kF8V, bool kNv>
 __device__ __forceinline__ void load_q(const PrefillParams& p, int b, int h, int64_t pos0, int64_t off, int wgi,
                                        uint8_t* sQ, float* sQs, int (*q_folded)[2]) {
