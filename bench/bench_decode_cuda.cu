@@ -196,7 +196,11 @@ int main(int argc, char** argv) {
         cudaEventCreate(&e0);
         cudaEventCreate(&e1);
         cudaEventRecord(e0);
+        const auto h0 = std::chrono::steady_clock::now();
         for (int i = 0; i < iters; ++i) decode_paged_async(kv, pol, tq, to, nullptr, scale, splits, bad, nullptr);
+        // The host's time to enqueue a step: where it nears the device's, the figure is bound by the host.
+        std::fprintf(stderr, "host-us %s %d %d %.2f\n", pv_arg.c_str(), B, ctx,
+                     std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - h0).count() / iters);
         cudaEventRecord(e1);
         CK(cudaEventSynchronize(e1));
         float ms = 0;
