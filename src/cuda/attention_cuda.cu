@@ -190,22 +190,56 @@ void dma_attention(const Problem& p) {
   const int64_t d = p.d;
   const int64_t ldv = (p.Nk + kTile - 1) / kTile * kTile;
   const int64_t k_tiles = p.B * p.Hkv * (ldv / kTile), k_pad_rows = p.B * p.Hkv * ldv;
-  // The pre-pass's zero-initialised scratch in one allocation and one memset: the NaN/Inf flags of
-  // Q, K, V (16 bytes), then per slot K's row scales (zeros past Nk) and tile-split flags, each slot
-  // 16-byte aligned (the kernel's bulk copies of row scales need it).
+  // The pre-pass's zero-initialised scratch under one memset: the NaN/Inf flags of Q, K, V (16 bytes),
+  // then per slot K's row scales (zeros past Nk) and tile-split flags, each slot 16-byte aligned (the
+  // kernel's bulk copies of row scales need it).
   const int64_t slot_words = (k_pad_rows + k_tiles + 3) / 4 * 4;
   const size_t zeroed = 16 + size_t(nslots * slot_words) * 4;
-  uint8_t* zero = buf.alloc<uint8_t>(zeroed);
+  const bool pv_fp8 = p.policy.pv == PV::fp8;
+  const Format fmt[2] = {p.policy.high, p.policy.low};
+  const int64_t q_rows = p.B * p.Hq * p.Nq, k_rows = p.B * p.Hkv * p.Nk, nb = d / 32;
+  // Every scratch buffer is carved from one allocation (Carve). NVFP4 slots hold bf16 values (the
+  // E4M3 block scales folded in: no block-scale buffers) and the per-head tensor scales.
+  struct SlotScratch {
+    uint8_t *q8, *qs, *k8, *ks;
+    float *kts, *qten, *kten;
+    uint32_t* amax;
+  } sl[2]{};
+  uint8_t* zero = nullptr;
+  void* vt = nullptr;
+  uint32_t* vamax = nullptr;
+  float* vscale = nullptr;
+  auto carve = [&](uintptr_t base) {
+    Carve c(base);
+    zero = c.take<uint8_t>(zeroed);
+    vt = c.take<uint8_t>(size_t(p.B * p.Hkv * d * ldv) * (pv_fp8 ? 1 : 2));
+    if (pv_fp8) {
+      vamax = c.take<uint32_t>(size_t(p.B * p.Hkv * d) * sizeof(uint32_t));
+      vscale = c.take<float>(size_t(p.B * p.Hkv * d) * sizeof(float));
+    }
+    for (int s = 0; s < nslots; ++s) {
+      const bool nv = fmt[s] == Format::nvfp4;
+      const size_t bytes = nv ? 2 : 1;
+      SlotScratch& x = sl[s];
+      x.q8 = c.take<uint8_t>(size_t(q_rows * d) * bytes);
+      x.k8 = c.take<uint8_t>(size_t(k_rows * d) * bytes);
+      x.kts = c.take<float>(size_t(k_tiles) * sizeof(float));  // per key tile (PrefillParams::kts)
+      if (nv) {
+        x.qten = c.take<float>(size_t(p.B * p.Hq) * sizeof(float));
+        x.kten = c.take<float>(size_t(p.B * p.Hkv) * sizeof(float));
+        x.amax = c.take<uint32_t>(size_t(p.B * (p.Hq + p.Hkv)) * sizeof(uint32_t));
+      } else {
+        x.qs = c.take<uint8_t>(size_t(q_rows * nb));
+        x.ks = c.take<uint8_t>(size_t(k_pad_rows * nb));  // padded rows (see QuantTarget)
+      }
+    }
+    return c.size();
+  };
+  carve(reinterpret_cast<uintptr_t>(buf.alloc<uint8_t>(carve(0))));
   check(cudaMemsetAsync(zero, 0, zeroed, stream), "cudaMemset");
   int* flags = reinterpret_cast<int*>(zero);
-  const bool pv_fp8 = p.policy.pv == PV::fp8;
-  void* vt = buf.alloc<uint8_t>(size_t(p.B * p.Hkv * d * ldv) * (pv_fp8 ? 1 : 2));
-  uint32_t* vamax = pv_fp8 ? buf.alloc<uint32_t>(size_t(p.B * p.Hkv * d) * sizeof(uint32_t)) : nullptr;
-  float* vscale = pv_fp8 ? buf.alloc<float>(size_t(p.B * p.Hkv * d) * sizeof(float)) : nullptr;
 
-  const Format fmt[2] = {p.policy.high, p.policy.low};
   PrefillParams pp{};
-  const int64_t q_rows = p.B * p.Hq * p.Nq, k_rows = p.B * p.Hkv * p.Nk;
   // MX slots go through quantize_rows (both in one pass where both are MX) and fold_key_tiles; NVFP4
   // slots through quantize_rows_nvfp4 (their tensor scales need a pass over each head first), as bf16
   // values with the block scales folded in, and each K tile's one scale the tensor scale.
@@ -214,56 +248,49 @@ void dma_attention(const Problem& p) {
   KeyFold folds[2];
   int mx[2], n_mx = 0;
   for (int s = 0; s < nslots; ++s) {
+    const SlotScratch& x = sl[s];
     const bool nv = fmt[s] == Format::nvfp4;
-    const int64_t nb = d / 32, bytes = nv ? 2 : 1;  // NVFP4: bf16 values, no block scales
-    uint8_t* q8 = buf.alloc<uint8_t>(size_t(q_rows * d * bytes));
-    uint8_t* qs = nv ? nullptr : buf.alloc<uint8_t>(size_t(q_rows * nb));
-    pp.q8[s] = q8;
-    pp.qs[s] = qs;
-    uint8_t* k8 = buf.alloc<uint8_t>(size_t(k_rows * d * bytes));
-    uint8_t* ks = nv ? nullptr : buf.alloc<uint8_t>(size_t(k_pad_rows * nb));  // padded rows (see QuantTarget)
     float* krs = reinterpret_cast<float*>(zero + 16) + s * slot_words;  // (zeros for NVFP4: never read)
     int* ksplit = reinterpret_cast<int*>(krs + k_pad_rows);
+    pp.q8[s] = x.q8;
+    pp.qs[s] = x.qs;
     pp.krs[s] = krs;
-    // per key tile: its one key scale, 0 or -1 (fold_key_tiles; PrefillParams::kts), or for NVFP4
-    // K's tensor scale (quantize_rows_nvfp4)
-    float* kts = buf.alloc<float>(size_t(k_tiles) * sizeof(float));
-    pp.kts[s] = kts;
-    pp.k8[s] = k8;
-    pp.ks[s] = ks;
+    // per key tile: its one key scale, 0 or -1 (fold_key_tiles), or for NVFP4 K's tensor scale
+    pp.kts[s] = x.kts;
+    pp.k8[s] = x.k8;
+    pp.ks[s] = x.ks;
     pp.elem[s] = format_info(fmt[s]).elem;
     pp.nv[s] = nv;
     if (nv) {
-      float* qten = buf.alloc<float>(size_t(p.B * p.Hq) * sizeof(float));
-      float* kten = buf.alloc<float>(size_t(p.B * p.Hkv) * sizeof(float));
-      uint32_t* amax = buf.alloc<uint32_t>(size_t(p.B * (p.Hq + p.Hkv)) * sizeof(uint32_t));
-      qn[s] = {reinterpret_cast<uint16_t*>(q8), nullptr, p.Nq, qten, nullptr, amax};
-      kn[s] = {reinterpret_cast<uint16_t*>(k8), nullptr, ldv, kten, kts, amax + p.B * p.Hq};
-      pp.qten[s] = qten;
+      qn[s] = {reinterpret_cast<uint16_t*>(x.q8), nullptr, p.Nq, x.qten, nullptr, x.amax};
+      kn[s] = {reinterpret_cast<uint16_t*>(x.k8), nullptr, ldv, x.kten, x.kts, x.amax + p.B * p.Hq};
+      pp.qten[s] = x.qten;
     } else {
-      qt[s] = {fmt[s], q8, qs, true, true};
-      kt[s] = {fmt[s], k8, ks, true, true, krs, ldv, ksplit};
-      folds[n_mx] = {k8, ks, krs, ksplit, kts, pp.elem[s] == Elem::e5m2};
+      qt[s] = {fmt[s], x.q8, x.qs, true, true};
+      kt[s] = {fmt[s], x.k8, x.ks, true, true, krs, ldv, ksplit};
+      folds[n_mx] = {x.k8, x.ks, krs, ksplit, x.kts, pp.elem[s] == Elem::e5m2};
       mx[n_mx++] = s;
     }
   }
-  // The pre-pass's three independent jobs run concurrently: V on one side stream, K and its tile fold
-  // on the other, Q (the largest) on the caller's stream; the prefill waits for all three.
+  // The pre-pass's three independent jobs run concurrently: Q (the largest) on the caller's stream, K
+  // and its tile fold on one side stream, V (the shortest) on the other; the prefill waits for all three.
+  // Enqueued longest first: each launch takes the host ~4 us, and the device starts each job as it
+  // arrives (session 21: 38 us of host time from the call's start to the prefill's launch at N = 4096,
+  // where the pre-pass takes ~30 us on the device). The quantize pass reads every element
+  // of Q and K once and flags NaN/Inf on the way. (Q quantized inside the prefill kernel instead was
+  // 5-12% slower at N = 16384: bench/RESULTS.md, session 8.)
   StreamFork fork(stream);
-  transpose_v(p.v, ldv, vt, flags + 2, pv_fp8, p.policy.scale_rule, vamax, vscale, fork.side(0));
-  // The quantize pass reads every element of Q and K once and flags NaN/Inf on the way. (Q quantized
-  // inside the prefill kernel instead was 5-12% slower at N = 16384: bench/RESULTS.md, session 8.)
+  if (n_mx > 0) quantize_rows(p.q, p.policy.scale_rule, qt[mx[0]], n_mx == 2 ? qt[mx[1]] : QuantTarget{}, stream, flags);
+  for (int s = 0; s < nslots; ++s)
+    if (pp.nv[s]) quantize_rows_nvfp4(p.q, qn[s], stream, flags);
   if (n_mx > 0) {
     quantize_rows(p.k, p.policy.scale_rule, kt[mx[0]], n_mx == 2 ? kt[mx[1]] : QuantTarget{}, fork.side(1), flags + 1);
     // one scale per key tile where exact (always for MXFP4 keys within 2^8)
     fold_key_tiles(folds, n_mx, p.B * p.Hkv, p.Nk, ldv, d, fork.side(1));
-    quantize_rows(p.q, p.policy.scale_rule, qt[mx[0]], n_mx == 2 ? qt[mx[1]] : QuantTarget{}, stream, flags);
   }
   for (int s = 0; s < nslots; ++s)
-    if (pp.nv[s]) {
-      quantize_rows_nvfp4(p.k, kn[s], fork.side(1), flags + 1);
-      quantize_rows_nvfp4(p.q, qn[s], stream, flags);
-    }
+    if (pp.nv[s]) quantize_rows_nvfp4(p.k, kn[s], fork.side(1), flags + 1);
+  transpose_v(p.v, ldv, vt, flags + 2, pv_fp8, p.policy.scale_rule, vamax, vscale, fork.side(0));
   fork.join();
   // The flags are final once the pre-pass is: their read-back goes behind it, and the prefill kernel is
   // enqueued before the host waits for them, so the wait overlaps the kernel (the caller's next launches

@@ -58,17 +58,35 @@ inline void download(void* dst, const void* src, size_t n) {
   check(cudaMemcpy(dst, src, n, cudaMemcpyDeviceToHost), "copy from device");
 }
 
+constexpr int kMaxDevices = 64;
+
+// The current device's index (< kMaxDevices), for per-device state.
+inline int current_device() {
+  int dev = 0;
+  check(cudaGetDevice(&dev), "cudaGetDevice");
+  if (dev >= kMaxDevices) throw Error("device index out of range (at most 64 devices)");
+  return dev;
+}
+
+// Lets a kernel use `bytes` of dynamic shared memory, once per device (attributes are per device): set
+// on every call, it was host time ahead of each launch. The kernel is a template argument so each
+// instance has flags of its own (instances share a function type).
+template <auto kKernel>
+void allow_dynamic_smem(int bytes) {
+  static std::once_flag done[kMaxDevices];
+  std::call_once(done[current_device()], [&] {
+    check(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes), "cudaFuncSetAttribute");
+  });
+}
+
 // The current device's memory pool for dmattn's scratch buffers: it keeps what it has reserved
 // (release threshold: unlimited), like PyTorch's caching allocator. The device's default pool gives
 // its memory back to the OS at every synchronisation, so each call re-mapped its scratch (the
 // pre-pass buffers: ~1.5 GB at N = 65536) inside the timed region.
 inline cudaMemPool_t scratch_pool() {
-  constexpr int kMaxDevices = 64;
   static cudaMemPool_t pools[kMaxDevices] = {};
   static std::once_flag once[kMaxDevices];
-  int dev = 0;
-  check(cudaGetDevice(&dev), "cudaGetDevice");
-  if (dev >= kMaxDevices) throw Error("device index out of range for the scratch pools");
+  const int dev = current_device();
   std::call_once(once[dev], [dev] {
     cudaMemPoolProps props{};
     props.allocType = cudaMemAllocationTypePinned;
@@ -114,16 +132,34 @@ struct Buffers {
   }
 };
 
+// Sub-buffers of one allocation, laid out by running the same code twice: over base 0 to measure
+// (size()), then over the allocation's address to hand out the pointers. One pool allocation a call
+// instead of one a buffer: each cudaMallocFromPoolAsync took 1-2 us of host time ahead of the call's
+// first launch (bench/RESULTS.md, session 21).
+class Carve {
+ public:
+  explicit Carve(uintptr_t base) : base_(base) {}
+  template <class T>
+  T* take(size_t bytes) {
+    const size_t at = size_;
+    size_ += (bytes + kAlign - 1) / kAlign * kAlign;
+    return reinterpret_cast<T*>(base_ + at);
+  }
+  size_t size() const { return size_; }
+
+ private:
+  static constexpr size_t kAlign = 256;  // as cudaMalloc's: TMA and vector accesses need 16
+  uintptr_t base_;
+  size_t size_ = 0;
+};
+
 // One T per host thread and device, made by make() on first use and kept for the thread's life
 // (destroying its CUDA objects at thread exit could run after the CUDA context is gone), so concurrent
 // callers never share a stream or an event between record and wait.
 template <class T, class Make>
-T& per_thread_and_device(Make make, const char* what) {
-  constexpr int kMaxDevices = 64;
+T& per_thread_and_device(Make make) {
   thread_local std::array<T*, kMaxDevices> per_device{};
-  int dev = 0;
-  check(cudaGetDevice(&dev), "cudaGetDevice");
-  if (dev >= kMaxDevices) throw Error(std::string("device index out of range for ") + what);
+  const int dev = current_device();
   if (!per_device[dev]) per_device[dev] = make();
   return *per_device[dev];
 }
@@ -177,7 +213,7 @@ class StreamFork {
       }
       check(cudaEventCreateWithFlags(&s->fork, cudaEventDisableTiming), "cudaEventCreate");
       return s;
-    }, "the side streams");
+    });
   }
   cudaStream_t main_;
   Sides& s_;
@@ -225,7 +261,7 @@ class FlagReadback {
       check(cudaEventCreateWithFlags(&s->ready, cudaEventDisableTiming), "cudaEventCreate");
       check(cudaEventCreateWithFlags(&s->done, cudaEventDisableTiming), "cudaEventCreate");
       return s;
-    }, "the flag read-back");
+    });
   }
   Slot& s_;
   bool waited_ = false;

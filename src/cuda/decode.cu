@@ -715,8 +715,7 @@ __global__ void merge_splits(const float* part, int64_t rows, int splits, int d,
 template <int D, int kVB, int kNR, int kCtas>
 void launch(const Params& p, dim3 grid, cudaStream_t stream) {
   constexpr int bytes = Smem<D, kVB, kNR, kCtas>::kBytes;
-  check(cudaFuncSetAttribute(decode_kernel<D, kVB, kNR, kCtas>, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes),
-        "decode kernel attribute");
+  allow_dynamic_smem<decode_kernel<D, kVB, kNR, kCtas>>(bytes);
   decode_kernel<D, kVB, kNR, kCtas><<<grid, kThreads, bytes, stream>>>(p);
 }
 

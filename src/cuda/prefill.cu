@@ -19,6 +19,7 @@
 // accumulator that is added to O in fp32.
 #include <cmath>
 
+#include "cuda/buffers.hpp"
 #include "cuda/fp8.cuh"
 #include "cuda/mma.cuh"
 #include "cuda/prefill.cuh"
@@ -591,8 +592,8 @@ void launch(PrefillParams p, int64_t blocks, int batch, cudaStream_t stream) {
     p.vmap = tensor_map_3d(p.vt, CU_TENSOR_MAP_DATA_TYPE_UINT16, {ldv, D, bh}, {ldv * 2, D * ldv * 2}, {BN / 2, D, 1},
                            CU_TENSOR_MAP_SWIZZLE_128B);
   constexpr int bytes = Smem<D, kF8V, kNv>::kBytes;
-  auto kernel = prefill_kernel<D, TOut, kF8V, kNv>;
-  cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  constexpr auto kernel = prefill_kernel<D, TOut, kF8V, kNv>;
+  allow_dynamic_smem<kernel>(bytes);
   kernel<<<dim3(unsigned(blocks), unsigned(p.Hq), unsigned(batch)), kThreads, bytes, stream>>>(p);
 }
 
