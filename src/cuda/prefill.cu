@@ -44,7 +44,10 @@ constexpr float kLog2e = 1.4426950408889634f;
 //   the Q-fold flags.
 // kNv (some slot is NVFP4: instances of their own, so the MX ones keep their layout and code): an
 // NVFP4 slot's Q and its K tiles are bf16 (issue_chain_bf16), twice the bytes, as [D/64 atoms][rows]
-// [128 B]; every Q slot and K tile gets that room, and 2 stages where 3 do not fit.
+// [128 B]; every Q slot and K tile gets that room. Where 3 stages do not fit (d = 128, bf16 V), K and
+// V go in rings of 2 stages each (kSplit), with barriers of their own: a tile's K is released once its
+// S has retired, its V once its P.V has, so each copy starts as soon as its own buffer frees. One ring of
+// 2 stages cost the MX kernel 27% at N = 16384 (bench/RESULTS.md, session 21).
 template <int D, bool kF8V, bool kNv = false>
 struct Smem {
   static constexpr int kNb = D / 32;
@@ -52,13 +55,19 @@ struct Smem {
   static constexpr int kOp = kNv ? 2 * kQK : kQK;  // the room a Q slot or K tile takes
   static constexpr int kVHalf = D * 128, kVt = kF8V ? kVHalf : 2 * kVHalf;
   static constexpr int kQ = 2 * kOp, kQs = 2 * BM * kNb * 4;
-  static constexpr int kStage = kVt + kOp + 1024;  // + BN floats and BN * kNb bytes (<= 1024 for D <= 128)
-  static constexpr uint32_t kTx = kVt + kQK + BN * 4 + BN * kNb;  // bytes an MX tile's copies bring
-  static constexpr uint32_t kTxBf16 = kVt + 2 * kQK + BN * 4;     // an NVFP4 tile's (no block scales)
+  static constexpr int kKStage = kOp + 1024;  // K + BN floats and BN * kNb bytes (<= 1024 for D <= 128)
+  static constexpr int kStage = kVt + kKStage;
+  static constexpr uint32_t kTxK = kQK + BN * 4 + BN * kNb;  // bytes an MX tile's K copies bring
+  static constexpr uint32_t kTxKBf16 = 2 * kQK + BN * 4;     // an NVFP4 tile's (no block scales)
   static_assert(BN * 4 + BN * kNb <= 1024);
-  static constexpr int kStages = kQ + kQs + 3 * kStage + 64 <= 227 * 1024 ? 3 : 2;
-  static constexpr int kBars = kQ + kQs + kStages * kStage;  // uint64_t full[kStages], empty[kStages]
-  static constexpr int kFlags = kBars + 2 * kStages * 8;     // int q_folded[2][2]
+  static constexpr bool kSplit = kQ + kQs + 3 * kStage + 64 > 227 * 1024;
+  static constexpr int kStages = kSplit ? 2 : 3;  // of the one ring, or of each of the split rings
+  // Stage st's V^T at kVt0 + st * kVStride, its K at kK0 + st * kKStride.
+  static constexpr int kVt0 = kQ + kQs, kVStride = kSplit ? kVt : kStage;
+  static constexpr int kK0 = kVt0 + (kSplit ? kStages * kVt : kVt), kKStride = kSplit ? kKStage : kStage;
+  // uint64_t full[kStages], empty[kStages] (the tile's copies, or kSplit its K's); kSplit: vfull, vempty
+  static constexpr int kBars = kQ + kQs + kStages * kStage;
+  static constexpr int kFlags = kBars + (kSplit ? 4 : 2) * kStages * 8;  // int q_folded[2][2]
   static constexpr int kBytes = kFlags + 16;
   static_assert(kQ % 1024 == 0 && kQs % 1024 == 0 && kStage % 1024 == 0);
   static_assert(kBytes <= 227 * 1024, "more shared memory than an sm_90 CTA can have");
@@ -270,12 +279,14 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   extern __shared__ __align__(1024) uint8_t smem[];
   uint8_t* sQ = smem;
   float* sQs = reinterpret_cast<float*>(smem + S::kQ);
-  auto sVt = [&](int st) { return smem + S::kQ + S::kQs + st * S::kStage; };
-  auto sK = [&](int st) { return sVt(st) + S::kVt; };
+  auto sVt = [&](int st) { return smem + S::kVt0 + st * S::kVStride; };
+  auto sK = [&](int st) { return smem + S::kK0 + st * S::kKStride; };
   auto sKr = [&](int st) { return reinterpret_cast<float*>(sK(st) + S::kOp); };
   auto sKb = [&](int st) { return sK(st) + S::kOp + BN * 4; };
   uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::kBars);  // a stage's copies have landed
   uint64_t* empty = full + kStages;                                // both consumer warpgroups are done with it
+  uint64_t* vfull = empty + kStages;                               // kSplit: the tile's V, as full and empty
+  uint64_t* vempty = vfull + kStages;
   // [slot][warpgroup]: every Q row of the warpgroup has one scale for all of d.
   auto q_folded = reinterpret_cast<int(*)[2]>(smem + S::kFlags);
   if (threadIdx.x == 0 && (__cvta_generic_to_shared(smem) & 1023) != 0) __trap();  // the swizzle needs it
@@ -296,6 +307,10 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     for (int st = 0; st < kStages; ++st) {
       tma::init(&full[st], 1);
       tma::init(&empty[st], kConsumers);
+      if constexpr (S::kSplit) {
+        tma::init(&vfull[st], 1);
+        tma::init(&vempty[st], kConsumers);
+      }
     }
     tma::fence_init();
   }
@@ -312,16 +327,23 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
         const int slot = slot_of(j);
         const bool nv = kNv && p.nv[slot];  // bf16 K in D/64 atoms of 128-byte rows, no block scales
         if (j >= kStages) tma::wait(&empty[st], uint32_t(phase ^ 1));
-        tma::arrive_expect(&full[st], nv ? S::kTxBf16 : S::kTx);
+        // kSplit: K's copies first, then V's into a ring whose buffer frees later (after P.V).
+        tma::arrive_expect(&full[st], (nv ? S::kTxKBf16 : S::kTxK) + (S::kSplit ? 0 : S::kVt));
         if (nv) {
           for (int a = 0; a < D / 64; ++a) tma::load_3d(sK(st) + a * BN * 128, &p.kmap[slot], a * 64, j * BN, bh, &full[st]);
         } else {
           tma::load_3d(sK(st), &p.kmap[slot], 0, j * BN, bh, &full[st]);
         }
-        tma::load_3d(sVt(st), &p.vmap, j * BN, 0, bh, &full[st]);
-        if (!kF8V) tma::load_3d(sVt(st) + S::kVHalf, &p.vmap, j * BN + BN / 2, 0, bh, &full[st]);
         tma::load_bytes(sKr(st), p.krs[slot] + kv_tile0 + int64_t(j) * BN, BN * 4, &full[st]);
         if (!nv) tma::load_bytes(sKb(st), p.ks[slot] + (kv_tile0 + int64_t(j) * BN) * NB, BN * NB, &full[st]);
+        uint64_t* vbar = &full[st];
+        if constexpr (S::kSplit) {
+          vbar = &vfull[st];
+          if (j >= kStages) tma::wait(&vempty[st], uint32_t(phase ^ 1));
+          tma::arrive_expect(vbar, S::kVt);
+        }
+        tma::load_3d(sVt(st), &p.vmap, j * BN, 0, bh, vbar);
+        if (!kF8V) tma::load_3d(sVt(st) + S::kVHalf, &p.vmap, j * BN + BN / 2, 0, bh, vbar);
       }
     }
     return;
@@ -382,21 +404,24 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   const bool e5m2_high = p.elem[0] == Elem::e5m2, e5m2_low = p.elem[1] == Elem::e5m2;
   // NVFP4 slots (kNv instances): their tiles always run as one bf16 chain (issue_chain_bf16).
   const bool nv_high = kNv && p.nv[0], nv_low = kNv && nslots == 2 && p.nv[1];
-  // wgmma descriptors of the warpgroup's Q slots and of stage 0's K and V^T (stage st: + st * kStage).
+  // wgmma descriptors of the warpgroup's Q slots and of stage 0's K and V^T.
   const wg::Desc dq0 = wg::make_desc<D>(sQ + wgi * 64 * D), dq1 = dq0 + S::kOp, dk0 = wg::make_desc<D>(sK(0)),
                  dv0 = wg::make_desc<128>(sVt(0));
+  // (stage st: K at dk0 + st * kKStride, V^T at dv0 + st * kVStride)
   // kNv: the bf16 forms' descriptors (128-byte atoms; the warpgroup's rows start 64 rows in).
   const wg::Desc bq0 = wg::make_desc<128>(sQ + wgi * 64 * 128), bq1 = bq0 + S::kOp, bk0 = wg::make_desc<128>(sK(0));
   // Stage st of tile j and the parity of its fill, kept as counters (64-bit j % 3 and j / 3 cost ~40
   // instructions a tile).
   int st = 0, prev = kStages - 1;
-  uint32_t phase = 0;
-  // P_{j-1}.V_{j-1} (bf16 into o; E4M3 into opv, added to o after it retires).
-  auto issue_pv_any = [&](int stage) {
+  uint32_t phase = 0, prev_phase = 0;
+  // P_{j-1}.V_{j-1} (bf16 into o; E4M3 into opv, added to o after it retires); kSplit: once the V of
+  // that stage's fill of parity ph has landed.
+  auto issue_pv_any = [&](int stage, uint32_t ph) {
+    if constexpr (S::kSplit) tma::wait(&vfull[stage], ph);
     if constexpr (kF8V)
-      issue_pv_fp8<D>(opv, a, dv0 + stage * S::kStage);
+      issue_pv_fp8<D>(opv, a, dv0 + stage * S::kVStride);
     else
-      issue_pv<D>(o, a, dv0 + stage * S::kStage);
+      issue_pv<D>(o, a, dv0 + stage * S::kVStride);
   };
   auto add_pv_result = [&]() {  // the retired P.V's result into o
     if constexpr (!kF8V) {
@@ -412,7 +437,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   auto finish_pv = [&](int j) {
     add_pv_result();
     wg::pin(a);
-    if (j > 0) tma::arrive(&empty[prev]);
+    if (j > 0) tma::arrive(S::kSplit ? &vempty[prev] : &empty[prev]);
   };
   for (int j = 0; j < tiles; ++j) {
     const int slot = slot_of(j);
@@ -422,7 +447,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     const bool nv = slot ? nv_low : nv_high;
     const bool folded = nv || (kts_j >= 0.0f && q_folded[slot][wgi]);
     const int pv_stage = j > 0 ? prev : st;  // P_{j-1}.V_{j-1}'s V (tile 0's at j = 0, with P = 0)
-    const wg::Desc sq = slot ? dq1 : dq0, sk = dk0 + st * S::kStage;
+    const uint32_t pv_phase = j > 0 ? prev_phase : phase;
+    const wg::Desc sq = slot ? dq1 : dq0, sk = dk0 + st * S::kKStride;
     const float* sqs = sQs + (slot * BM + wgi * 64 + warp * 16 + g) * NB;
     tma::wait(&full[st], phase);
 
@@ -435,18 +461,18 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     // P_{j-1}.V_{j-1} first, retired (and added to o) while S_j executes: its fresh accumulator
     // live during the softmax as well would need ~250 registers (ptxas spilled at 240).
     if constexpr (kF8V) {
-      issue_pv_any(pv_stage);
+      issue_pv_any(pv_stage, pv_phase);
       wg::commit();
     }
     if (folded) {
       if (kNv && nv)
-        issue_chain_bf16<D>(s, slot ? bq1 : bq0, bk0 + st * S::kStage);
+        issue_chain_bf16<D>(s, slot ? bq1 : bq0, bk0 + st * S::kKStride);
       else if (e5m2)
         issue_chain<D, true>(s, sq, sk);
       else
         issue_chain<D, false>(s, sq, sk);
       if constexpr (!kF8V) {
-        issue_pv_any(pv_stage);
+        issue_pv_any(pv_stage, pv_phase);
         wg::commit();
       }
       if (wgi == 0 || j + 1 < tiles) wg::bar_arrive(other, kConsumers);
@@ -468,7 +494,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       if (kts_j <= 0.0f) scale_by_keys(s, sKr(st), t);
     } else {
       if constexpr (!kF8V) {
-        issue_pv_any(pv_stage);
+        issue_pv_any(pv_stage, pv_phase);
         wg::commit();
       }
       if (wgi == 0 || j + 1 < tiles) wg::bar_arrive(other, kConsumers);
@@ -481,6 +507,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       else
         scores_per_block<D, false>(s, sq, sqs, sk, sKb(st), p.scale, t);  // s: scaled logits
     }
+    if constexpr (S::kSplit) tma::arrive(&empty[st]);  // S_j has retired and the key scales are read
 
     // Mask (tiles every row of the warp sees whole skip it), online softmax (fp32).
     float mx[2] = {-INFINITY, -INFINITY};
@@ -521,11 +548,12 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     }
     pack_p<kF8V>(s, a);
     prev = st;
+    prev_phase = phase;
     phase ^= st == kStages - 1;
     st = st == kStages - 1 ? 0 : st + 1;
   }
   if (tiles > 0) {  // the last tile's P.V
-    issue_pv_any(prev);
+    issue_pv_any(prev, prev_phase);
     wg::commit();
     wg::wait<0>();
     add_pv_result();
