@@ -60,8 +60,10 @@ struct AttentionOptions {
 };
 
 // Throws dmattn::Error on invalid input (shapes, head dim, NaN/Inf, unavailable backend).
-// The CUDA backend (tensors on the GPU; out and lse there too) runs on the default stream and
-// returns when the result is ready.
+// The CUDA backend (tensors on the GPU; out and lse there too) enqueues its work on opts.stream and
+// returns before the result is ready (stream-ordered: AttentionOptions::stream says when to read it).
+// It keeps per-device state for the life of the process (a scratch memory pool, side streams and
+// events per host thread, kernel attributes): a cudaDeviceReset() in between calls is not supported.
 void attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                float* lse, const AttentionOptions& opts);
 
