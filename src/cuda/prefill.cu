@@ -2,7 +2,8 @@
 // 128-position query tile (aligned in absolute positions, so one format per key tile) x its key tiles
 // in ascending order. A producer warpgroup streams each tile's K (in the tile's format, FP8 bytes),
 // V (bf16, transposed by the pre-pass so both wgmma operands are K-major) and key scales into a
-// 3-stage ring with TMA, signalled through mbarriers; two consumer warpgroups of 64 query rows each
+// 3-stage ring with TMA (or K and V rings of 2 where 3 stages do not fit: Smem), signalled through
+// mbarriers; two consumer warpgroups of 64 query rows each
 // take turns on the tensor cores (named barriers): while one runs its softmax, the other's S_j and
 // P_{j-1}.V_{j-1} execute (FA3's ping-pong), and within a warpgroup P_{j-1}.V_{j-1} runs under
 // S_j's softmax. Each consumer warpgroup loads its own Q rows (both formats, from the quantize
@@ -41,7 +42,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 //   per stage: V^T as two [D][64 keys] bf16 halves (128-byte rows), or with kF8V (pv = fp8) as one
 //   [D][128 keys] E4M3 tile, K [BN][D bytes], the keys' row scales [BN] floats (folded tiles) and
 //   block scales [BN][D/32] E8M0 bytes (per-block tiles); then the stages' full/empty barriers and
-//   the Q-fold flags.
+//   the Q-fold flags. (kSplit: every stage's V^T first, then every stage's K with its scales.)
 // kNv (some slot is NVFP4: instances of their own, so the MX ones keep their layout and code): an
 // NVFP4 slot's Q and its K tiles are bf16 (issue_chain_bf16), twice the bytes, as [D/64 atoms][rows]
 // [128 B]; every Q slot and K tile gets that room. Where 3 stages do not fit (d = 128, bf16 V), K and
