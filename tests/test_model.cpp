@@ -1,6 +1,6 @@
 // The real model end to end (skipped, saying so, when scripts/fetch_model.sh has not been run):
 // tokenizer round trips, a coherent greedy continuation, perplexity on real English text in the
-// range a 135M model reaches, and DMA attention inside the model.
+// range a 135M model reaches, DMA attention inside the model, and a pass stopped after its first layers.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -9,6 +9,7 @@
 #include <sstream>
 
 #include "dmattn/attention.hpp"
+#include "model/eval.hpp"
 #include "model/llama.hpp"
 #include "model/tokenizer.hpp"
 
@@ -81,4 +82,35 @@ TEST(Model, PerplexityOnRealTextIsInRange) {
   std::printf("perplexity (Apache-2.0 text, 512 tokens, exact attention): %.3f\n", ppl);
   EXPECT_GT(ppl, 1.5);
   EXPECT_LT(ppl, 40.0);
+}
+
+// A pass over the first n layers calls attention for exactly those, with the inputs the full pass
+// gives them (capture_layer relies on it to stop at its layer).
+TEST(Model, TruncatedPassGivesTheFullPassLayerInputs) {
+  NEED_MODEL();
+  std::vector<int> ids = M->tok.encode(text_sample());
+  ids.resize(64);
+  const int layer = 5;
+  std::vector<int> calls;
+  HostTensor q_full, k_full, v_full;
+  const AttentionFn exact = exact_attention_fn();
+  auto recorder = [&](bool keep_full) {
+    return [&, keep_full](int l, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o) {
+      calls.push_back(l);
+      exact(l, q, k, v, o);
+      if (keep_full && l == layer) q_full = HostTensor::copy_of(q), k_full = HostTensor::copy_of(k), v_full = HostTensor::copy_of(v);
+    };
+  };
+  M->llama.hidden(ids, recorder(true));
+  ASSERT_EQ(int(calls.size()), M->llama.config().n_layer);
+  calls.clear();
+  M->llama.hidden(ids, recorder(false), layer + 1);
+  EXPECT_EQ(calls, (std::vector<int>{0, 1, 2, 3, 4, 5}));
+  const LayerQKV c = capture_layer(M->llama, ids, layer);
+  auto same = [](const HostTensor& a, const HostTensor& b) {
+    return a.shape() == b.shape() && a.to_floats() == b.to_floats();
+  };
+  EXPECT_TRUE(same(c.q, q_full));
+  EXPECT_TRUE(same(c.k, k_full));
+  EXPECT_TRUE(same(c.v, v_full));
 }

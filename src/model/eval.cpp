@@ -140,13 +140,17 @@ LayerQKV capture_layer(const Llama& model, const std::vector<int>& tokens, int l
   if (layer < 0 || layer >= model.config().n_layer) throw Error("capture_layer: no layer " + std::to_string(layer));
   LayerQKV out;
   const AttentionFn exact = exact_attention_fn();
-  model.hidden(tokens, [&](int l, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o) {
-    exact(l, q, k, v, o);
-    if (l != layer) return;
-    out.q = HostTensor::copy_of(q);
-    out.k = HostTensor::copy_of(k);
-    out.v = HostTensor::copy_of(v);
-  });
+  // Layers after `layer` do not change its inputs: the forward pass stops there.
+  model.hidden(
+      tokens,
+      [&](int l, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o) {
+        exact(l, q, k, v, o);
+        if (l != layer) return;
+        out.q = HostTensor::copy_of(q);
+        out.k = HostTensor::copy_of(k);
+        out.v = HostTensor::copy_of(v);
+      },
+      layer + 1);
   return out;
 }
 

@@ -25,8 +25,9 @@ class Llama {
   explicit Llama(const Gguf& g, int threads = 0);
   const LlamaConfig& config() const { return c_; }
 
-  // Final hidden states (after the output norm), [T][dim].
-  std::vector<float> hidden(const std::vector<int>& tokens, const AttentionFn& attn) const;
+  // Final hidden states (after the output norm), [T][dim]. n_layers >= 0 runs only the first n_layers
+  // layers (attn is never called for the others): enough for a caller that wants one layer's inputs.
+  std::vector<float> hidden(const std::vector<int>& tokens, const AttentionFn& attn, int n_layers = -1) const;
   // Logits of one hidden row, [vocab].
   std::vector<float> logits(const float* h) const;
   // Sum of -log p(tokens[t+1] | tokens[..t]) over t in [from, T-1), and the count of terms.
