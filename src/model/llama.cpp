@@ -154,21 +154,22 @@ std::pair<double, int64_t> Llama::nll(const std::vector<int>& tokens, const Atte
   const std::vector<float> h = hidden(tokens, attn);
   const int64_t T = int64_t(tokens.size());
   std::vector<double> per(size_t(T), 0.0);
-  const std::vector<float>& W = output_matrix();
-  cpu::parallel_for(T - 1 - from, threads_, [&](int64_t i) {
-    const int64_t t = from + i;
-    const float* ht = &h[size_t(t) * c_.dim];
-    double m = -1e300, target = 0;
-    std::vector<float> z(size_t(c_.vocab));
-    for (int vv = 0; vv < c_.vocab; ++vv) {
-      z[size_t(vv)] = dot(ht, W.data() + size_t(vv) * c_.dim, c_.dim);
-      m = std::max(m, double(z[size_t(vv)]));
-    }
-    double s = 0;
-    for (float zz : z) s += std::exp(double(zz) - m);
-    target = z[size_t(tokens[size_t(t + 1)])];
-    per[size_t(t)] = m + std::log(s) - target;
-  });
+  // Logits kBlock tokens at a time through the blocked matmul: the output matrix (vocab x dim, 113 MB
+  // for SmolLM2) then streams from memory once per block instead of once per token.
+  constexpr int64_t kBlock = 64;
+  std::vector<float> z(size_t(kBlock) * size_t(c_.vocab));
+  for (int64_t t0 = from; t0 < T - 1; t0 += kBlock) {
+    const int64_t nb = std::min(kBlock, T - 1 - t0);
+    matmul(&h[size_t(t0) * c_.dim], int(nb), c_.dim, output_matrix(), c_.vocab, z.data(), threads_);
+    cpu::parallel_for(nb, threads_, [&](int64_t i) {
+      const float* zt = z.data() + size_t(i) * size_t(c_.vocab);
+      double m = -1e300;
+      for (int vv = 0; vv < c_.vocab; ++vv) m = std::max(m, double(zt[vv]));
+      double s = 0;
+      for (int vv = 0; vv < c_.vocab; ++vv) s += std::exp(double(zt[vv]) - m);
+      per[size_t(t0 + i)] = m + std::log(s) - zt[tokens[size_t(t0 + i + 1)]];
+    });
+  }
   double sum = 0;
   for (int64_t t = from; t < T - 1; ++t) sum += per[size_t(t)];
   return {sum, T - 1 - from};
