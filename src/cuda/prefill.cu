@@ -541,11 +541,29 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       alpha_pv[0] = alpha[0];
       alpha_pv[1] = alpha[1];
     } else {
-      wg::wait<0>();  // P_{j-1}.V_{j-1} has retired
-      finish_pv(j);
-      if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f))  // late tiles rarely raise a row's max
+      // Where ptxas puts the wait for P_{j-1}.V_{j-1} decides whether that P.V runs under the softmax:
+      // in the softmax's block it hoists the wait above the exponentials (the P.V retires first); in a
+      // block after a branch of its own it stays after them. The MX instances measured 2% faster the
+      // first way (d = 64 and 128), the split-ring one (NVFP4, d = 128) 3.4% faster the second
+      // (bench/RESULTS.md, session 22 run 5).
+      auto rescale_o = [&] {
 #pragma unroll
         for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) % 2];
+      };
+      if constexpr (S::kSplit) {
+        if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) {
+          wg::wait<0>();
+          finish_pv(j);
+          rescale_o();
+        } else {
+          wg::wait<0>();
+          finish_pv(j);
+        }
+      } else {
+        wg::wait<0>();  // P_{j-1}.V_{j-1} has retired
+        finish_pv(j);
+        if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f)) rescale_o();  // late tiles rarely raise a row's max
+      }
     }
     pack_p<kF8V>(s, a);
     prev = st;
