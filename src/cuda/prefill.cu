@@ -5,8 +5,9 @@
 // 3-stage ring with TMA (or K and V rings of 2 where 3 stages do not fit: Smem), signalled through
 // mbarriers; two consumer warpgroups of 64 query rows each
 // take turns on the tensor cores (named barriers): while one runs its softmax, the other's S_j and
-// P_{j-1}.V_{j-1} execute (FA3's ping-pong), and within a warpgroup P_{j-1}.V_{j-1} runs under
-// S_j's softmax. Each consumer warpgroup loads its own Q rows (both formats, from the quantize
+// P_{j-1}.V_{j-1} execute (FA3's ping-pong); within a warpgroup P_{j-1}.V_{j-1} is issued with S_j
+// and, in the NVFP4 split-ring instance only, runs under S_j's softmax (elsewhere that measured slower:
+// see the wait after the softmax). Each consumer warpgroup loads its own Q rows (both formats, from the quantize
 // pass) while the first copies are in flight. Heavy (late) causal tiles are scheduled first.
 //
 // S = Q.K^T per tile with MX scaling (DESIGN §3, §5). Where every row of the warpgroup's Q and every
@@ -458,7 +459,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     // tiles) the row's Q scale; rows outside the output get 1 so their masked -inf stay -inf.
     float c[2] = {kLog2e, kLog2e};
     wg::bar_sync(me, kConsumers);
-    // bf16 P.V: S_j, then P_{j-1}.V_{j-1}, whose execution the softmax of S_j overlaps. kF8V:
+    // bf16 P.V: S_j, then P_{j-1}.V_{j-1} (retired before or after the softmax: see its wait). kF8V:
     // P_{j-1}.V_{j-1} first, retired (and added to o) while S_j executes: its fresh accumulator
     // live during the softmax as well would need ~250 registers (ptxas spilled at 240).
     if constexpr (kF8V) {
