@@ -1,0 +1,73 @@
+#!/usr/bin/env python3
+"""Where ptxas put the prefill kernel's wgmma waits, per instance: compiles src/cuda/prefill.cu for
+sm_90a (no GPU needed) and prints, for each prefill_kernel instance, its main loop's sequence of wgmma
+issues, waits (WARPGROUP.DEPBAR), barriers and runs of MUFU (the softmax's exponentials).
+
+A wait names no registers, so ptxas's scheduler may move it within its basic block: session 22 found the
+default kernel's wait for P.V hoisted above the softmax it was meant to overlap (bench/RESULTS.md, session
+22 run 5). Run this after any change to the loop.
+
+Usage: python3 bench/sass_waits.py [instance-substring ...]   (default: the d=128 bf16-out instances)
+Needs nvcc and cuobjdump (the CUDA toolkit's, or pip's nvidia-cuda-cuobjdump: set CUOBJDUMP=path).
+"""
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EVENT = re.compile(r"(WARPGROUP\.DEPBAR\S*[^;]*|WARPGROUP\.ARRIVE|[HQ]GMMA\.\S+|BAR\.(SYNC|ARV)\S*[^;]*|MUFU\.EX2)")
+
+
+def tool(name, env):
+    path = os.environ.get(env) or shutil.which(name) or os.path.join("/usr/local/cuda/bin", name)
+    if not os.path.exists(path):
+        sys.exit(f"{name} not found: set {env}=path")
+    return path
+
+
+def main():
+    wanted = sys.argv[1:] or ["ILi128ENS_4bf16ELb0ELb0", "ILi128ENS_4bf16ELb0ELb1", "ILi128ENS_4bf16ELb1ELb0"]
+    nvcc, cuobjdump = tool("nvcc", "NVCC"), tool("cuobjdump", "CUOBJDUMP")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = os.path.join(tmp, "prefill.cubin")
+        subprocess.run([nvcc, "-DDMATTN_HAVE_CUDA=1", "-I" + os.path.join(ROOT, "include"), "-I" + os.path.join(ROOT, "src"),
+                        "-O3", "-DNDEBUG", "-arch=sm_90a", "--expt-relaxed-constexpr", "-std=c++17", "-cubin",
+                        os.path.join(ROOT, "src/cuda/prefill.cu"), "-o", cubin], check=True)
+        sass = subprocess.run([cuobjdump, "-sass", cubin], check=True, capture_output=True, text=True).stdout
+    for func in re.split(r"\n\s*Function : ", sass)[1:]:
+        name = func.split("\n", 1)[0].strip()
+        if "prefill_kernel" not in name or not any(w in name for w in wanted):
+            continue
+        print("==", name)
+        events, mufu = [], 0
+        for line in func.split("\n"):
+            m = EVENT.search(line)
+            if not m:
+                continue
+            if m.group(0) == "MUFU.EX2":
+                mufu += 1
+                continue
+            if mufu:
+                events.append(f"{mufu} x MUFU.EX2")
+                mufu = 0
+            events.append(m.group(0).strip())
+        if mufu:
+            events.append(f"{mufu} x MUFU.EX2")
+        # Collapse runs of identical wgmmas.
+        out, prev, count = [], None, 0
+        for e in events + [None]:
+            key = re.sub(r"\s.*", "", e) if e and "GMMA" in e else e
+            if key == prev:
+                count += 1
+                continue
+            if prev is not None:
+                out.append(f"{count} x {prev}" if count > 1 else prev)
+            prev, count = key, 1
+        print("   " + "\n   ".join(out))
+
+
+if __name__ == "__main__":
+    main()
