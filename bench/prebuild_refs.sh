@@ -19,12 +19,15 @@ for spec in "$@"; do
   echo "== $name: $(git -C "$wt" log --oneline -1) ${flags:+(CUDA flags $flags)}"
   cmake -S "$wt" -B "$wt/build-sm90" -G Ninja -DDMATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DDMATTN_PYTHON=OFF \
     -DCMAKE_CUDA_FLAGS="${flags:-}" -DDMATTN_DEPS="$root/.deps" >/dev/null
-  cmake --build "$wt/build-sm90" --target bench_prefill_cuda bench_decode_cuda bench_quantize_cuda dmattn_gpu_tests \
+  benches="prefill decode quantize"
+  [ -f "$wt/bench/bench_wgmma_cuda.cu" ] && benches="$benches wgmma"  # refs from session 22 on
+  # shellcheck disable=SC2046  # one target a bench
+  cmake --build "$wt/build-sm90" --target $(printf 'bench_%s_cuda ' $benches) dmattn_gpu_tests \
     >"$wt.log" 2>&1 || { tail -30 "$wt.log"; echo "$name ($ref) does not build" >&2; exit 1; }
   grep -E "[1-9][0-9]* bytes spill" "$wt.log" || true
   dir=build-exp/$name
   mkdir -p "$dir/bench" "$dir/tests"
-  cp "$wt"/build-sm90/bench/bench_{prefill,decode,quantize}_cuda "$dir/bench/"
+  for b in $benches; do cp "$wt/build-sm90/bench/bench_${b}_cuda" "$dir/bench/"; done
   cp "$wt/build-sm90/tests/dmattn_gpu_tests" "$dir/tests/"
   git -C "$wt" log --oneline -1 >"$dir/ref.txt"
   packed+=("$dir")
