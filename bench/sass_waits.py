@@ -10,6 +10,7 @@ default kernel's wait for P.V hoisted above the softmax it was meant to overlap 
 Usage: python3 bench/sass_waits.py [instance-substring ...]   (default: the d=128 bf16-out instances)
 Needs nvcc and cuobjdump (the CUDA toolkit's, or pip's nvidia-cuda-cuobjdump: set CUOBJDUMP=path).
 """
+import itertools
 import os
 import re
 import shutil
@@ -42,30 +43,12 @@ def main():
         if "prefill_kernel" not in name or not any(w in name for w in wanted):
             continue
         print("==", name)
-        events, mufu = [], 0
-        for line in func.split("\n"):
-            m = EVENT.search(line)
-            if not m:
-                continue
-            if m.group(0) == "MUFU.EX2":
-                mufu += 1
-                continue
-            if mufu:
-                events.append(f"{mufu} x MUFU.EX2")
-                mufu = 0
-            events.append(m.group(0).strip())
-        if mufu:
-            events.append(f"{mufu} x MUFU.EX2")
-        # Collapse runs of identical wgmmas.
-        out, prev, count = [], None, 0
-        for e in events + [None]:
-            key = re.sub(r"\s.*", "", e) if e and "GMMA" in e else e
-            if key == prev:
-                count += 1
-                continue
-            if prev is not None:
-                out.append(f"{count} x {prev}" if count > 1 else prev)
-            prev, count = key, 1
+        events = [m.group(0).strip() for m in map(EVENT.search, func.split("\n")) if m]
+        # Runs of wgmmas of one shape, and of MUFUs, as counts; waits and barriers one a line.
+        out = []
+        for key, run in itertools.groupby(e.split(" ")[0] if "GMMA" in e else e for e in events):
+            n = len(list(run))
+            out += [f"{n} x {key}" if n > 1 else key] if "GMMA" in key or key == "MUFU.EX2" else [key] * n
         print("   " + "\n   ".join(out))
 
 
