@@ -4,8 +4,8 @@
 // V (bf16, transposed by the pre-pass so both wgmma operands are K-major) and key scales into a
 // 3-stage ring with TMA (or K and V rings of 2 where 3 stages do not fit: Smem), signalled through
 // mbarriers; two consumer warpgroups of 64 query rows each
-// take turns on the tensor cores (named barriers): while one runs its softmax, the other's S_j and
-// P_{j-1}.V_{j-1} execute (FA3's ping-pong); within a warpgroup P_{j-1}.V_{j-1} is issued with S_j
+// take turns on the tensor cores at d = 128 (named barriers): while one runs its softmax, the other's
+// S_j and P_{j-1}.V_{j-1} execute (FA3's ping-pong); within a warpgroup P_{j-1}.V_{j-1} is issued with S_j
 // and, in the NVFP4 split-ring instance only, runs under S_j's softmax (elsewhere that measured slower:
 // see the wait after the softmax). Each consumer warpgroup loads its own Q rows (both formats, from the quantize
 // pass) while the first copies are in flight. Heavy (late) causal tiles are scheduled first.
@@ -354,8 +354,12 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   // Turns on the tensor cores: warpgroup w issues its GEMMs after barrier 1 + w, then lets the other
   // go. Warpgroup 1 opens warpgroup 0's first turn (before its own Q, which then runs under warpgroup
   // 0's first tile) and skips its last hand-over, so both barriers see as many arrivals as waits.
+  // At d = 64 the turns cost more than they order: a tile's tensor work is half of d = 128's, so
+  // the two softmaxes, not the tensor cores, bound the period and run faster side by side
+  // (bench/RESULTS.md, session 23: -5% at N = 16384 for bf16 P.V, -1% pv = fp8; d = 128 +-1% / +3.6%).
+  constexpr bool kTurns = D == 128;
   const int me = 1 + wgi, other = 2 - wgi;
-  if (wgi == 1 && tiles > 0) wg::bar_arrive(1, kConsumers);
+  if (kTurns && wgi == 1 && tiles > 0) wg::bar_arrive(1, kConsumers);
   // Each warpgroup brings in its Q rows while the producer's first copies are in flight.
   load_q<D, kF8V, kNv>(p, b, h, pos0, off, wgi, sQ, sQs, q_folded);
   wg::fence_async_smem();       // Q bytes written by st.shared are read by wgmma
@@ -458,7 +462,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     // After the scores, logit * log2(e) = s * c[r]: c holds the softmax scale, log2(e) and (folded
     // tiles) the row's Q scale; rows outside the output get 1 so their masked -inf stay -inf.
     float c[2] = {kLog2e, kLog2e};
-    wg::bar_sync(me, kConsumers);
+    if constexpr (kTurns) wg::bar_sync(me, kConsumers);
     // bf16 P.V: S_j, then P_{j-1}.V_{j-1} (retired before or after the softmax: see its wait). kF8V:
     // P_{j-1}.V_{j-1} first, retired (and added to o) while S_j executes: its fresh accumulator
     // live during the softmax as well would need ~250 registers (ptxas spilled at 240).
@@ -477,7 +481,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
         issue_pv_any(pv_stage, pv_phase);
         wg::commit();
       }
-      if (wgi == 0 || j + 1 < tiles) wg::bar_arrive(other, kConsumers);
+      if (kTurns && (wgi == 0 || j + 1 < tiles)) wg::bar_arrive(other, kConsumers);
       if constexpr (kF8V) {
         wg::wait<1>();
         finish_pv(j);
@@ -499,7 +503,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
         issue_pv_any(pv_stage, pv_phase);
         wg::commit();
       }
-      if (wgi == 0 || j + 1 < tiles) wg::bar_arrive(other, kConsumers);
+      if (kTurns && (wgi == 0 || j + 1 < tiles)) wg::bar_arrive(other, kConsumers);
       if constexpr (kF8V) {  // (the blocks' first wait would retire it anyway; opv is free for their partial sums)
         wg::wait<0>();
         finish_pv(j);
