@@ -356,7 +356,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   // 0's first tile) and skips its last hand-over, so both barriers see as many arrivals as waits.
   // At d = 64 the turns cost more than they order: a tile's tensor work is half of d = 128's, so
   // the two softmaxes, not the tensor cores, bound the period and run faster side by side
-  // (bench/RESULTS.md, session 23: -5% at N = 16384 for bf16 P.V, -1% pv = fp8; d = 128 +-1% / +3.6%).
+  // (bench/RESULTS.md, session 23 run 2: -9.1% at N = 16384, -10.8% at 65536 for bf16 P.V, -2 to -4%
+  // for pv = fp8 and NVFP4). At d = 128 dropping them measured -0.5 to +1.5% (bf16 P.V) and up to +3.7%
+  // (pv = fp8): run 3.
   constexpr bool kTurns = D == 128;
   const int me = 1 + wgi, other = 2 - wgi;
   if (kTurns && wgi == 1 && tiles > 0) wg::bar_arrive(1, kConsumers);
