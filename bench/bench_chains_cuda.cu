@@ -1,10 +1,10 @@
-// How many softmax chains an SM wants: a model of the prefill's consumer loop (d = 128, bf16 P.V)
+// How many softmax chains an SM wants: a model of the prefill's consumer loop (d = 128 or 64, bf16 P.V)
 // without its producer, masks, scales and loop head. W warpgroups of 64 query rows each walk key
 // tiles of BK keys (128 as the prefill does, or 64: the halves a third warpgroup's registers need at
 // d = 128). A tile: [turn] S_j (FP8 wgmma chain over d) and P_{j-1}.V_{j-1} issued, [hand-over], S_j
 // waited, online softmax (maxima, exp2, sums), P.V waited (o rescaled where a maximum rose), P_j
 // packed to bf16. Prints SM cycles per 128 x 128 tile pair of work (two 64-row warpgroups x 128
-// keys), against the tensor work of a pair (1,536 cycles: session 22's bench_wgmma_cuda) and the
+// keys), against the tensor work of a pair at d = 128 (1,536 cycles: session 22's bench_wgmma_cuda) and the
 // prefill's measured period (3,156: session 22 run 1).
 // Usage: bench_chains_cuda [tiles]   (default 4096 tiles of 128 keys a warpgroup)
 #include <cuda_runtime.h>
@@ -25,7 +25,7 @@ namespace {
 
 constexpr int kQ = 0, kK = 8192, kV = 24576, kSmem = kV + 2 * 16384;  // Q [64][128 B], K [128][128 B], V^T 2 x [128][64 keys]
 
-template <int W, int BK, bool kTurns>
+template <int W, int BK, bool kTurns, int D>
 __global__ void __launch_bounds__(128 * W, 1) chains_kernel(int tiles, long long* cycles, float* sink) {
   extern __shared__ __align__(1024) uint8_t smem[];
   for (int i = threadIdx.x; i < kSmem / 4; i += blockDim.x) {  // finite pseudo-random E4M3 codes and bf16 pairs
@@ -37,9 +37,9 @@ __global__ void __launch_bounds__(128 * W, 1) chains_kernel(int tiles, long long
   __syncthreads();
   const int wgi = __shfl_sync(0xffffffffu, int(threadIdx.x) / 128, 0);
   const wg::Desc dq = wg::make_desc<128>(smem + kQ), dk = wg::make_desc<128>(smem + kK), dv = wg::make_desc<128>(smem + kV);
-  float o[64];
+  float o[D / 2];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) o[i] = 0.0f;
+  for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
   float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
   uint32_t a[BK / 16][4];
 #pragma unroll
@@ -53,12 +53,12 @@ __global__ void __launch_bounds__(128 * W, 1) chains_kernel(int tiles, long long
     if (kTurns) wg::bar_sync(me, 256);
     wg::fence();
 #pragma unroll
-    for (int c = 0; c < 4; ++c) wg::mma_fp8<BK, false>(s, (dq + c * 32).u64(), (dk + c * 32).u64(), c > 0);
+    for (int c = 0; c < D / 32; ++c) wg::mma_fp8<BK, false>(s, (dq + c * 32).u64(), (dk + c * 32).u64(), c > 0);
     wg::commit();
 #pragma unroll
     for (int kc = 0; kc < BK / 16; ++kc) {  // BK = 64: one V^T half a tile, by turns
       const int h = BK == 128 ? kc / 4 : j % 2;
-      wg::mma_bf16_rs<128>(o, a[kc], (dv + (h * 16384 + (kc % 4) * 32)).u64());
+      wg::mma_bf16_rs<D>(o, a[kc], (dv + (h * 16384 + (kc % 4) * 32)).u64());
     }
     wg::commit();
     if (kTurns && (wgi != W - 1 || j + 1 < n)) wg::bar_arrive(next, 256);
@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(128 * W, 1) chains_kernel(int tiles, long long
     wg::pin(a);
     if (__any_sync(0xffffffffu, alpha[0] != 1.0f || alpha[1] != 1.0f))
 #pragma unroll
-      for (int i = 0; i < 64; ++i) o[i] *= alpha[(i / 2) % 2];
+      for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) % 2];
 #pragma unroll
     for (int kc = 0; kc < BK / 16; ++kc) {
       a[kc][0] = bf16x2_rn(s[8 * kc], s[8 * kc + 1]);
@@ -98,14 +98,14 @@ __global__ void __launch_bounds__(128 * W, 1) chains_kernel(int tiles, long long
   const long long t1 = clock64();
   float sum = l[0] + l[1];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) sum += o[i];
+  for (int i = 0; i < D / 2; ++i) sum += o[i];
   if (sum == 1.2345f) sink[threadIdx.x] = sum;  // keeps the work
   if (threadIdx.x % 128 == 0) cycles[blockIdx.x * 4 + wgi] = t1 - t0;
 }
 
-template <int W, int BK, bool kTurns>
+template <int W, int BK, bool kTurns, int D = 128>
 void run(int tiles, int sms, long long* dcycles, float* sink) {
-  constexpr auto kernel = chains_kernel<W, BK, kTurns>;
+  constexpr auto kernel = chains_kernel<W, BK, kTurns, D>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
   cudaEvent_t e0, e1;
   cudaEventCreate(&e0);
@@ -126,9 +126,9 @@ void run(int tiles, int sms, long long* dcycles, float* sink) {
     cyc += double(mx) / sms;
   }
   const double pairs = double(W) * 64 * 128 * tiles / (128.0 * 128);  // 128 x 128 tile pairs an SM
-  const double flops = 4.0 * 64 * 128 * 128 * tiles * W * sms;        // S and P.V, d = 128
-  std::printf("%d warpgroups, %3d-key tiles, %-8s: %6.0f SM cycles a tile pair, %6.1f TFLOP/s, %.2f GHz\n", W, BK,
-              kTurns ? "turns" : "no turns", cyc / pairs, flops / (ms * 1e-3) / 1e12, cyc / (ms * 1e-3) / 1e9);
+  const double flops = 4.0 * 64 * 128 * D * tiles * W * sms;          // S and P.V
+  std::printf("d=%3d, %d warpgroups, %3d-key tiles, %-8s: %6.0f SM cycles a tile pair, %6.1f TFLOP/s, %.2f GHz\n", D,
+              W, BK, kTurns ? "turns" : "no turns", cyc / pairs, flops / (ms * 1e-3) / 1e12, cyc / (ms * 1e-3) / 1e9);
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
 }
@@ -152,6 +152,10 @@ int main(int argc, char** argv) {
   run<2, 64, false>(tiles, sms, dcycles, sink);
   run<3, 64, true>(tiles, sms, dcycles, sink);   // a third chain
   run<3, 64, false>(tiles, sms, dcycles, sink);
+  run<2, 128, true, 64>(tiles, sms, dcycles, sink);  // d = 64: the prefill's shape (turns at d = 128 only since session 23)
+  run<2, 128, false, 64>(tiles, sms, dcycles, sink);
+  run<3, 128, false, 64>(tiles, sms, dcycles, sink);  // d = 64 fits a third chain without halves
+  run<3, 64, false, 64>(tiles, sms, dcycles, sink);
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) {
     std::fprintf(stderr, "CUDA error: %s\n", cudaGetErrorString(err));
