@@ -4,8 +4,8 @@
 // d = 128). A tile: [turn] S_j (FP8 wgmma chain over d) and P_{j-1}.V_{j-1} issued, [hand-over], S_j
 // waited, online softmax (maxima, exp2, sums), P.V waited (o rescaled where a maximum rose), P_j
 // packed to bf16. Prints SM cycles per 128 x 128 tile pair of work (two 64-row warpgroups x 128
-// keys), against the tensor work of a pair at d = 128 (1,536 cycles: session 22's bench_wgmma_cuda) and the
-// prefill's measured period (3,156: session 22 run 1).
+// keys), to set against the tensor work of a pair at d = 128 (1,536 cycles: bench_wgmma_cuda) and the
+// prefill's period (2,650 at N = 16384 by ncu; bench/RESULTS.md, session 24 runs 1 and 3, has both).
 // Usage: bench_chains_cuda [tiles]   (default 4096 tiles of 128 keys a warpgroup)
 #include <cuda_runtime.h>
 
@@ -18,6 +18,7 @@
 
 #include "cuda/mma.cuh"
 #include "cuda/wgmma.cuh"
+#include "sm_bench.cuh"
 
 using namespace dmattn::cuda;
 
@@ -104,62 +105,39 @@ __global__ void __launch_bounds__(128 * W, 1) chains_kernel(int tiles, long long
 }
 
 template <int W, int BK, bool kTurns, int D = 128>
-void run(int tiles, int sms, long long* dcycles, float* sink) {
+void run(int tiles, SmBench& sb, float* sink) {
   constexpr auto kernel = chains_kernel<W, BK, kTurns, D>;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem);
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  kernel<<<sms, 128 * W, kSmem>>>(tiles, dcycles, sink);  // warm-up
-  cudaEventRecord(e0);
-  kernel<<<sms, 128 * W, kSmem>>>(tiles, dcycles, sink);
-  cudaEventRecord(e1);
-  cudaEventSynchronize(e1);
-  float ms = 0.0f;
-  cudaEventElapsedTime(&ms, e0, e1);
-  std::vector<long long> h(size_t(4) * sms);
-  cudaMemcpy(h.data(), dcycles, sizeof(long long) * h.size(), cudaMemcpyDeviceToHost);
+  const float ms = sb.time_ms([&] { kernel<<<sb.sms, 128 * W, kSmem>>>(tiles, sb.cycles, sink); });
+  const std::vector<long long> h = sb.read();
   double cyc = 0.0;  // the slowest warpgroup an SM, averaged over the SMs
-  for (int s = 0; s < sms; ++s) {
+  for (int s = 0; s < sb.sms; ++s) {
     long long mx = 0;
     for (int w = 0; w < W; ++w) mx = std::max(mx, h[size_t(s) * 4 + w]);
-    cyc += double(mx) / sms;
+    cyc += double(mx) / sb.sms;
   }
   const double pairs = double(W) * 64 * 128 * tiles / (128.0 * 128);  // 128 x 128 tile pairs an SM
-  const double flops = 4.0 * 64 * 128 * D * tiles * W * sms;          // S and P.V
+  const double flops = 4.0 * 64 * 128 * D * tiles * W * sb.sms;       // S and P.V
   std::printf("d=%3d, %d warpgroups, %3d-key tiles, %-8s: %6.0f SM cycles a tile pair, %6.1f TFLOP/s, %.2f GHz\n", D,
               W, BK, kTurns ? "turns" : "no turns", cyc / pairs, flops / (ms * 1e-3) / 1e12, cyc / (ms * 1e-3) / 1e9);
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   const int tiles = argc > 1 ? std::atoi(argv[1]) : 4096;
-  int sms = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  long long* dcycles = nullptr;
+  SmBench sb;
   float* sink = nullptr;
-  if (sms <= 0 || cudaMalloc(&dcycles, sizeof(long long) * 4 * sms) != cudaSuccess ||
-      cudaMalloc(&sink, sizeof(float) * 512) != cudaSuccess) {
-    std::fprintf(stderr, "no usable CUDA device\n");
-    return 1;
-  }
-  run<2, 128, true>(tiles, sms, dcycles, sink);  // the prefill's shape
-  run<2, 128, false>(tiles, sms, dcycles, sink);
-  run<2, 64, true>(tiles, sms, dcycles, sink);   // the cost of halves alone
-  run<2, 64, false>(tiles, sms, dcycles, sink);
-  run<3, 64, true>(tiles, sms, dcycles, sink);   // a third chain
-  run<3, 64, false>(tiles, sms, dcycles, sink);
-  run<2, 128, true, 64>(tiles, sms, dcycles, sink);  // d = 64: the prefill's shape (turns at d = 128 only since session 23)
-  run<2, 128, false, 64>(tiles, sms, dcycles, sink);
-  run<3, 128, false, 64>(tiles, sms, dcycles, sink);  // d = 64 fits a third chain without halves
-  run<3, 64, false, 64>(tiles, sms, dcycles, sink);
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    std::fprintf(stderr, "CUDA error: %s\n", cudaGetErrorString(err));
-    return 1;
-  }
-  return 0;
+  if (!sb.init(4) || cudaMalloc(&sink, sizeof(float) * 512) != cudaSuccess) return 1;
+  run<2, 128, true>(tiles, sb, sink);  // the prefill's shape
+  run<2, 128, false>(tiles, sb, sink);
+  run<2, 64, true>(tiles, sb, sink);   // the cost of halves alone
+  run<2, 64, false>(tiles, sb, sink);
+  run<3, 64, true>(tiles, sb, sink);   // a third chain
+  run<3, 64, false>(tiles, sb, sink);
+  run<2, 128, true, 64>(tiles, sb, sink);  // d = 64: the prefill's shape (turns at d = 128 only since session 23)
+  run<2, 128, false, 64>(tiles, sb, sink);
+  run<3, 128, false, 64>(tiles, sb, sink);  // d = 64 fits a third chain without halves
+  run<3, 64, false, 64>(tiles, sb, sink);
+  return SmBench::status();
 }

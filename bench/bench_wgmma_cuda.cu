@@ -13,6 +13,7 @@
 #include <cstdlib>
 
 #include "cuda/wgmma.cuh"
+#include "sm_bench.cuh"
 
 using namespace dmattn::cuda;
 
@@ -67,58 +68,36 @@ __global__ void __launch_bounds__(256, 1) rate_kernel(int warpgroups, int rounds
 }
 
 template <Op kOp, int N, int kLen>
-void run(const char* name, int warpgroups, int rounds, int sms, long long* dcycles) {
+void run(const char* name, int warpgroups, int rounds, SmBench& sb) {
   constexpr auto kernel = rate_kernel<kOp, N, kLen>;
   constexpr int bytes = 64 * 1024;
   cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  kernel<<<sms, 256, bytes>>>(warpgroups, rounds, dcycles);  // warm-up (clocks up)
-  cudaEventRecord(e0);
-  kernel<<<sms, 256, bytes>>>(warpgroups, rounds, dcycles);
-  cudaEventRecord(e1);
-  cudaEventSynchronize(e1);
-  float ms = 0.0f;
-  cudaEventElapsedTime(&ms, e0, e1);
-  long long h[2 * 1024] = {};
-  cudaMemcpy(h, dcycles, sizeof(long long) * 2 * sms, cudaMemcpyDeviceToHost);
+  const float ms = sb.time_ms([&] { kernel<<<sb.sms, 256, bytes>>>(warpgroups, rounds, sb.cycles); });
+  const std::vector<long long> h = sb.read();
   double cyc = 0.0;
-  for (int s = 0; s < sms; ++s)
+  for (int s = 0; s < sb.sms; ++s)
     for (int w = 0; w < warpgroups; ++w) cyc += double(h[2 * s + w]);
-  cyc /= double(sms * warpgroups);
+  cyc /= double(sb.sms * warpgroups);
   const double k = kOp == Op::rs_bf16 ? 16.0 : 32.0;
-  const double flops = 2.0 * 64 * N * k * kLen * rounds * warpgroups * sms;
+  const double flops = 2.0 * 64 * N * k * kLen * rounds * warpgroups * sb.sms;
   const double per = cyc / (double(kLen) * rounds);  // cycles a wgmma, seen by one warpgroup
   std::printf("%-28s wgs %d len %2d: %6.1f cycles a wgmma (%6.1f a wgmma of the SM), %7.1f TFLOP/s, %.1f GHz\n", name,
               warpgroups, kLen, per, per / warpgroups, flops / (ms * 1e-3) / 1e12, cyc / (ms * 1e-3) / 1e9);
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   const int rounds = argc > 1 ? std::atoi(argv[1]) : 2048;
-  int sms = 0;
-  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
-  long long* dcycles = nullptr;
-  if (sms <= 0 || sms > 1024 || cudaMalloc(&dcycles, sizeof(long long) * 2 * sms) != cudaSuccess) {
-    std::fprintf(stderr, "no usable CUDA device\n");
-    return 1;
-  }
+  SmBench sb;
+  if (!sb.init(2)) return 1;
   for (int wgs = 1; wgs <= 2; ++wgs) {
-    run<Op::ss_fp8, 128, 4>("SS e4m3 m64n128k32 (S)", wgs, rounds, sms, dcycles);
-    run<Op::ss_fp8, 128, 16>("SS e4m3 m64n128k32", wgs, rounds, sms, dcycles);
-    run<Op::ss_fp8, 64, 4>("SS e4m3 m64n64k32", wgs, rounds, sms, dcycles);
-    run<Op::rs_fp8, 128, 4>("RS e4m3 m64n128k32 (P.V)", wgs, rounds, sms, dcycles);
-    run<Op::rs_fp8, 64, 4>("RS e4m3 m64n64k32", wgs, rounds, sms, dcycles);
-    run<Op::rs_bf16, 128, 8>("RS bf16 m64n128k16 (P.V)", wgs, rounds, sms, dcycles);
+    run<Op::ss_fp8, 128, 4>("SS e4m3 m64n128k32 (S)", wgs, rounds, sb);
+    run<Op::ss_fp8, 128, 16>("SS e4m3 m64n128k32", wgs, rounds, sb);
+    run<Op::ss_fp8, 64, 4>("SS e4m3 m64n64k32", wgs, rounds, sb);
+    run<Op::rs_fp8, 128, 4>("RS e4m3 m64n128k32 (P.V)", wgs, rounds, sb);
+    run<Op::rs_fp8, 64, 4>("RS e4m3 m64n64k32", wgs, rounds, sb);
+    run<Op::rs_bf16, 128, 8>("RS bf16 m64n128k16 (P.V)", wgs, rounds, sb);
   }
-  const cudaError_t err = cudaGetLastError();
-  if (err != cudaSuccess) {
-    std::fprintf(stderr, "CUDA error: %s\n", cudaGetErrorString(err));
-    return 1;
-  }
-  return 0;
+  return SmBench::status();
 }
