@@ -105,6 +105,8 @@ if [ "${QUICK:-0}" = 1 ]; then  # correctness of the GPU tests + the main benchm
     $B/bench/bench_quantize_cuda 2>&1 | tee "$OUT/bench_quantize.txt" | tail -5
     # The tensor cores' rate per clock for the prefill's wgmma shapes (the kernel's ceiling in cycles).
     [ -x $B/bench/bench_wgmma_cuda ] && $B/bench/bench_wgmma_cuda 2>&1 | tee "$OUT/bench_wgmma.txt" | grep "wgs 2 len  [48]"
+    # A model of the consumer loop with no overhead (cycles a 128x128 tile pair; the kernel's floor by structure).
+    [ -x $B/bench/bench_chains_cuda ] && $B/bench/bench_chains_cuda 2>&1 | tee "$OUT/bench_chains.txt"
     # shellcheck disable=SC2086  # SDPA_N: the lengths, e.g. "4096 16384"
     [ "${SDPA:-1}" = 1 ] && PYTHONUNBUFFERED=1 python3 bench/compare_sdpa.py $B "$OUT" ${SDPA_N:-16384} 2>&1 \
       | tee "$OUT/compare_sdpa.txt" | tail -24  # SDPA=0 skips it
@@ -188,6 +190,8 @@ done
 
 $B/bench/bench_quantize_cuda >"$OUT/bench_quantize.txt" 2>&1
 $B/bench/bench_wgmma_cuda >"$OUT/bench_wgmma.txt" 2>&1
+$B/bench/bench_chains_cuda >"$OUT/bench_chains.txt" 2>&1
+row[loop_model]=$(grep -m1 "2 warpgroups, 128-key tiles, turns" "$OUT/bench_chains.txt" || echo FAILED)
 row[wgmma_fp8]=$(grep -m1 "SS e4m3 m64n128k32 (S) *wgs 2" "$OUT/bench_wgmma.txt" || echo FAILED)
 row[quantize_bw]=$(grep "mxfp8-e4m3 + mxfp4" "$OUT/bench_quantize.txt" || echo FAILED)
 row[quantize_prepass]=$(grep "pre-pass K" "$OUT/bench_quantize.txt" || echo FAILED)
@@ -198,7 +202,7 @@ row[demo_cpu]=$(grep -m1 "DMA diag=1 sinks=0" "$OUT/demo.txt" || echo FAILED)
 
 echo
 echo "== dmattn device summary ($(cat "$OUT/gpu.txt")) =="
-for k in build ctest_all ctest_gpu sanitizer_memcheck sanitizer_racecheck copy_bw quantize_bw quantize_prepass wgmma_fp8 demo_cpu; do
+for k in build ctest_all ctest_gpu sanitizer_memcheck sanitizer_racecheck copy_bw quantize_bw quantize_prepass wgmma_fp8 loop_model demo_cpu; do
   printf "%-20s %s\n" "$k" "${row[$k]}"
 done
 

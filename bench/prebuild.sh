@@ -6,9 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-build-prebuilt}
 cmake -S . -B build-sm90 -G Ninja -DDMATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DDMATTN_DEPS="$PWD/.deps" >/dev/null
-cmake --build build-sm90 --target dmattn_cli bench_prefill_cuda bench_decode_cuda bench_quantize_cuda bench_wgmma_cuda dmattn_gpu_tests
+cmake --build build-sm90 --target dmattn_cli bench_prefill_cuda bench_decode_cuda bench_quantize_cuda bench_wgmma_cuda bench_chains_cuda dmattn_gpu_tests
 mkdir -p "$dir/bench" "$dir/tests"
 cp build-sm90/dmattn "$dir/"
-cp build-sm90/bench/bench_prefill_cuda build-sm90/bench/bench_decode_cuda build-sm90/bench/bench_quantize_cuda build-sm90/bench/bench_wgmma_cuda "$dir/bench/"
+cp build-sm90/bench/bench_prefill_cuda build-sm90/bench/bench_decode_cuda build-sm90/bench/bench_quantize_cuda build-sm90/bench/bench_wgmma_cuda build-sm90/bench/bench_chains_cuda "$dir/bench/"
 cp build-sm90/tests/dmattn_gpu_tests "$dir/tests/"
 du -sh "$dir"

@@ -21,6 +21,7 @@ for spec in "$@"; do
     -DCMAKE_CUDA_FLAGS="${flags:-}" -DDMATTN_DEPS="$root/.deps" >/dev/null
   benches="prefill decode quantize"
   [ -f "$wt/bench/bench_wgmma_cuda.cu" ] && benches="$benches wgmma"  # refs from session 22 on
+  [ -f "$wt/bench/bench_chains_cuda.cu" ] && benches="$benches chains"  # refs from session 24 on
   # shellcheck disable=SC2046  # one target a bench
   cmake --build "$wt/build-sm90" --target $(printf 'bench_%s_cuda ' $benches) dmattn_gpu_tests \
     >"$wt.log" 2>&1 || { tail -30 "$wt.log"; echo "$name ($ref) does not build" >&2; exit 1; }
