@@ -1,7 +1,8 @@
 // In-process timing of dmattn's CUDA attention() on device-resident bf16 inputs (no files, so large
 // N fits): B=1, causal, GQA; prints one line per (N, d, policy): "dmattn <policy> N d ms TFLOP/s".
 // compare_sdpa.py runs it for the shapes whose .npy files would be too large for the CLI route.
-// Usage: bench_prefill_cuda N d [iters [policy]]   (policy: one of the names below; default all)
+// Usage: bench_prefill_cuda N d [iters [policies]]   (policies: names below, comma-separated, run in that
+// order in one process; default all, in the table's order)
 // DMATTN_BENCH_QUEUED=1: each timed call is enqueued behind a ~2 ms busy kernel, so the host has
 // issued all of its work before the device reaches it: the figure is device time alone (the name
 // gets "-queued"), without the host's launch gaps that the plain figure (like SDPA's) includes.
@@ -30,12 +31,12 @@ __global__ void spin(long long cycles) {
 
 int main(int argc, char** argv) {
   if (argc < 3) {
-    std::fprintf(stderr, "usage: %s N d [iters] [policy] [nocheck]\n", argv[0]);
+    std::fprintf(stderr, "usage: %s N d [iters] [policy[,policy...]] [nocheck]\n", argv[0]);
     return 2;
   }
   const int64_t N = std::atoll(argv[1]), d = std::atoll(argv[2]), HQ = 32, HKV = 8;
   const int iters = argc > 3 ? std::atoi(argv[3]) : 5;
-  const std::string only = argc > 4 ? argv[4] : "";
+  const std::string order = argc > 4 ? argv[4] : "";
   // "nocheck": check_finite = false (no read-back of the NaN/Inf flags, so no host sync in the call)
   const bool check = !(argc > 5 && std::string(argv[5]) == "nocheck");
   Rng rng(7);
@@ -67,8 +68,22 @@ int main(int argc, char** argv) {
   cudaEvent_t a, b;
   cudaEventCreate(&a);
   cudaEventCreate(&b);
-  for (const Named& pol : policies) {
-    if (!only.empty() && only != pol.name) continue;
+  std::vector<const Named*> run;
+  for (size_t at = 0; at < order.size();) {  // the named policies, in the order given
+    const size_t end = std::min(order.find(',', at), order.size());
+    const std::string name = order.substr(at, end - at);
+    const auto it = std::find_if(std::begin(policies), std::end(policies), [&](const Named& n) { return name == n.name; });
+    if (it == std::end(policies)) {
+      std::fprintf(stderr, "unknown policy '%s'\n", name.c_str());
+      return 2;
+    }
+    run.push_back(it);
+    at = end + 1;
+  }
+  if (order.empty())
+    for (const Named& pol : policies) run.push_back(&pol);
+  for (const Named* named : run) {
+    const Named& pol = *named;
     AttentionOptions o;
     o.causal = true;
     o.policy = pol.policy;
