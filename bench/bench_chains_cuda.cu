@@ -113,7 +113,7 @@ void run(int tiles, SmBench& sb, float* sink) {
   double cyc = 0.0;  // the slowest warpgroup an SM, averaged over the SMs
   for (int s = 0; s < sb.sms; ++s) {
     long long mx = 0;
-    for (int w = 0; w < W; ++w) mx = std::max(mx, h[size_t(s) * 4 + w]);
+    for (int w = 0; w < W; ++w) mx = std::max(mx, h[size_t(s) * sb.slots + w]);
     cyc += double(mx) / sb.sms;
   }
   const double pairs = double(W) * 64 * 128 * tiles / (128.0 * 128);  // 128 x 128 tile pairs an SM

@@ -76,7 +76,7 @@ void run(const char* name, int warpgroups, int rounds, SmBench& sb) {
   const std::vector<long long> h = sb.read();
   double cyc = 0.0;
   for (int s = 0; s < sb.sms; ++s)
-    for (int w = 0; w < warpgroups; ++w) cyc += double(h[2 * s + w]);
+    for (int w = 0; w < warpgroups; ++w) cyc += double(h[size_t(s) * sb.slots + w]);
   cyc /= double(sb.sms * warpgroups);
   const double k = kOp == Op::rs_bf16 ? 16.0 : 32.0;
   const double flops = 2.0 * 64 * N * k * kLen * rounds * warpgroups * sb.sms;
