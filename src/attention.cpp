@@ -103,9 +103,11 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v, co
     throw Error("this build has no CUDA backend (configure with -DDMATTN_CUDA=ON on a machine with nvcc)");
 #endif
   }
-  check_finite(q, "Q");
-  check_finite(k, "K");
-  check_finite(v, "V");
+  if (opts.check_finite) {
+    check_finite(q, "Q");
+    check_finite(k, "K");
+    check_finite(v, "V");
+  }
   if (opts.exact)
     cpu::exact_attention(p);
   else
@@ -113,6 +115,8 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v, co
 }
 
 #if !defined(DMATTN_HAVE_CUDA)
+bool cuda_device_available() { return false; }
+
 double attention_on_device(const TensorView&, const TensorView&, const TensorView&, const TensorView&, float*,
                            const AttentionOptions&) {
   throw Error("this build has no CUDA backend (configure with -DDMATTN_CUDA=ON on a machine with nvcc)");

@@ -19,7 +19,7 @@ struct Problem {
   Policy policy{};
   int threads = 0;
   void* stream = nullptr;  // cudaStream_t for the CUDA backend
-  bool check_finite = true;  // CUDA: read the NaN/Inf flags back (a host sync) and throw on one
+  bool check_finite = true;  // throw on NaN/Inf inputs (CUDA: reads flags back, a host sync)
   int64_t q_pos0 = 0, k_pos0 = 0;  // absolute positions of query row 0 and key 0 (k_pos0 % 128 == 0)
 
   int64_t group() const { return Hq / Hkv; }

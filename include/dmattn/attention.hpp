@@ -48,9 +48,8 @@ struct AttentionOptions {
   // call waits until the inputs' NaN/Inf flags are known (after its quantize pass, not its attention
   // kernel) and throws on one (the output is then unspecified); the kernel may still be running when it returns.
   void* stream = nullptr;
-  // CUDA backend: false skips that read-back: the call returns once its work is enqueued on `stream`,
-  // and a NaN/Inf input then shows as NaN in the rows it reaches instead of an exception. The CPU
-  // backend always checks.
+  // false skips the check: a NaN/Inf input then shows as NaN in the output rows it reaches instead
+  // of an exception (CUDA: the call returns once its work is enqueued on `stream`; CPU: no input scan).
   bool check_finite = true;
   // Absolute positions of the first query and the first key (default: bottom-right alignment, the
   // queries are the last Nq of Nk positions: q_offset = Nk - Nq, k_offset = 0). Set both to attend a
@@ -72,6 +71,9 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v, co
 // ms (CUDA events; the copies are outside it). Throws dmattn::Error in a build without CUDA.
 double attention_on_device(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                            float* lse, const AttentionOptions& opts);
+
+// Whether the CUDA backend can run here: the build has it and a CUDA device is present.
+bool cuda_device_available();
 
 // Head dims the library accepts: multiples of 32 from 32 to 256.
 bool head_dim_supported(int64_t d);

@@ -44,6 +44,23 @@ def _check_same_kind(q, k, v):
             raise TypeError(f"q, k and v must have one dtype (got {sorted(dts)})")
 
 
+def _check_inputs(tensors, names="qkv"):
+    """What the compiled layer cannot say well: autograd, byte order."""
+    for name, t in zip(names, tensors):
+        if _is_torch(t):
+            import torch
+            if torch.is_grad_enabled() and t.requires_grad:
+                raise DmattnError("dmattn is inference-only (it has no backward pass): call it under torch.no_grad() "
+                                  "or torch.inference_mode(), or pass detached tensors")
+            continue
+        dt = getattr(t, "dtype", None)
+        if dt is None or not hasattr(t, "__array_interface__"):
+            raise TypeError(f"{name}: expected a numpy array or a torch tensor, got {type(t).__name__}")
+        if not dt.isnative:
+            raise DmattnError(f"{name}: byte order {dt.byteorder!r} is not the machine's; convert with "
+                              f"x.astype(x.dtype.newbyteorder('='))")
+
+
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, high: str = "mxfp8-e4m3",
               low: str = "mxfp4", diag_tiles: int = 1, sink_tiles: int = 0, pv: str = "bf16",
               scale_rule: str = "ocp", return_lse: bool = False, layout: str = "bhnd", policy: Policy | None = None,
@@ -77,13 +94,17 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, high
         the queries are the last Nq of the Nk positions.
       check_finite: raise on NaN/Inf inputs (default). On CUDA this reads flags back from the GPU,
         so the call waits for its quantize pass (not for its attention kernel: the result is
-        stream-ordered like any torch op's either way); False skips that wait, and a NaN/Inf input
-        then shows as NaN in the output rows it reaches.
+        stream-ordered like any torch op's either way); False skips the check (and that wait), and
+        a NaN/Inf input then shows as NaN in the output rows it reaches.
+
+    dmattn is inference-only: torch tensors that require grad (with grad mode on) raise, since the
+    result would carry no gradient.
 
     Returns: out (and lse when return_lse) on q's device; CUDA work runs on torch's current stream.
     Raises: DmattnError (a ValueError) for bad shapes, dtypes, strides, NaN/Inf inputs or
       unsupported settings; TypeError for mixed array kinds or dtypes.
     """
+    _check_inputs((q, k, v))
     _check_same_kind(q, k, v)
     if policy is None:
         policy = Policy(high=high, low=low, diag_tiles=diag_tiles, sink_tiles=sink_tiles, pv=pv,
@@ -155,6 +176,7 @@ def decode(cache: KVCache, seqs, q, *, scale: float | None = None, splits: int =
       return_lse: also return the row log-sum-exp [len(seqs), Hq, Nq], float32.
     """
     seqs = [int(s) for s in seqs]
+    _check_inputs((q,), ("q",))
     if _is_torch(q):
         import torch
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -206,36 +228,17 @@ hf_policy = Policy()
 """The Policy that attn_implementation="dmattn" uses (assign a new Policy to change it)."""
 
 
-def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """transformers attention function: query [B, Hq, L, E], key/value [B, Hkv, S, E] (no repeat_kv)."""
-    if dropout not in (0, 0.0) and module.training:
-        raise NotImplementedError("dmattn: dropout in training is not supported")
-    causal = bool(getattr(module, "is_causal", True))
-    if attention_mask is not None:
-        # Only the plain causal mask (what generation without padding builds) is supported.
-        import torch
-        L, S = query.shape[-2], key.shape[-2]
-        m = attention_mask[..., :L, :S]
-        allowed = m > torch.finfo(m.dtype).min / 2 if m.dtype.is_floating_point else m.bool()
-        want = torch.ones(L, S, dtype=torch.bool, device=m.device).tril(S - L) if causal else \
-            torch.ones(L, S, dtype=torch.bool, device=m.device)
-        if not torch.equal(allowed.expand(m.shape[0], m.shape[1], L, S),
-                           want.expand(m.shape[0], m.shape[1], L, S)):
-            raise NotImplementedError("dmattn: attention masks other than causal (e.g. padding) are not supported")
-    out = attention(query, key, value, causal=causal, scale=scaling, policy=hf_policy)
-    return out.transpose(1, 2).contiguous(), None
-
-
 def register_transformers(name: str = "dmattn") -> str:
     """Registers dmattn with transformers' AttentionInterface as `name`; returns the name.
 
     Then `AutoModelForCausalLM.from_config(cfg, attn_implementation="dmattn")` (or
     `model.set_attn_implementation("dmattn")`) runs every attention layer through dmattn with
-    `dmattn.hf_policy`.
+    `dmattn.hf_policy`. Padded batches (a 2-D attention_mask) are honoured: each sequence runs over
+    its own tokens. Masks dmattn cannot compute (sliding windows, packed sequences, custom patterns)
+    raise NotImplementedError.
     """
-    from transformers import AttentionInterface
-    AttentionInterface.register(name, _hf_attention)
-    return name
+    from .hf import register
+    return register(name)
 
 
 

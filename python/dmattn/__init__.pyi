@@ -43,7 +43,8 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, scale: float | No
               high: Format = "mxfp8-e4m3", low: Format = "mxfp4", diag_tiles: int = 1, sink_tiles: int = 0,
               pv: Literal["bf16", "mxfp8", "mxfp4", "fp8"] = "bf16", scale_rule: Literal["ocp", "ceil"] = "ocp",
               return_lse: bool = False, layout: Literal["bhnd", "bnhd"] = "bhnd",
-              policy: Policy | None = None, q_offset: int | None = None, k_offset: int | None = None) -> Any: ...
+              policy: Policy | None = None, q_offset: int | None = None, k_offset: int | None = None,
+              check_finite: bool = True) -> Any: ...
 def sdpa(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
          scale: float | None = None, enable_gqa: bool = False, **policy: Any) -> Any: ...
 def quantize(x: Any, format: Format = "mxfp4", scale_rule: Literal["ocp", "ceil"] = "ocp"

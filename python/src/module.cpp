@@ -21,7 +21,8 @@ using namespace dmattn;
 
 namespace {
 
-DType dtype_of(const nb::ndarray<>& a, const char* name) {
+template <class Array>
+DType dtype_of(const Array& a, const char* name) {
   const nb::dlpack::dtype t = a.dtype();
   if (t.lanes == 1 && t.code == uint8_t(nb::dlpack::dtype_code::Float) && t.bits == 32) return DType::f32;
   if (t.lanes == 1 && t.code == uint8_t(nb::dlpack::dtype_code::Float) && t.bits == 16) return DType::f16;
@@ -29,8 +30,12 @@ DType dtype_of(const nb::ndarray<>& a, const char* name) {
   throw Error(std::string(name) + ": unsupported dtype (float32, float16 and bfloat16 are supported)");
 }
 
+// Inputs are only read, so read-only arrays (memory maps, broadcast views) are accepted.
+using In = nb::ndarray<nb::ro>;
+
 // A 4-D array as a [B, H, N, d] view; layout "bnhd" swaps the middle axes (no copy).
-TensorView view_of(const nb::ndarray<>& a, const char* name, const std::string& layout) {
+template <class Array>
+TensorView view_of(const Array& a, const char* name, const std::string& layout) {
   if (a.ndim() != 4) throw Error(std::string(name) + ": expected 4 dimensions, got " + std::to_string(a.ndim()));
   Device dev;
   if (a.device_type() == nb::device::cpu::value)
@@ -40,7 +45,7 @@ TensorView view_of(const nb::ndarray<>& a, const char* name, const std::string& 
   else
     throw Error(std::string(name) + ": unsupported device (CPU and CUDA arrays are supported)");
   TensorView v;
-  v.data = a.data();
+  v.data = const_cast<void*>(static_cast<const void*>(a.data()));  // written only when it is an output
   v.dtype = dtype_of(a, name);
   v.device = dev;
   for (int i = 0; i < 4; ++i) {
@@ -69,7 +74,7 @@ float* lse_of(const std::optional<nb::ndarray<>>& lse, const TensorView& q) {
   return static_cast<float*>(l.data());
 }
 
-void attention_into(const nb::ndarray<>& q, const nb::ndarray<>& k, const nb::ndarray<>& v, const nb::ndarray<>& out,
+void attention_into(const In& q, const In& k, const In& v, const nb::ndarray<>& out,
                     std::optional<nb::ndarray<>> lse, bool causal, std::optional<float> scale, const Policy& policy,
                     const std::string& layout, uintptr_t stream, std::optional<int64_t> q_offset,
                     std::optional<int64_t> k_offset, bool check_finite) {
@@ -129,13 +134,13 @@ nb::ndarray<nb::numpy, float, nb::ndim<2>> dequantize_rows(
 }
 
 // A CPU view for the cache's appends (the cache lives in host memory).
-TensorView cpu_view(const nb::ndarray<>& a, const char* name) {
+TensorView cpu_view(const In& a, const char* name) {
   const TensorView v = view_of(a, name, "bhnd");
   if (v.device != Device::cpu) throw Error(std::string(name) + ": the KV cache takes CPU arrays (it lives in host memory)");
   return v;
 }
 
-void decode_into(const KVCache& cache, const std::vector<int>& seqs, const nb::ndarray<>& q, const nb::ndarray<>& out,
+void decode_into(const KVCache& cache, const std::vector<int>& seqs, const In& q, const nb::ndarray<>& out,
                  std::optional<nb::ndarray<>> lse, std::optional<float> scale, int splits, uintptr_t stream) {
   const TensorView tq = view_of(q, "q", "bhnd"), to = view_of(out, "out", "bhnd");
   float* lse_ptr = lse_of(lse, tq);
@@ -203,7 +208,7 @@ NB_MODULE(_dmattn, m) {
       .def("free_sequence", &KVCache::free_sequence, nb::arg("seq"), "Returns the sequence's pages to the pool.")
       .def(
           "append",
-          [](KVCache& c, int seq, const nb::ndarray<>& k, const nb::ndarray<>& v) {
+          [](KVCache& c, int seq, const In& k, const In& v) {
             const TensorView tk = cpu_view(k, "k"), tv = cpu_view(v, "v");
             nb::gil_scoped_release unlocked;
             c.append(seq, tk, tv);
@@ -226,11 +231,6 @@ NB_MODULE(_dmattn, m) {
         "float32 [rows, cols] -> (codes, scales, tensor_scale), the CPU codec.");
   m.def("dequantize_rows", &dequantize_rows, nb::arg("codes"), nb::arg("scales"), nb::arg("format"), nb::arg("cols"),
         nb::arg("tensor_scale"), "Inverse of quantize_rows: float32 [rows, cols].");
-  m.def("cuda_available", [] {
-#if defined(DMATTN_HAVE_CUDA)
-    return true;
-#else
-    return false;
-#endif
-  }, "Whether this build has the CUDA backend.");
+  m.def("cuda_available", &cuda_device_available,
+        "Whether CUDA tensors can be computed: the build has the CUDA backend and a CUDA device is present.");
 }

@@ -110,13 +110,16 @@ void dma_attention(const Problem& p) {
           float* a = acc.data() + ri * d;
           const float li = l[size_t(ri)];
           // Finite inputs can still overflow fp32 scores (|q.k| > 3.4e38): say so, never emit NaN.
-          if (p.key_end(r0 + ri) > 0 && !(std::isfinite(m[size_t(ri)]) && std::isfinite(li)))
+          // Unchecked inputs (check_finite off) may hold NaN/Inf: their rows come out NaN.
+          const bool broken = p.key_end(r0 + ri) > 0 && !(std::isfinite(m[size_t(ri)]) && std::isfinite(li));
+          if (broken && p.check_finite)
             throw Error("attention scores overflow fp32 at head " + std::to_string(h) + ", row " +
                         std::to_string(r0 + ri) + ": inputs too large for the fp32 score accumulator");
-          for (int i = 0; i < d; ++i) a[i] = li > 0.0f ? a[i] / li : 0.0f;
+          constexpr float kNaN = std::numeric_limits<float>::quiet_NaN();
+          for (int i = 0; i < d; ++i) a[i] = broken ? kNaN : li > 0.0f ? a[i] / li : 0.0f;
           store_row(p.out, b, h, r0 + ri, a);
           if (float* lse = p.lse_at(b, h, r0 + ri))
-            *lse = li > 0.0f ? m[size_t(ri)] + std::log(li) + lse_shift[size_t(ri)] : kNegInf;
+            *lse = broken ? kNaN : li > 0.0f ? m[size_t(ri)] + std::log(li) + lse_shift[size_t(ri)] : kNegInf;
         }
       });
     }

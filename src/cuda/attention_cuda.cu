@@ -332,6 +332,13 @@ void dma_attention(const Problem& p) {
 
 }  // namespace cuda
 
+bool cuda_device_available() {
+  int devices = 0;
+  const bool ok = cudaGetDeviceCount(&devices) == cudaSuccess && devices > 0;
+  cudaGetLastError();  // a machine without a driver leaves an error behind
+  return ok;
+}
+
 double attention_on_device(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                            float* lse, const AttentionOptions& opts) {
   cuda::require_device();

@@ -66,3 +66,13 @@ def test_sdpa_refuses_what_it_does_not_compute():
         dmattn.sdpa(q, k, v)
     with pytest.raises(TypeError, match="all be numpy arrays or all be torch"):
         dmattn.attention(q, k.numpy(), v)
+
+
+def test_tensors_that_need_gradients_are_refused():
+    q, k, v = qkv(seed=11)
+    q.requires_grad_(True)
+    with pytest.raises(dmattn.DmattnError, match="inference-only"):
+        dmattn.attention(q, k, v, causal=True)
+    with torch.no_grad():
+        out = dmattn.attention(q, k, v, causal=True)
+    assert not out.requires_grad

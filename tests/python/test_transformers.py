@@ -34,3 +34,81 @@ def test_logits_match_sdpa_at_all_high_bf16_and_dma_runs():
     rel = lambda x: ((x - ref).norm() / ref.norm()).item()  # noqa: E731
     assert rel(high) < 1e-2, rel(high)  # bf16 Q/K/P against fp32 SDPA
     assert rel(high) < rel(dma) < 0.2, (rel(high), rel(dma))
+
+
+def issue_llama(attn):
+    """The padded-batch reproduction's model: 2 layers, GQA 4/2, head dim 64."""
+    cfg = transformers.LlamaConfig(vocab_size=100, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
+
+
+@pytest.fixture
+def bf16_policy():
+    old = dmattn.hf_policy
+    dmattn.hf_policy = dmattn.Policy(high="bf16", low="bf16")
+    yield
+    dmattn.hf_policy = old
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_matches_sdpa_on_valid_tokens(side, bf16_policy):
+    name = dmattn.register_transformers()
+    ids = torch.randint(0, 100, (2, 300), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(2, 300, dtype=torch.long)
+    if side == "left":
+        mask[1, :150] = 0
+    else:
+        mask[1, 150:] = 0
+    ref_model, ours = issue_llama("sdpa"), issue_llama(name)
+    ours.load_state_dict(ref_model.state_dict())
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() numbers padded rows
+    with torch.no_grad():
+        ref = ref_model(ids, attention_mask=mask, position_ids=pos).logits
+        got = ours(ids, attention_mask=mask, position_ids=pos).logits
+        # The padded row computed alone, without padding, is what its valid tokens must give.
+        valid = mask[1].bool()
+        alone = ours(ids[1:2, valid]).logits[0]
+    keep = mask.bool()
+    rel = lambda x, y: ((x - y).norm() / y.norm()).item()  # noqa: E731
+    assert rel(got[keep], ref[keep]) < 1e-2
+    assert rel(got[1][valid], alone) < 1e-5
+
+
+def test_padded_greedy_generate_matches_sdpa(bf16_policy):
+    name = dmattn.register_transformers()
+    ids = torch.randint(3, 100, (2, 40), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones(2, 40, dtype=torch.long)
+    mask[1, :25] = 0  # left padding, as generation pads
+    ids[1, :25] = 0
+    ref_model, ours = issue_llama("sdpa"), issue_llama(name)
+    ours.load_state_dict(ref_model.state_dict())
+    kw = dict(attention_mask=mask, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        ref = ref_model.generate(ids, **kw)
+        got = ours.generate(ids, **kw)
+        alone = ours.generate(ids[1:2, 25:], max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, ref)
+    assert torch.equal(got[1, 40:], alone[0, 15:])
+
+
+def test_masks_dmattn_cannot_compute_raise(bf16_policy):
+    name = dmattn.register_transformers()
+    cfg = transformers.MistralConfig(vocab_size=100, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                     num_attention_heads=4, num_key_value_heads=2, sliding_window=64,
+                                     max_position_embeddings=1024)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=name).eval()
+    ids = torch.randint(0, 100, (1, 200), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad(), pytest.raises(NotImplementedError, match="sliding window"):
+        model(ids)
+    with torch.no_grad():  # a window longer than the sequence is plain causal attention
+        model(ids[:, :60])
+
+
+def test_training_mode_gradients_are_refused():
+    name = dmattn.register_transformers()
+    model = issue_llama(name)
+    ids = torch.randint(0, 100, (1, 64), generator=torch.Generator().manual_seed(5))
+    with pytest.raises(dmattn.DmattnError, match="inference"):
+        model(ids)
