@@ -22,7 +22,8 @@ std::string_view format_name(Format f);
 // Parses a format name ("mxfp8-e4m3", "mxfp8-e5m2", "mxfp6-e3m2", "mxfp6-e2m3", "mxfp4", "nvfp4",
 // "bf16"; "mxfp8" means E4M3). Throws dmattn::Error naming the valid choices.
 Format parse_format(std::string_view name);
-std::string format_names();  // "a|b|c", for messages and --help
+// "a|b|c", for messages and --help; quantized_only leaves out bf16 (no codes).
+std::string format_names(bool quantized_only = false);
 
 std::string_view scale_rule_name(ScaleRule r);
 ScaleRule parse_scale_rule(std::string_view name);

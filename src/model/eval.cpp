@@ -26,48 +26,62 @@ std::string read_text_files(const std::vector<std::string>& files) {
   return all;
 }
 
-std::vector<EvalConfig> dma_grid() {
-  std::vector<EvalConfig> c;
+namespace {
+// The paper's recipe: MXFP8 E4M3 on `diag` tiles at the diagonal and `sinks` leading tiles, MXFP4
+// elsewhere, OCP scales, bf16 P.V, no transforms.
+Policy dma(int diag, int sinks) {
+  Policy p;
+  p.high = Format::mxfp8_e4m3;
+  p.low = Format::mxfp4;
+  p.diag_tiles = diag;
+  p.sink_tiles = sinks;
+  p.scale_rule = ScaleRule::ocp;
+  p.pv = PV::bf16;
+  p.smooth_k = false;
+  return p;
+}
+Policy uniform(Format f) {
+  Policy p = dma(0, 0);
+  p.high = p.low = f;
+  return p;
+}
+template <class F>
+Policy with(Policy p, F&& change) {
+  change(p);
+  return p;
+}
+}  // namespace
+
+std::vector<EvalConfig> named_configs() {
+  std::vector<EvalConfig> c{
+      {"exact", {}, true, "fp64 attention: the baseline every other row is measured against"},
+      {"default", Policy{}, false, "the library's default policy (" + Policy{}.describe() + ")"},
+      {"bf16", uniform(Format::bf16), false, "every tile in bf16"},
+      {"mxfp8", uniform(Format::mxfp8_e4m3), false, "every tile in MXFP8 E4M3"},
+      {"mxfp8-e5m2", uniform(Format::mxfp8_e5m2), false, "every tile in MXFP8 E5M2"},
+      {"mxfp4", uniform(Format::mxfp4), false, "every tile in MXFP4"},
+      {"nvfp4", uniform(Format::nvfp4), false, "every tile in NVFP4"}};
   for (int sinks : {0, 1})
     for (int diag : {1, 2, 4}) {
-      Policy p;
-      p.diag_tiles = diag;
-      p.sink_tiles = sinks;
-      c.push_back({"DMA diag=" + std::to_string(diag) + " sinks=" + std::to_string(sinks), p});
+      const std::string name = "diag" + std::to_string(diag) + (sinks ? "-sink" + std::to_string(sinks) : "");
+      c.push_back({name, dma(diag, sinks), false,
+                   "MXFP8 on " + std::to_string(diag) + " diagonal tile(s)" + (sinks ? " and the sink tile" : "") +
+                       ", MXFP4 elsewhere"});
     }
+  c.push_back({"ceil", with(dma(1, 0), [](Policy& p) { p.scale_rule = ScaleRule::ceil; }), false,
+               "diag1 with the ceil scale rule"});
+  c.push_back({"pv-mxfp8", with(dma(1, 0), [](Policy& p) { p.pv = PV::mxfp8; }), false, "diag1 with P and V in MXFP8"});
+  c.push_back({"pv-mxfp4", with(dma(1, 0), [](Policy& p) { p.pv = PV::mxfp4; }), false, "diag1 with V in MXFP4"});
+  c.push_back({"bf16-pv-mxfp4", with(uniform(Format::bf16), [](Policy& p) { p.pv = PV::mxfp4; }), false,
+               "V in MXFP4 alone (Q and K in bf16)"});
+  for (const auto& [name, base] : {std::pair{"mxfp8", uniform(Format::mxfp8_e4m3)}, {"mxfp4", uniform(Format::mxfp4)},
+                                   {"diag1", dma(1, 0)}, {"diag4-sink1", dma(4, 1)}})
+    c.push_back({std::string("smoothk-") + name, with(base, [](Policy& p) { p.smooth_k = true; }), false,
+                 std::string(name) + " with K's channel mean removed"});
   return c;
 }
 
-std::vector<EvalConfig> default_eval_configs() {
-  std::vector<EvalConfig> c{{"exact fp64", {}, true},
-                            {"all-bf16", Policy::all(Format::bf16)},
-                            {"all-MXFP8 E4M3", Policy::all(Format::mxfp8_e4m3)},
-                            {"all-MXFP8 E5M2", Policy::all(Format::mxfp8_e5m2)},
-                            {"all-MXFP4", Policy::all(Format::mxfp4)},
-                            {"all-NVFP4", Policy::all(Format::nvfp4)}};
-  for (EvalConfig& d : dma_grid()) c.push_back(std::move(d));
-  Policy ceil_rule;
-  ceil_rule.scale_rule = ScaleRule::ceil;
-  c.push_back({"DMA diag=1 sinks=0 ceil", ceil_rule});
-  Policy pv8;
-  pv8.pv = PV::mxfp8;
-  c.push_back({"DMA diag=1 sinks=0 pv=mxfp8", pv8});
-  Policy pv4;  // V in 4 bits: what a decode reading ~3.7x fewer bytes than bf16 would cost in quality
-  pv4.pv = PV::mxfp4;
-  c.push_back({"DMA diag=1 sinks=0 pv=mxfp4", pv4});
-  Policy v4only = Policy::all(Format::bf16);  // V's cost alone: Q and K in bf16
-  v4only.pv = PV::mxfp4;
-  c.push_back({"all-bf16 pv=mxfp4", v4only});
-  // K smoothing (not in the paper): the same policies with K's channel mean removed first.
-  for (EvalConfig e : {EvalConfig{"all-MXFP8 E4M3", Policy::all(Format::mxfp8_e4m3)},
-                       EvalConfig{"all-MXFP4", Policy::all(Format::mxfp4)}, EvalConfig{"DMA diag=1 sinks=0", Policy{}},
-                       EvalConfig{"DMA diag=4 sinks=1", [] { Policy p; p.diag_tiles = 4; p.sink_tiles = 1; return p; }()}}) {
-    e.name += " smooth-k";
-    e.policy.smooth_k = true;
-    c.push_back(e);
-  }
-  return c;
-}
+std::vector<std::string> default_eval_names() { return {"exact", "default", "mxfp8", "mxfp4"}; }
 
 namespace {
 AttentionFn policy_fn(const EvalConfig& c, int threads) {

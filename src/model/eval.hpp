@@ -12,17 +12,19 @@
 namespace dmattn::model {
 
 struct EvalConfig {
-  std::string name;
+  std::string name;  // short, for --only and tables
   Policy policy;
   bool exact = false;
+  std::string what;  // one line for --help
 };
 
-// DMA with diag_tiles 1/2/4 x sink_tiles 0/1 (named "DMA diag=D sinks=S").
-std::vector<EvalConfig> dma_grid();
-
-// exact, all-bf16, all-MXFP8 E4M3 / E5M2, all-MXFP4, all-NVFP4, DMA diag 1/2/4 x sinks 0/1, the
-// default DMA with the ceil rule, and with pv = mxfp8.
-std::vector<EvalConfig> default_eval_configs();
+// The configurations `dmattn eval` knows by name, in the order it runs them: "exact" (fp64), the
+// library's "default" policy, uniform formats, the diagonal/sink grid, scale rule, P.V precision
+// and transform variants. The grid's policies are spelled out in full, so they keep their meaning
+// when the library's default changes.
+std::vector<EvalConfig> named_configs();
+// The subset `dmattn eval` runs when --only is not given.
+std::vector<std::string> default_eval_names();
 
 struct EvalResult {
   std::string name;

@@ -24,9 +24,10 @@ constexpr std::array<FormatInfo, 7> kFormats{{
 FormatInfo format_info(Format f) { return kFormats.at(static_cast<size_t>(f)); }
 std::string_view format_name(Format f) { return format_info(f).name; }
 
-std::string format_names() {
+std::string format_names(bool quantized_only) {
   std::string s;
-  for (const auto& fi : kFormats) s += (s.empty() ? "" : "|") + std::string(fi.name);
+  for (const auto& fi : kFormats)
+    if (fi.has_codes || !quantized_only) s += (s.empty() ? "" : "|") + std::string(fi.name);
   return s;
 }
 

@@ -34,6 +34,7 @@ void add_decode(CLI::App& app) {
       ->check(CLI::Range(1, 1000));
   args->policy.add_to(*cmd);
   cmd->callback([args] {
+    check_outputs({{"--out", args->files.out}, {"--lse", args->files.lse}});
     const AttentionOptions ao = args->policy.options();
     if (ao.policy.smooth_k) throw Error("--smooth-k: the KV cache does not support it (K's mean changes with every token)");
     const HostTensor q = read_npy_tensor(args->files.q, "--q");

@@ -37,17 +37,23 @@ QKV real_qkv(const std::string& path, int64_t n, int layer, std::string& what) {
 
 void add_capture(CLI::App& app) {
   struct Args {
-    std::string model = model::kDefaultModelPath, dir = ".";
+    std::string model, dir = ".";
     int64_t n = 512;
     std::vector<int> layers{1};
   };
   auto a = std::make_shared<Args>();
   CLI::App* cmd = app.add_subcommand("capture", "write a real model's post-RoPE Q/K/V of some layers as float16 .npy");
-  cmd->add_option("--model", a->model, "GGUF model")->capture_default_str();
+  cmd->add_option("--model", a->model, "GGUF model (default: the fetched SmolLM2)");
   cmd->add_option("--n", a->n, "tokens of the GPL texts")->capture_default_str()->check(CLI::Range(1, 8192));
-  cmd->add_option("--layer", a->layers, "layers to capture")->capture_default_str();
+  cmd->add_option("--layer", a->layers, "layers to capture")->capture_default_str()->check(CLI::NonNegativeNumber);
   cmd->add_option("--out-dir", a->dir, "output folder (layer<L>_{q,k,v}.npy)")->capture_default_str();
   cmd->callback([a] {
+    if (a->model.empty()) a->model = default_model_path();
+    std::vector<std::pair<std::string, std::string>> outputs;
+    for (int layer : a->layers)
+      for (const char* name : {"q", "k", "v"})
+        outputs.emplace_back("--out-dir", a->dir + "/layer" + std::to_string(layer) + "_" + name + ".npy");
+    check_outputs(outputs);
     for (int layer : a->layers) {
       std::string what;
       const QKV x = real_qkv(a->model, a->n, layer, what);
@@ -68,24 +74,37 @@ void add_demo(CLI::App& app) {
     uint64_t seed = 1;
     int threads = 0;
     bool synthetic = false;
-    std::string model = model::kDefaultModelPath;
+    std::string model;
     int layer = -1;
   };
   auto a = std::make_shared<Args>();
   CLI::App* cmd = app.add_subcommand(
       "demo", "DMA vs all-MXFP8 / all-MXFP4 on a real model's attention (generated LLM-like inputs without the model)");
   cmd->add_option("--n", a->n, "sequence length")->capture_default_str()->check(CLI::Range(1, 1 << 20));
-  cmd->add_option("--heads", a->heads, "query heads")->capture_default_str()->check(CLI::Range(1, 256));
-  cmd->add_option("--kv-heads", a->kv_heads, "key/value heads")->capture_default_str()->check(CLI::Range(1, 256));
-  cmd->add_option("--d", a->d, "head dim")->capture_default_str();
-  cmd->add_option("--seed", a->seed, "generator seed")->capture_default_str();
-  cmd->add_option("--threads", a->threads, "CPU threads (0 = all)")->capture_default_str();
+  // The shape options describe generated inputs; a model fixes its own heads and head dim.
+  CLI::Option* shape[] = {
+      cmd->add_option("--heads", a->heads, "query heads (generated inputs)")->capture_default_str()->check(CLI::Range(1, 256)),
+      cmd->add_option("--kv-heads", a->kv_heads, "key/value heads (generated inputs)")->capture_default_str()->check(CLI::Range(1, 256)),
+      cmd->add_option("--d", a->d, "head dim (generated inputs): 32 to 256, a multiple of 32")->capture_default_str()->check(CLI::Range(32, 256)),
+      cmd->add_option("--seed", a->seed, "generator seed (generated inputs)")->capture_default_str()};
+  add_threads(*cmd, a->threads);
   cmd->add_flag("--synthetic", a->synthetic, "use generated inputs even when the model is installed");
-  cmd->add_option("--model", a->model, "GGUF model for real activations")->capture_default_str();
-  cmd->add_option("--layer", a->layer, "model layer (default: the middle one)");
-  cmd->callback([a] {
-    std::string what;
+  CLI::Option* model_opt = cmd->add_option("--model", a->model, "GGUF model for real activations (default: the fetched SmolLM2)");
+  CLI::Option* layer_opt = cmd->add_option("--layer", a->layer, "model layer (default: the middle one)")->check(CLI::NonNegativeNumber);
+  cmd->callback([a, shape, model_opt, layer_opt] {
+    const bool explicit_model = model_opt->count() > 0;
+    if (!explicit_model) a->model = default_model_path();
+    if (explicit_model && !std::filesystem::exists(a->model)) throw Error("--model " + a->model + ": no such file");
+    if (a->synthetic && (explicit_model || layer_opt->count() > 0))
+      throw Error("--synthetic generates its inputs: --model and --layer do not apply");
     const bool real = !a->synthetic && std::filesystem::exists(a->model);
+    for (const CLI::Option* o : shape)
+      if (real && o->count() > 0)
+        throw Error(o->get_name() + " shapes generated inputs; the model has its own (add --synthetic to use it)");
+    if (!real && layer_opt->count() > 0) throw Error("--layer needs the model (" + a->model + " is not there)");
+    if (!head_dim_supported(a->d) || a->heads % a->kv_heads != 0)
+      throw Error("--heads must be a multiple of --kv-heads, and --d a multiple of 32 from 32 to 256");
+    std::string what;
     QKV x;
     if (real) {
       std::fprintf(stderr, "demo: running %s over the text to capture a layer's Q/K/V ...\n", a->model.c_str());
@@ -93,16 +112,17 @@ void add_demo(CLI::App& app) {
     } else {
       x = llm_like_qkv({1, a->heads, a->kv_heads, a->n, a->n, a->d}, a->seed);
       what = "generated LLM-like inputs (seed " + std::to_string(a->seed) + ")" +
-             (a->synthetic ? "" : "; run scripts/fetch_model.sh for real activations");
+             (a->synthetic ? "" : "; no model at " + a->model + " (scripts/fetch_model.sh fetches it)");
     }
     const Shape& qs = x.q.shape();
-    std::vector<model::EvalConfig> rows{{"exact fp64", {}, true},
-                                        {"all-MXFP8 (e4m3)", Policy::all(Format::mxfp8_e4m3)},
-                                        {"all-MXFP4", Policy::all(Format::mxfp4)}};
-    for (model::EvalConfig& d : model::dma_grid()) rows.push_back(std::move(d));
+    std::vector<model::EvalConfig> rows;
+    for (model::EvalConfig& c : model::named_configs())
+      if (c.exact || c.name == "default" || c.name == "mxfp8" || c.name == "mxfp4" || c.name.rfind("diag", 0) == 0)
+        rows.push_back(std::move(c));
     std::printf("dmattn demo: causal attention, B=1 Hq=%lld Hkv=%lld N=%lld d=%lld, CPU\ninputs: %s\n",
                 (long long)qs[1], (long long)x.k.shape()[1], (long long)qs[2], (long long)qs[3], what.c_str());
-    std::printf("high=MXFP8 E4M3, low=MXFP4 E2M1, scale rule ocp, pv bf16; error = rel. L2 of the output vs exact\n\n");
+    std::printf("error = rel. L2 of the output vs exact fp64 attention; diagN-sinkS: MXFP8 on N diagonal and S sink\n"
+                "tiles, MXFP4 elsewhere; default: %s\n\n", Policy{}.describe().c_str());
     std::printf("%-24s %14s %10s\n", "config", "rel_l2", "time_s");
     std::vector<float> ref;
     const bool tty = isatty(fileno(stderr));  // progress on a terminal only; logs stay clean

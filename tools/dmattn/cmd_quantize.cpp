@@ -15,7 +15,7 @@ struct Args {
 };
 
 void add_common(CLI::App* cmd, Args& a) {
-  cmd->add_option("--format", a.format, "element format (" + format_names() + "; bf16 has no codes)")->capture_default_str();
+  cmd->add_option("--format", a.format, "element format (" + format_names(/*quantized_only=*/true) + ")")->capture_default_str();
   cmd->add_option("--codes", a.codes, "element codes, uint8 (E2M1: two per byte, low nibble first)")->required();
   cmd->add_option("--scales", a.scales, "block scales, uint8 (E8M0; E4M3 for nvfp4)")->required();
   cmd->add_option("--tensor-scale", a.tensor_scale, "nvfp4 per-tensor fp32 scale, a 1-element float32 .npy");
@@ -38,6 +38,9 @@ void add_quantize(CLI::App& app) {
   cmd->add_option("--scale-rule", q->rule, "shared-exponent rule (ocp|ceil)")->capture_default_str();
   cmd->callback([q] {
     const Format f = parse_format(q->format);
+    if (!format_info(f).has_codes) throw Error("--format " + q->format + " has no codes to write (choose " + format_names(true) + ")");
+    check_outputs({{"--codes", q->codes}, {"--scales", q->scales}, {"--tensor-scale", q->tensor_scale}});
+    if (f == Format::nvfp4 && q->tensor_scale.empty()) throw Error("nvfp4 needs --tensor-scale to store its per-tensor scale");
     const NpyArray in = read_npy(q->in);
     if (in.type == NpyType::u8) throw Error(q->in + ": uint8 input; need float32 or float16");
     const auto [rows, cols] = rows_cols(in.shape, q->in);
@@ -48,10 +51,10 @@ void add_quantize(CLI::App& app) {
     sshape.back() = qz.scale_cols();
     write_npy(q->codes, NpyType::u8, cshape, qz.codes.data());
     write_npy(q->scales, NpyType::u8, sshape, qz.scales.data());
-    if (f == Format::nvfp4) {
-      if (q->tensor_scale.empty()) throw Error("nvfp4 needs --tensor-scale to store its per-tensor scale");
-      write_npy(q->tensor_scale, NpyType::f32, {1}, &qz.tensor_scale);
-    }
+    if (f == Format::nvfp4) write_npy(q->tensor_scale, NpyType::f32, {1}, &qz.tensor_scale);
+    std::printf("quantize: %lld rows x %lld values in %s -> %s, %s%s\n", (long long)rows, (long long)cols,
+                std::string(format_name(f)).c_str(), q->codes.c_str(), q->scales.c_str(),
+                f == Format::nvfp4 ? (", " + q->tensor_scale).c_str() : "");
   });
 
   auto d = std::make_shared<Args>();
@@ -60,6 +63,7 @@ void add_quantize(CLI::App& app) {
   dcmd->add_option("--out", d->out, "output float32 array")->required();
   dcmd->add_option("--cols", d->cols, "length of the last axis (default: from the codes; needed for odd E2M1 lengths)");
   dcmd->callback([d] {
+    check_outputs({{"--out", d->out}});
     Quantized qz;
     qz.format = parse_format(d->format);
     const NpyArray codes = read_npy(d->codes), scales = read_npy(d->scales);

@@ -28,6 +28,9 @@ void add_run(CLI::App& app) {
       ->check(CLI::Range(1, 1000));
   args->policy.add_to(*cmd);
   cmd->callback([args] {
+    if (args->exact && args->policy.policy_given())
+      throw Error("--exact computes fp64 attention and takes no policy flags (--high, --low, --diag-tiles, ...)");
+    check_outputs({{"--out", args->files.out}, {"--lse", args->files.lse}});
     AttentionOptions o = args->policy.options();
     o.causal = args->causal;
     o.exact = args->exact;

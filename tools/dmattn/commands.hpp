@@ -12,9 +12,14 @@ struct PolicyArgs {
   std::string high = "mxfp8-e4m3", low = "mxfp4", pv = "bf16", scale_rule = "ocp", backend = "auto";
   int diag_tiles = 1, sink_tiles = 0, threads = 0;
   bool smooth_k = false;
-  void add_to(CLI::App& app);
+  std::vector<const CLI::Option*> policy_options;  // the flags that set the policy, for policy_given()
+  void add_to(CLI::App& app, bool with_backend = true);  // with --backend and --threads
   AttentionOptions options() const;  // throws dmattn::Error for unknown names
+  bool policy_given() const;         // whether the command line set any policy flag
 };
+
+// --threads, 0 (all) up to this machine's hardware threads.
+void add_threads(CLI::App& app, int& threads);
 
 // The .npy files of a command that runs attention: inputs, output and the optional LSE.
 struct QkvFiles {
@@ -22,6 +27,14 @@ struct QkvFiles {
   // Registers --q --k --v --out (required) and --lse with the given help texts for the inputs.
   void add_to(CLI::App& cmd, const std::string& q_help, const std::string& k_help, const std::string& v_help);
 };
+
+// Throws dmattn::Error unless every non-empty path of (flag, path) can be written and no two name
+// the same file: checked before any work, so that a bad path never costs a run or half its output.
+void check_outputs(const std::vector<std::pair<std::string, std::string>>& outputs);
+
+// The model scripts/fetch_model.sh installs: $DMATTN_MODEL, else .cache/models/... found from the
+// working directory or the executable's folder upwards (the relative path when neither has it).
+std::string default_model_path();
 
 void add_run(CLI::App& app);
 void add_decode(CLI::App& app);

@@ -1,4 +1,6 @@
+#include <algorithm>
 #include <cstdio>
+#include <thread>
 
 #include "commands.hpp"
 #include "dmattn/error.hpp"
@@ -6,7 +8,7 @@
 
 namespace dmattn::cli {
 
-void PolicyArgs::add_to(CLI::App& app) {
+void PolicyArgs::add_to(CLI::App& app, bool with_backend) {
   const std::string fmts = "(" + format_names() + ")";
   app.add_option("--high", high, "format of high-precision tiles " + fmts)->capture_default_str();
   app.add_option("--low", low, "format of low-precision tiles " + fmts)->capture_default_str();
@@ -15,8 +17,25 @@ void PolicyArgs::add_to(CLI::App& app) {
   app.add_option("--pv", pv, "P.V precision (bf16|mxfp8|mxfp4|fp8; mxfp4: V in MXFP4; fp8: E4M3 P at scale 2^-8 and V with a scale per channel, prefill only)")->capture_default_str();
   app.add_option("--scale-rule", scale_rule, "MX shared-exponent rule (ocp|ceil)")->capture_default_str();
   app.add_flag("--smooth-k", smooth_k, "subtract K's per-channel mean before quantizing (softmax-invariant)");
-  app.add_option("--backend", backend, "where to compute (auto|cpu|cuda)")->capture_default_str();
-  app.add_option("--threads", threads, "CPU threads (0 = all)")->capture_default_str();
+  if (with_backend) {
+    app.add_option("--backend", backend, "where to compute (auto|cpu|cuda)")->capture_default_str();
+    add_threads(app, threads);
+  }
+  for (const char* name : {"--high", "--low", "--diag-tiles", "--sink-tiles", "--pv", "--scale-rule", "--smooth-k"})
+    policy_options.push_back(app.get_option(name));
+}
+
+bool PolicyArgs::policy_given() const {
+  for (const CLI::Option* o : policy_options)
+    if (o->count() > 0) return true;
+  return false;
+}
+
+void add_threads(CLI::App& app, int& threads) {
+  const int most = std::max(1, int(std::thread::hardware_concurrency()));
+  app.add_option("--threads", threads, "CPU threads (0 = all " + std::to_string(most) + ")")
+      ->capture_default_str()
+      ->check(CLI::Range(0, most));
 }
 
 void QkvFiles::add_to(CLI::App& cmd, const std::string& q_help, const std::string& k_help, const std::string& v_help) {
@@ -54,10 +73,12 @@ int main(int argc, char** argv) {
   dmattn::cli::add_demo(app);
   dmattn::cli::add_eval(app);
   dmattn::cli::add_capture(app);
+  app.set_version_flag("--version", std::string("dmattn ") + DMATTN_VERSION);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    return app.exit(e);
+    // Help and --version exit 0; every malformed command line exits 1, as bad input does.
+    return app.exit(e) == 0 ? 0 : 1;
   } catch (const dmattn::Error& e) {
     std::fprintf(stderr, "dmattn: error: %s\n", e.what());
     return 1;
