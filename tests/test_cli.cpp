@@ -299,3 +299,14 @@ TEST_F(Cli, QuantizeSaysWhatItWrote) {
   const Proc h = run("quantize --help");
   EXPECT_EQ(h.out.find("bf16"), std::string::npos) << h.out;
 }
+
+// The default model is found from any working directory (it sits beside the build tree), so the
+// demo runs on real activations there too, not silently on generated ones.
+TEST_F(Cli, DemoFindsTheModelFromAnyDirectory) {
+  if (!fs::exists(fs::path(DMATTN_SOURCE_DIR) / ".cache/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    GTEST_SKIP() << "the model is not fetched (scripts/fetch_model.sh)";
+  const std::string cmd = "cd " + dir.string() + " && " + DMATTN_CLI_PATH + " demo --n 256 --layer 1 >" + p("stdout") +
+                          " 2>" + p("stderr");
+  ASSERT_EQ(std::system(cmd.c_str()), 0) << slurp(dir / "stderr");
+  EXPECT_NE(slurp(dir / "stdout").find("real activations"), std::string::npos) << slurp(dir / "stdout");
+}
