@@ -55,7 +55,7 @@ Problem validate(const TensorView& q, const TensorView& k, const TensorView& v, 
                 std::to_string(k.shape[1]) + ")");
   if (out.shape != q.shape) throw Error("out shape " + shape_str(out.shape) + " differs from Q " + shape_str(q.shape));
   const Policy& pol = o.policy;
-  if (pol.diag_tiles < 0 || pol.sink_tiles < 0) throw Error("diag_tiles and sink_tiles must be >= 0");
+  pol.validate();
   const float scale = o.softmax_scale.value_or(1.0f / std::sqrt(float(q.shape[3])));
   if (!std::isfinite(scale) || scale <= 0.0f) throw Error("softmax scale must be finite and > 0");
 

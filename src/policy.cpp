@@ -11,7 +11,20 @@ std::string Policy::describe() const {
   return "high=" + std::string(format_name(high)) + " low=" + std::string(format_name(low)) +
          " diag_tiles=" + std::to_string(diag_tiles) + " sink_tiles=" + std::to_string(sink_tiles) +
          " scale_rule=" + std::string(scale_rule_name(scale_rule)) + " pv=" + std::string(pv_name(pv)) +
-         (smooth_k ? " smooth_k" : "");
+         (smooth_k ? " smooth_k" : "") + (smooth_q ? " smooth_q" : "") + (rotate ? " rotate" : "") +
+         (sink_keys ? " sink_keys=" + std::to_string(sink_keys) : "");
+}
+
+void Policy::validate() const {
+  if (diag_tiles < 0 || sink_tiles < 0 || sink_keys < 0) throw Error("diag_tiles, sink_tiles and sink_keys must be >= 0");
+}
+
+std::string Policy::transforms() const {
+  std::string s;
+  for (const auto& [on, name] : {std::pair{smooth_k, "smooth_k"}, {smooth_q, "smooth_q"}, {rotate, "rotate"},
+                                 {sink_keys > 0, "sink_keys"}})
+    if (on) s += (s.empty() ? "" : " ") + std::string(name);
+  return s;
 }
 
 namespace {

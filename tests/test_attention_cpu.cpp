@@ -506,3 +506,83 @@ TEST(AttentionCpu, PvFp8IsRefusedWhereItsScalesCannotBeKnown) {
   pol.pv = PV::fp8;
   EXPECT_THROW(KVCache(1, 64, pol), Error);
 }
+
+// The accuracy transforms are exact in real arithmetic: with bf16 tiles (only rounding), each of
+// them and all together reproduce exact attention, outputs and LSE, to bf16 tolerance. Causal and
+// not, GQA, a ragged last query block, keys with a common offset and outlier channels.
+TEST(AttentionCpu, AccuracyTransformsAreExactIdentities) {
+  QKV x = random_qkv({2, 4, 2, 300, 333, 64}, 40);
+  std::vector<float> q = x.q.to_floats(), k = x.k.to_floats();
+  for (size_t i = 0; i < k.size(); ++i) k[i] += (i % 64 < 3) ? 12.0f : 1.5f;
+  for (size_t i = 0; i < q.size(); ++i) q[i] += (i % 64 == 5) ? 6.0f : 0.7f;
+  x.q = HostTensor::from_floats(q, x.q.shape());
+  x.k = HostTensor::from_floats(k, x.k.shape());
+  for (bool causal : {true, false}) {
+    AttentionOptions ex = opts({}, causal);
+    ex.exact = true;
+    const Result ref = run(x, ex);
+    for (int t = 0; t < 5; ++t) {
+      Policy p = Policy::all(Format::bf16);
+      p.smooth_k = t == 0 || t == 4;
+      p.smooth_q = t == 1 || t == 4;
+      p.rotate = t == 2 || t == 4;
+      p.sink_keys = t == 3 || t == 4 ? 3 : 0;
+      const Result r = run(x, opts(p, causal));
+      EXPECT_LE(rel_l2(r.out, ref.out), 1e-2) << p.describe() << " causal " << causal;
+      for (size_t i = 0; i < ref.lse.size(); ++i) ASSERT_NEAR(r.lse[i], ref.lse[i], 0.1) << p.describe() << " row " << i;
+    }
+  }
+}
+
+// What each transform is for, on inputs that show it: smooth_q on queries with a large common part,
+// rotate on a real layer's outlier channels, sink_keys on the score of a row's only key.
+TEST(AttentionCpu, AccuracyTransformsCutTheErrorTheyTarget) {
+  AttentionOptions ex = opts({}, true);
+  ex.exact = true;
+  auto err = [&](const QKV& x, Policy p) { return rel_l2(run(x, opts(p, true)).out, run(x, ex).out); };
+  const Policy f4 = Policy::all(Format::mxfp4);
+  Policy t = f4;
+
+  QKV common = random_qkv({1, 2, 1, 256, 256, 64}, 41);
+  std::vector<float> q = common.q.to_floats();
+  for (size_t i = 0; i < q.size(); ++i) q[i] = 0.3f * q[i] + ((i % 64) % 3 == 0 ? 2.0f : -1.0f);
+  common.q = HostTensor::from_floats(q, common.q.shape());
+  t.smooth_q = true;
+  EXPECT_LT(err(common, t), 0.5 * err(common, f4));
+
+  // Real keys: a few channels carry most of K's energy (layer 20 of SmolLM2, tests/data).
+  const std::string base = std::string(DMATTN_SOURCE_DIR) + "/tests/data/layer20_";
+  const QKV real{read_npy_tensor(base + "q.npy", "q"), read_npy_tensor(base + "k.npy", "k"), read_npy_tensor(base + "v.npy", "v")};
+  t = f4;
+  t.rotate = true;
+  EXPECT_LT(err(real, t), 0.8 * err(real, f4));
+
+  // Row 0 sees key 0 alone: its LSE is that one scaled score, exact to fp32 with sink_keys.
+  const QKV x = random_qkv({1, 1, 1, 130, 130, 64}, 43);
+  t = f4;
+  t.sink_keys = 1;
+  const std::vector<float> q0 = x.q.to_floats(), k0 = x.k.to_floats();
+  double dot = 0;
+  for (int i = 0; i < 64; ++i) dot += double(q0[size_t(i)]) * k0[size_t(i)];
+  EXPECT_NEAR(run(x, opts(t, true)).lse[0], dot / 8.0, 1e-5 * (1 + std::fabs(dot)));
+  EXPECT_GT(std::fabs(run(x, opts(f4, true)).lse[0] - dot / 8.0), 1e-3);
+}
+
+// On SmolLM2's real activations, the transforms together cut the default policy's error.
+TEST(AttentionCpu, AccuracyTransformsHelpOnRealActivations) {
+  for (int layer : {1, 20}) {
+    const std::string base = std::string(DMATTN_SOURCE_DIR) + "/tests/data/layer" + std::to_string(layer) + "_";
+    const QKV x{read_npy_tensor(base + "q.npy", "q"), read_npy_tensor(base + "k.npy", "k"), read_npy_tensor(base + "v.npy", "v")};
+    Policy plain;
+    plain.smooth_k = plain.smooth_q = plain.rotate = false;
+    plain.sink_keys = 0;
+    Policy all = plain;
+    all.smooth_k = all.smooth_q = all.rotate = true;
+    all.sink_keys = 1;
+    all.sink_tiles = 1;
+    const FormatErrors e = format_errors(x, plain);
+    const double with = format_errors(x, all).dma;
+    std::printf("layer %d: default %.4f  with transforms %.4f\n", layer, e.dma, with);
+    EXPECT_LT(with, 0.6 * e.dma) << layer;
+  }
+}

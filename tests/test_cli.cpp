@@ -215,7 +215,7 @@ TEST_F(Cli, DecodeEqualsCausalRun) {
   save(many.q, "q17.npy");
   expect_error(fill("decode --q {d}/q17.npy --k {d}/k.npy --v {d}/v.npy --out {d}/o.npy", dir), "1 to 16 new queries");
   expect_error(fill("decode --q {d}/q.npy --k {d}/k.npy --v {d}/q.npy --out {d}/o.npy", dir), "same shape");
-  expect_error(fill("decode --q {d}/q.npy --k {d}/k.npy --v {d}/v.npy --out {d}/o.npy --smooth-k", dir), "smooth-k");
+  expect_error(fill("decode --q {d}/q.npy --k {d}/k.npy --v {d}/v.npy --out {d}/o.npy --smooth-k", dir), "smooth_k");
   expect_error(fill("decode --q {d}/q.npy --k {d}/k.npy --v {d}/v.npy --out {d}/o.npy --low nvfp4", dir), "MX 32-block");
 }
 

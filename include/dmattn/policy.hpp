@@ -43,6 +43,20 @@ struct Policy {
   // removes K's channel outliers from the MX blocks (SageAttention's observation). LSE is reported
   // unshifted. Not in the paper's definition, so off by default.
   bool smooth_k = false;
+  // Subtract from each 128-row block of Q (rows [128c, 128c + 128) of the call, per batch and head)
+  // its per-channel mean mu before quantizing, and add the block's mu.k back to every score in fp32
+  // from the unquantized K (SageAttention2's smoothing): exact in real arithmetic; it removes Q's
+  // common part, which holds most of its energy, from the quantized product, and scales K's
+  // quantization error by q - mu instead of q.
+  bool smooth_q = false;
+  // Rotate Q and K by one randomized Hadamard transform along d before quantizing
+  // (include/dmattn/rotation.hpp): exact in real arithmetic (QH (KH)^T = Q K^T up to a power-of-two
+  // factor folded into the scale); it spreads channel outliers over every block.
+  bool rotate = false;
+  // The scores of the first sink_keys keys (absolute positions) are computed from the unquantized
+  // (rotated, smoothed) q and k in fp32: the attention sink, which takes a large share of many rows'
+  // weight, then carries no quantization error.
+  int sink_keys = 0;
 
   // Tile indices are absolute: query tile = floor(position / 128) with the query's position
   // counted as in causal alignment (row r sits at r + Nk - Nq), key tile = key / 128.
@@ -52,6 +66,10 @@ struct Policy {
 
   static Policy all(Format f) { return Policy{f, f, 0, 0}; }
   std::string describe() const;
+  // Throws dmattn::Error for settings no backend takes (negative tile or key counts).
+  void validate() const;
+  // The accuracy transforms turned on, by name ("smooth_k smooth_q rotate sink_keys"); empty if none.
+  std::string transforms() const;
 };
 
 // is_high(qtile + ktile0, j + ktile0) for the key tiles 0 <= j < tiles of one query tile, in 32-bit

@@ -18,7 +18,7 @@ from ._dmattn import (DmattnError, KVCache, Policy, attention_into, cuda_availab
                       quantize_rows)
 
 __all__ = ["attention", "sdpa", "decode", "ring_attention", "KVCache", "quantize", "dequantize", "Policy", "DmattnError",
-           "cuda_available", "register_transformers", "hf_policy"]
+           "cuda_available", "register_transformers", "hf_policy", "POLICY_FIELDS"]
 
 
 
@@ -61,10 +61,27 @@ def _check_inputs(tensors, names="qkv"):
                               f"x.astype(x.dtype.newbyteorder('='))")
 
 
-def attention(q, k, v, *, causal: bool = False, scale: float | None = None, high: str = "mxfp8-e4m3",
-              low: str = "mxfp4", diag_tiles: int = 1, sink_tiles: int = 0, pv: str = "bf16",
-              scale_rule: str = "ocp", return_lse: bool = False, layout: str = "bhnd", policy: Policy | None = None,
-              q_offset: int | None = None, k_offset: int | None = None, check_finite: bool = True):
+POLICY_FIELDS = ("high", "low", "diag_tiles", "sink_tiles", "scale_rule", "pv", "smooth_k", "smooth_q", "rotate",
+                 "sink_keys")
+"""The keywords attention(), sdpa() and ring_attention() take for the Policy (dmattn.Policy's fields)."""
+
+
+def _policy(policy, fields, who):
+    """The Policy of a call: `policy`, or one built from the policy keywords (not both)."""
+    unknown = set(fields) - set(POLICY_FIELDS)
+    if unknown:
+        raise TypeError(f"{who}() got unexpected keyword arguments {sorted(unknown)} "
+                        f"(policy keywords: {', '.join(POLICY_FIELDS)})")
+    if policy is not None:
+        if fields:
+            raise TypeError(f"{who}(): give policy= or policy keywords ({', '.join(sorted(fields))}), not both")
+        return policy
+    return Policy(**fields)
+
+
+def attention(q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False,
+              layout: str = "bhnd", policy: Policy | None = None, q_offset: int | None = None,
+              k_offset: int | None = None, check_finite: bool = True, **policy_fields):
     """DMA attention of q, k, v; returns an array of q's kind, dtype and device (and the LSE).
 
     Args:
@@ -76,19 +93,23 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, high
       causal: mask keys after each query, aligned bottom-right (query row r sits at position
         r + Nk - Nq), so prefill, chunked prefill and decode share one definition.
       scale: softmax scale; default 1/sqrt(d).
-      high: format of the high tiles: "mxfp8-e4m3" (default), "mxfp8-e5m2", "mxfp6-e3m2",
-        "mxfp6-e2m3", "mxfp4", "nvfp4" or "bf16".
-      low: format of every other tile (default "mxfp4"); same choices.
-      diag_tiles: key tiles nearest the diagonal of each 128-row query tile that run in `high`
-        (the diagonal tile included; 0 = none; a large value = all high).
-      sink_tiles: leading key tiles (attention sinks) that run in `high`.
-      pv: precision of P.V: "bf16" (P rounded to bf16), "mxfp8" (P and V in MXFP8 E4M3), "mxfp4"
-          (P in MXFP8, V in MXFP4; an experiment beyond DESIGN, CPU only for prefill) or "fp8"
-          (P in E4M3 at scale 2^-8, V in E4M3 with one scale per channel: the GPU prefill's FP8 P.V).
-      scale_rule: E8M0 block-scale rule, "ocp" (the OCP spec's floor rule) or "ceil".
       return_lse: also return the row log-sum-exp, float32 [B, Hq, Nq] (for merging partial results).
       layout: "bhnd" or "bnhd" (how the four axes of q, k, v and the output are ordered).
-      policy: a Policy; overrides high/low/diag_tiles/sink_tiles/pv/scale_rule when given.
+      policy: a Policy (default: dmattn.Policy(), the library's default policy).
+      **policy_fields: instead of policy=, its fields by keyword (POLICY_FIELDS; help(dmattn.Policy)):
+        high / low: formats of the high and the low tiles: "mxfp8-e4m3", "mxfp8-e5m2",
+          "mxfp6-e3m2", "mxfp6-e2m3", "mxfp4", "nvfp4" or "bf16".
+        diag_tiles: key tiles nearest the diagonal of each 128-row query tile that run high
+          (the diagonal tile included; 0 = none; a large value = all high).
+        sink_tiles: leading key tiles (attention sinks) that run high.
+        pv: precision of P.V: "bf16" (P rounded to bf16), "mxfp8" (P and V in MXFP8 E4M3), "mxfp4"
+          (P in MXFP8, V in MXFP4; CPU only for prefill) or "fp8" (P in E4M3 at scale 2^-8, V in
+          E4M3 with one scale per channel: the GPU prefill's FP8 P.V).
+        scale_rule: E8M0 block-scale rule, "ocp" (the OCP spec's floor rule) or "ceil".
+        smooth_k, smooth_q, rotate, sink_keys: the accuracy transforms (exact in real arithmetic;
+          they change only what gets quantized): K's channel mean removed; each 128-row Q block's
+          mean removed and its scores added back exactly; a randomized Hadamard rotation of Q and K
+          along d; the first sink_keys keys scored from unquantized q and k.
       q_offset, k_offset: absolute positions of the first query and the first key, to attend a
         block of a longer sequence (mask and tiles use them; k_offset a multiple of 128). Default:
         the queries are the last Nq of the Nk positions.
@@ -106,9 +127,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, high
     """
     _check_inputs((q, k, v))
     _check_same_kind(q, k, v)
-    if policy is None:
-        policy = Policy(high=high, low=low, diag_tiles=diag_tiles, sink_tiles=sink_tiles, pv=pv,
-                        scale_rule=scale_rule)
+    policy = _policy(policy, policy_fields, "attention")
     if layout not in ("bhnd", "bnhd"):
         raise ValueError(f"layout must be 'bhnd' or 'bnhd' (got {layout!r})")
     if getattr(q, "ndim", None) != 4:
@@ -140,7 +159,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: b
     """torch.nn.functional.scaled_dot_product_attention's signature, computed by dmattn.
 
     query [B, Hq, L, E], key/value [B, Hkv, S, E] torch tensors; `policy` takes attention()'s
-    keywords (high, low, diag_tiles, sink_tiles, pv, scale_rule). Supported: no mask or
+    policy keywords (POLICY_FIELDS) or policy=Policy(...). Supported: no mask or
     is_causal with L == S (torch aligns its causal mask top-left, dmattn bottom-right: they agree
     only for square attention), dropout_p == 0, GQA with enable_gqa=True. Anything else raises
     NotImplementedError rather than computing something different.

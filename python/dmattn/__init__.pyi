@@ -16,9 +16,13 @@ class Policy:
     scale_rule: str
     pv: str
     smooth_k: bool
+    smooth_q: bool
+    rotate: bool
+    sink_keys: int
     def __init__(self, *, high: Format = "mxfp8-e4m3", low: Format = "mxfp4", diag_tiles: int = 1,
                  sink_tiles: int = 0, scale_rule: Literal["ocp", "ceil"] = "ocp",
-                 pv: Literal["bf16", "mxfp8", "mxfp4", "fp8"] = "bf16", smooth_k: bool = False) -> None: ...
+                 pv: Literal["bf16", "mxfp8", "mxfp4", "fp8"] = "bf16", smooth_k: bool = False,
+                 smooth_q: bool = False, rotate: bool = False, sink_keys: int = 0) -> None: ...
     def __eq__(self, other: object) -> bool: ...
 
 class KVCache:
@@ -39,12 +43,15 @@ def decode(cache: KVCache, seqs: list[int], q: Any, *, scale: float | None = Non
            return_lse: bool = False) -> Any: ...
 
 def cuda_available() -> bool: ...
+POLICY_FIELDS: tuple[str, ...]
+
 def attention(q: Any, k: Any, v: Any, *, causal: bool = False, scale: float | None = None,
-              high: Format = "mxfp8-e4m3", low: Format = "mxfp4", diag_tiles: int = 1, sink_tiles: int = 0,
-              pv: Literal["bf16", "mxfp8", "mxfp4", "fp8"] = "bf16", scale_rule: Literal["ocp", "ceil"] = "ocp",
               return_lse: bool = False, layout: Literal["bhnd", "bnhd"] = "bhnd",
               policy: Policy | None = None, q_offset: int | None = None, k_offset: int | None = None,
-              check_finite: bool = True) -> Any: ...
+              check_finite: bool = True, high: Format = ..., low: Format = ..., diag_tiles: int = ...,
+              sink_tiles: int = ..., scale_rule: Literal["ocp", "ceil"] = ...,
+              pv: Literal["bf16", "mxfp8", "mxfp4", "fp8"] = ..., smooth_k: bool = ..., smooth_q: bool = ...,
+              rotate: bool = ..., sink_keys: int = ...) -> Any: ...
 def sdpa(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
          scale: float | None = None, enable_gqa: bool = False, **policy: Any) -> Any: ...
 def quantize(x: Any, format: Format = "mxfp4", scale_rule: Literal["ocp", "ceil"] = "ocp"

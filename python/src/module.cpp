@@ -156,7 +156,8 @@ std::string policy_repr(const Policy& p) {
   return "Policy(high='" + std::string(format_name(p.high)) + "', low='" + std::string(format_name(p.low)) +
          "', diag_tiles=" + std::to_string(p.diag_tiles) + ", sink_tiles=" + std::to_string(p.sink_tiles) +
          ", scale_rule='" + std::string(scale_rule_name(p.scale_rule)) + "', pv='" + std::string(pv_name(p.pv)) +
-         "', smooth_k=" + (p.smooth_k ? "True" : "False") + ")";
+         "', smooth_k=" + (p.smooth_k ? "True" : "False") + ", smooth_q=" + (p.smooth_q ? "True" : "False") +
+         ", rotate=" + (p.rotate ? "True" : "False") + ", sink_keys=" + std::to_string(p.sink_keys) + ")";
 }
 
 // Policy's format fields read and written as their names ("mxfp4", ...).
@@ -177,13 +178,28 @@ NB_MODULE(_dmattn, m) {
       .def(
           "__init__",
           [](Policy* self, const std::string& high, const std::string& low, int diag_tiles, int sink_tiles,
-             const std::string& scale_rule, const std::string& pv, bool smooth_k) {
-            if (diag_tiles < 0 || sink_tiles < 0) throw Error("diag_tiles and sink_tiles must be >= 0");
-            new (self) Policy{parse_format(high), parse_format(low), diag_tiles, sink_tiles,
-                              parse_scale_rule(scale_rule), parse_pv(pv), smooth_k};
+             const std::string& scale_rule, const std::string& pv, bool smooth_k, bool smooth_q, bool rotate,
+             int sink_keys) {
+            Policy p;
+            p.high = parse_format(high);
+            p.low = parse_format(low);
+            p.diag_tiles = diag_tiles;
+            p.sink_tiles = sink_tiles;
+            p.scale_rule = parse_scale_rule(scale_rule);
+            p.pv = parse_pv(pv);
+            p.smooth_k = smooth_k;
+            p.smooth_q = smooth_q;
+            p.rotate = rotate;
+            p.sink_keys = sink_keys;
+            p.validate();
+            new (self) Policy(p);
           },
-          nb::kw_only(), nb::arg("high") = "mxfp8-e4m3", nb::arg("low") = "mxfp4", nb::arg("diag_tiles") = 1,
-          nb::arg("sink_tiles") = 0, nb::arg("scale_rule") = "ocp", nb::arg("pv") = "bf16", nb::arg("smooth_k") = false)
+          nb::kw_only(), nb::arg("high") = std::string(format_name(Policy{}.high)),
+          nb::arg("low") = std::string(format_name(Policy{}.low)), nb::arg("diag_tiles") = Policy{}.diag_tiles,
+          nb::arg("sink_tiles") = Policy{}.sink_tiles, nb::arg("scale_rule") = std::string(scale_rule_name(Policy{}.scale_rule)),
+          nb::arg("pv") = std::string(pv_name(Policy{}.pv)), nb::arg("smooth_k") = Policy{}.smooth_k,
+          nb::arg("smooth_q") = Policy{}.smooth_q, nb::arg("rotate") = Policy{}.rotate,
+          nb::arg("sink_keys") = Policy{}.sink_keys)
       .def_prop_rw("high", format_getter(&Policy::high), format_setter(&Policy::high),
                    "format of the diagonal and sink tiles")
       .def_prop_rw("low", format_getter(&Policy::low), format_setter(&Policy::low), "format of every other tile")
@@ -196,6 +212,9 @@ NB_MODULE(_dmattn, m) {
           "pv", [](const Policy& p) { return std::string(pv_name(p.pv)); },
           [](Policy& p, const std::string& v) { p.pv = parse_pv(v); }, "P.V precision: bf16, mxfp8, mxfp4 (V in MXFP4) or fp8 (E4M3 P at 2^-8, per-channel V scales; prefill only)")
       .def_rw("smooth_k", &Policy::smooth_k, "subtract K's per-channel mean before quantizing")
+      .def_rw("smooth_q", &Policy::smooth_q, "subtract each 128-row Q block's mean; its scores are added back exactly")
+      .def_rw("rotate", &Policy::rotate, "rotate Q and K by a randomized Hadamard transform along d before quantizing")
+      .def_rw("sink_keys", &Policy::sink_keys, "leading keys whose scores come from unquantized q and k")
       .def("__repr__", &policy_repr)
       .def("__eq__", [](const Policy& a, const Policy& b) { return policy_repr(a) == policy_repr(b); });
 

@@ -13,6 +13,7 @@
 #include "dmattn/error.hpp"
 #include "dmattn/numeric.hpp"
 #include "dmattn/quantize.hpp"
+#include "dmattn/rotation.hpp"
 
 namespace dmattn::cpu {
 namespace {
@@ -28,14 +29,36 @@ struct Slots {
   int low() const { return count - 1; }
 };
 
+// The per-channel mean of rows [n, d], accumulated in fp64 and rounded once to fp32.
+std::vector<float> channel_mean(const float* x, int64_t n, int d) {
+  std::vector<double> acc(static_cast<size_t>(d), 0.0);
+  for (int64_t r = 0; r < n; ++r)
+    for (int i = 0; i < d; ++i) acc[size_t(i)] += x[r * d + i];
+  std::vector<float> mean(static_cast<size_t>(d));
+  for (int i = 0; i < d; ++i) mean[size_t(i)] = float(acc[size_t(i)] / double(n));
+  return mean;
+}
+
+// dot(a, b) over d channels, accumulated in fp64 and rounded once to fp32.
+float dot_f64(const float* a, const float* b, int d) {
+  double s = 0;
+  for (int i = 0; i < d; ++i) s += double(a[i]) * b[i];
+  return float(s);
+}
+
 }  // namespace
 
 void dma_attention(const Problem& p) {
   const int d = int(p.d);
-  const Slots slots(p.policy);
-  const ScaleRule rule = p.policy.scale_rule;
+  const Policy& pol = p.policy;
+  const Slots slots(pol);
+  const ScaleRule rule = pol.scale_rule;
   const int64_t row_chunks = (p.Nq + T - 1) / T;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+  // The rotation multiplies every score by its block size (a power of two): the scale divides it out.
+  const float scale = pol.rotate ? p.scale / float(rotation_block(d)) : p.scale;
+  // Local indices of the keys scored exactly: absolute positions below sink_keys.
+  const int64_t exact_keys = std::clamp<int64_t>(pol.sink_keys - p.k_pos0, 0, p.Nk);
 
   for (int64_t b = 0; b < p.B; ++b) {
     for (int64_t hk = 0; hk < p.Hkv; ++hk) {
@@ -43,56 +66,80 @@ void dma_attention(const Problem& p) {
       for (int64_t n = 0; n < p.Nk; ++n) {
         load_row(p.k, b, hk, n, kf.data() + n * d);
         load_row(p.v, b, hk, n, vf.data() + n * d);
+        if (pol.rotate) rotate_row(kf.data() + n * d, d);
       }
-      // smooth_k: K minus its per-channel mean (accumulated in fp64, rounded once to fp32).
+      // smooth_k: K minus its per-channel mean.
       std::vector<float> kmean(static_cast<size_t>(d), 0.0f);
-      if (p.policy.smooth_k) {
-        std::vector<double> acc(static_cast<size_t>(d), 0.0);
-        for (int64_t n = 0; n < p.Nk; ++n)
-          for (int i = 0; i < d; ++i) acc[size_t(i)] += kf[size_t(n * d + i)];
-        for (int i = 0; i < d; ++i) kmean[size_t(i)] = float(acc[size_t(i)] / double(p.Nk));
+      if (pol.smooth_k) {
+        kmean = channel_mean(kf.data(), p.Nk, d);
         for (int64_t n = 0; n < p.Nk; ++n)
           for (int i = 0; i < d; ++i) kf[size_t(n * d + i)] -= kmean[size_t(i)];
       }
       KeyTiles keys[2];
       for (int s = 0; s < slots.count; ++s) keys[s] = prepare_keys(kf, p.Nk, d, slots.fmt[s], rule, p.threads);
-      const ValueRows values = prepare_values(vf, p.Nk, d, p.policy.pv, rule, p.threads);
+      const ValueRows values = prepare_values(vf, p.Nk, d, pol.pv, rule, p.threads);
 
-      // NVFP4's tensor scale of Q is per (batch, query head): one pass over each head first.
-      std::vector<float> q_tensor_scale(size_t(p.group()), 1.0f);
-      if (slots.fmt[0] == Format::nvfp4 || slots.fmt[slots.low()] == Format::nvfp4) {
-        std::vector<float> row(static_cast<size_t>(d));
-        for (int64_t g = 0; g < p.group(); ++g) {
-          float amax = 0.0f;
-          for (int64_t r = 0; r < p.Nq; ++r) {
-            load_row(p.q, b, hk * p.group() + g, r, row.data());
-            amax = std::max(amax, abs_max(row.data(), d));
-          }
-          q_tensor_scale[size_t(g)] = nvfp4_tensor_scale(amax);
+      // Q of each head of the group as it is quantized: rotated, and with smooth_q each 128-row
+      // block's mean removed (qmean, [chunk][d]); qfull keeps the rows before that subtraction.
+      const int64_t G = p.group();
+      std::vector<std::vector<float>> qt(static_cast<size_t>(G)), qfull(static_cast<size_t>(G)), qmean(static_cast<size_t>(G));
+      parallel_for(G, p.threads, [&](int64_t g) {
+        std::vector<float>& x = qt[size_t(g)];
+        x.resize(size_t(p.Nq * d));
+        for (int64_t r = 0; r < p.Nq; ++r) {
+          load_row(p.q, b, hk * G + g, r, x.data() + r * d);
+          if (pol.rotate) rotate_row(x.data() + r * d, d);
         }
-      }
+        qfull[size_t(g)] = x;
+        if (!pol.smooth_q) return;
+        qmean[size_t(g)].resize(size_t(row_chunks * d));
+        for (int64_t c = 0; c < row_chunks; ++c) {
+          const int64_t r0 = c * T, rows = std::min<int64_t>(T, p.Nq - r0);
+          const std::vector<float> mu = channel_mean(x.data() + r0 * d, rows, d);
+          std::copy(mu.begin(), mu.end(), qmean[size_t(g)].begin() + c * d);
+          for (int64_t r = r0; r < r0 + rows; ++r)
+            for (int i = 0; i < d; ++i) x[size_t(r * d + i)] -= mu[size_t(i)];
+        }
+      });
 
-      parallel_for(p.group() * row_chunks, p.threads, [&](int64_t item) {
-        const int64_t g = item / row_chunks, h = hk * p.group() + g;
-        const int64_t r0 = (item % row_chunks) * T, rows = std::min<int64_t>(T, p.Nq - r0);
+      // NVFP4's tensor scale of Q is per (batch, query head), over the rows as quantized.
+      std::vector<float> q_tensor_scale(size_t(G), 1.0f);
+      if (slots.fmt[0] == Format::nvfp4 || slots.fmt[slots.low()] == Format::nvfp4)
+        for (int64_t g = 0; g < G; ++g) q_tensor_scale[size_t(g)] = nvfp4_tensor_scale(abs_max(qt[size_t(g)].data(), p.Nq * d));
+
+      parallel_for(G * row_chunks, p.threads, [&](int64_t item) {
+        const int64_t g = item / row_chunks, h = hk * G + g, chunk = item % row_chunks;
+        const int64_t r0 = chunk * T, rows = std::min<int64_t>(T, p.Nq - r0);
         // Q rows of this chunk in each format.
-        std::vector<float> qe[2], qs[2], qf(static_cast<size_t>(d));
+        std::vector<float> qe[2], qs[2];
         for (int s = 0; s < slots.count; ++s) {
           qe[s].resize(size_t(rows * d));
           qs[s].resize(size_t(rows * keys[s].nblk));
         }
+        const float* qrows = qt[size_t(g)].data() + r0 * d;
+        const float* qorig = qfull[size_t(g)].data() + r0 * d;
         std::vector<float> lse_shift(static_cast<size_t>(rows), 0.0f);  // scale * q.mean(K), smooth_k only
         for (int64_t ri = 0; ri < rows; ++ri) {
-          load_row(p.q, b, h, r0 + ri, qf.data());
-          if (p.policy.smooth_k) {
-            double dot = 0;
-            for (int i = 0; i < d; ++i) dot += double(qf[size_t(i)]) * kmean[size_t(i)];
-            lse_shift[size_t(ri)] = float(dot * p.scale);
-          }
+          if (pol.smooth_k) lse_shift[size_t(ri)] = dot_f64(qorig + ri * d, kmean.data(), d) * scale;
           for (int s = 0; s < slots.count; ++s)
-            quantize_row_values(qf.data(), d, slots.fmt[s], rule, q_tensor_scale[size_t(g)], qe[s].data() + ri * d,
+            quantize_row_values(qrows + ri * d, d, slots.fmt[s], rule, q_tensor_scale[size_t(g)], qe[s].data() + ri * d,
                                 qs[s].data() + ri * keys[s].nblk);
         }
+        // smooth_q: the block's mu.k for every key (zero past Nk), added to each row's scores.
+        std::vector<float> ds;
+        if (pol.smooth_q) {
+          const int64_t tiles_all = (p.Nk + T - 1) / T;
+          ds.assign(size_t(tiles_all * T), 0.0f);
+          const float* mu = qmean[size_t(g)].data() + chunk * d;
+          for (int64_t n = 0; n < p.Nk; ++n) ds[size_t(n)] = dot_f64(mu, kf.data() + n * d, d);
+        }
+        // Sink keys scored exactly, from the rows before quantization (and before smooth_q, which
+        // is an identity on exact scores).
+        std::vector<float> exact(size_t(rows * exact_keys));
+        for (int64_t ri = 0; ri < rows; ++ri)
+          for (int64_t n = 0; n < exact_keys; ++n)
+            exact[size_t(ri * exact_keys + n)] = dot_f64(qorig + ri * d, kf.data() + n * d, d);
+
         std::vector<float> m(size_t(rows), kNegInf), l(size_t(rows), 0.0f), acc(size_t(rows * d), 0.0f);
         int64_t tiles = 0;
         for (int64_t ri = 0; ri < rows; ++ri) tiles = std::max(tiles, (p.key_end(r0 + ri) + T - 1) / T);
@@ -100,10 +147,16 @@ void dma_attention(const Problem& p) {
           for (int64_t ri = 0; ri < rows; ++ri) {
             const int64_t r = r0 + ri, kend = p.key_end(r);
             if (j * T >= kend) continue;
-            const int slot = p.policy.is_high(p.query_tile(r), p.key_tile0() + j) ? slots.high() : slots.low();
+            const int slot = pol.is_high(p.query_tile(r), p.key_tile0() + j) ? slots.high() : slots.low();
             const int nvalid = int(std::min<int64_t>(T, kend - j * T));
+            ScoreFix fix;
+            if (pol.smooth_q) fix.add = ds.data() + j * T;
+            if (j * T < exact_keys) {
+              fix.exact = int(std::min<int64_t>(T, exact_keys - j * T));
+              fix.exact_s = exact.data() + ri * exact_keys + j * T;
+            }
             online_tile(qe[slot].data() + ri * d, qs[slot].data() + ri * keys[slot].nblk, keys[slot], j, values, j,
-                        nvalid, d, p.scale, p.policy.pv, rule, m[size_t(ri)], l[size_t(ri)], acc.data() + ri * d);
+                        nvalid, d, scale, pol.pv, rule, m[size_t(ri)], l[size_t(ri)], acc.data() + ri * d, fix);
           }
         }
         for (int64_t ri = 0; ri < rows; ++ri) {

@@ -43,7 +43,8 @@ void ring_attention_simulated(const TensorView& q, const TensorView& k, const Te
   if (p.Nq != plan.n || p.Nk != plan.n) throw Error("ring: q and k must both hold the plan's " + std::to_string(plan.n) + " tokens");
   for (Format f : {p.policy.high, p.policy.low})
     if (f == Format::nvfp4) throw Error("ring: nvfp4's tensor scale needs an all-reduce over the shards (not built)");
-  if (p.policy.smooth_k) throw Error("ring: smooth_k's K mean needs an all-reduce over the shards (not built)");
+  if (!p.policy.transforms().empty())
+    throw Error("ring: the accuracy transforms (" + p.policy.transforms() + ") need statistics across shards (not built)");
   if (p.policy.pv == PV::fp8) throw Error("ring: pv=fp8's per-channel V scales need an all-reduce over the shards (not built)");
   const int d = int(p.d);
   const int R = plan.ranks;

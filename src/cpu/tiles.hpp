@@ -32,11 +32,21 @@ KeyTiles prepare_keys(const std::vector<float>& kf, int64_t nk, int d, Format f,
 // Values [nk, d] for P.V in precision pv.
 ValueRows prepare_values(const std::vector<float>& vf, int64_t nk, int d, PV pv, ScaleRule rule, int threads);
 
+// What a row's scores take besides Q.K^T of the quantized rows (accuracy transforms): `add[n]`
+// (smooth_q's mu.k) added to the tile's key n, and the first `exact` keys of the tile replaced by
+// exact_s[n] (sink keys scored from unquantized rows). Both before the softmax scale.
+struct ScoreFix {
+  const float* add = nullptr;
+  int exact = 0;
+  const float* exact_s = nullptr;
+};
+
 // One query row (elements qe[d], block scales qs in K's format) against key tile `ktile` of K and
 // value tile `vtile` of V, nvalid keys visible: the online-softmax update of the row's running max
 // m, sum l and unnormalised output acc[d] (tiles must come in ascending key order).
 void online_tile(const float* qe, const float* qs, const KeyTiles& K, int64_t ktile, const ValueRows& V,
-                 int64_t vtile, int nvalid, int d, float scale, PV pv, ScaleRule rule, float& m, float& l, float* acc);
+                 int64_t vtile, int nvalid, int d, float scale, PV pv, ScaleRule rule, float& m, float& l, float* acc,
+                 const ScoreFix& fix = {});
 
 // One row's unnormalised partial result over some of its keys (split-KV, ring steps): running
 // max m, sum l and P.V acc[d]; m = -inf while it has seen no key.

@@ -166,7 +166,8 @@ void require_supported(const Problem& p) {
   if (p.policy.pv != PV::bf16 && p.policy.pv != PV::fp8)
     throw Error("the CUDA prefill computes pv=bf16 and pv=fp8 (per-32-key-block scales on P and V do not map onto "
                 "Hopper's wgmma at speed: README); pv=" + std::string(pv_name(p.policy.pv)) + " runs on --backend cpu");
-  if (p.policy.smooth_k) throw Error("smooth_k runs on --backend cpu for now");
+  if (!p.policy.transforms().empty())
+    throw Error("the accuracy transforms (" + p.policy.transforms() + ") run on the CPU backend for now");
   if (p.d != 64 && p.d != 128) throw Error("the CUDA backend supports head dims 64 and 128 (got " + std::to_string(p.d) + ")");
   for (const TensorView* t : {&p.q, &p.k, &p.v, &p.out})
     if (t->stride[3] != 1) throw Error("the CUDA backend needs unit stride on the head dimension");

@@ -26,10 +26,11 @@ KVCache::KVCache(int64_t kv_heads, int64_t head_dim, const Policy& policy)
     if (!fi.has_codes || fi.block != 32)
       throw Error("KVCache: stores MX 32-block formats (mxfp8-*, mxfp6-*, mxfp4), not " + std::string(fi.name));
   }
-  if (policy.smooth_k) throw Error("KVCache: smooth_k is not supported (K's mean changes with every token)");
+  if (!policy.transforms().empty())
+    throw Error("KVCache: the accuracy transforms (" + policy.transforms() + ") are not supported in the cache yet");
   if (policy.pv == PV::fp8)
     throw Error("KVCache: pv=fp8 is not supported (its per-channel V scales depend on every token; use mxfp8 or mxfp4)");
-  if (policy.diag_tiles < 0 || policy.sink_tiles < 0) throw Error("KVCache: diag_tiles and sink_tiles must be >= 0");
+  policy.validate();
 }
 
 KVCache::Sequence& KVCache::seq(int id) {

@@ -1,5 +1,6 @@
 #include "model/eval.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <fstream>
@@ -68,20 +69,48 @@ std::vector<EvalConfig> named_configs() {
                    "MXFP8 on " + std::to_string(diag) + " diagonal tile(s)" + (sinks ? " and the sink tile" : "") +
                        ", MXFP4 elsewhere"});
     }
-  c.push_back({"ceil", with(dma(1, 0), [](Policy& p) { p.scale_rule = ScaleRule::ceil; }), false,
-               "diag1 with the ceil scale rule"});
   c.push_back({"pv-mxfp8", with(dma(1, 0), [](Policy& p) { p.pv = PV::mxfp8; }), false, "diag1 with P and V in MXFP8"});
   c.push_back({"pv-mxfp4", with(dma(1, 0), [](Policy& p) { p.pv = PV::mxfp4; }), false, "diag1 with V in MXFP4"});
   c.push_back({"bf16-pv-mxfp4", with(uniform(Format::bf16), [](Policy& p) { p.pv = PV::mxfp4; }), false,
                "V in MXFP4 alone (Q and K in bf16)"});
-  for (const auto& [name, base] : {std::pair{"mxfp8", uniform(Format::mxfp8_e4m3)}, {"mxfp4", uniform(Format::mxfp4)},
-                                   {"diag1", dma(1, 0)}, {"diag4-sink1", dma(4, 1)}})
-    c.push_back({std::string("smoothk-") + name, with(base, [](Policy& p) { p.smooth_k = true; }), false,
-                 std::string(name) + " with K's channel mean removed"});
   return c;
 }
 
 std::vector<std::string> default_eval_names() { return {"exact", "default", "mxfp8", "mxfp4"}; }
+
+const std::vector<ConfigModifier>& config_modifiers() {
+  static const std::vector<ConfigModifier> m{
+      {"sk", "smooth_k: K's channel mean removed", [](Policy& p) { p.smooth_k = true; }},
+      {"sq", "smooth_q: each 128-row Q block's mean removed, mu.k added back exactly", [](Policy& p) { p.smooth_q = true; }},
+      {"rot", "rotate: randomized Hadamard along d on Q and K", [](Policy& p) { p.rotate = true; }},
+      {"sink", "sink_keys=1: key 0 scored exactly", [](Policy& p) { p.sink_keys = 1; }},
+      {"ceil", "the ceil scale rule", [](Policy& p) { p.scale_rule = ScaleRule::ceil; }},
+      {"nv", "NVFP4 as the low format", [](Policy& p) { p.low = Format::nvfp4; }},
+      {"plain", "no transforms (smooth_k, smooth_q, rotate, sink_keys off)",
+       [](Policy& p) { p.smooth_k = p.smooth_q = p.rotate = false; p.sink_keys = 0; }}};
+  return m;
+}
+
+EvalConfig config_by_name(const std::string& name) {
+  const size_t plus = name.find('+');
+  const std::string base = name.substr(0, plus);
+  const std::vector<EvalConfig> all = named_configs();
+  const auto it = std::find_if(all.begin(), all.end(), [&](const EvalConfig& c) { return c.name == base; });
+  if (it == all.end()) throw Error("no config named '" + base + "' (see dmattn eval --help for the names)");
+  EvalConfig c = *it;
+  for (size_t at = plus; at != std::string::npos;) {
+    const size_t next = name.find('+', at + 1);
+    const std::string mod = name.substr(at + 1, next == std::string::npos ? std::string::npos : next - at - 1);
+    const auto& mods = config_modifiers();
+    const auto m = std::find_if(mods.begin(), mods.end(), [&](const ConfigModifier& x) { return x.name == mod; });
+    if (m == mods.end() || c.exact) throw Error("config '" + name + "': no modifier '+" + mod + "' for " + base);
+    m->apply(c.policy);
+    c.what += "; " + m->what;
+    at = next;
+  }
+  c.name = name;
+  return c;
+}
 
 namespace {
 AttentionFn policy_fn(const EvalConfig& c, int threads) {

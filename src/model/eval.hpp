@@ -25,6 +25,15 @@ struct EvalConfig {
 std::vector<EvalConfig> named_configs();
 // The subset `dmattn eval` runs when --only is not given.
 std::vector<std::string> default_eval_names();
+// The modifiers a config name can carry after its base, each "+name": the transforms and rules
+// they turn on (e.g. "diag4-sink1+sq+rot" is diag4-sink1 with smooth_q and rotate).
+struct ConfigModifier {
+  std::string name, what;
+  void (*apply)(Policy&);
+};
+const std::vector<ConfigModifier>& config_modifiers();
+// A named config, base plus modifiers; throws dmattn::Error for an unknown name.
+EvalConfig config_by_name(const std::string& name);
 
 struct EvalResult {
   std::string name;

@@ -61,8 +61,8 @@ def test_dma_sits_between_all_high_and_all_low():
 
 def test_policy_value_type():
     p = dmattn.Policy()
-    assert repr(p) == ("Policy(high='mxfp8-e4m3', low='mxfp4', diag_tiles=1, sink_tiles=0, scale_rule='ocp', "
-                       "pv='bf16', smooth_k=False)")
+    assert repr(p).startswith("Policy(high='mxfp8-e4m3', low='mxfp4', diag_tiles=1, sink_tiles=0, ")
+    assert eval(repr(p), {"Policy": dmattn.Policy}) == p
     p2 = dmattn.Policy(low="nvfp4", sink_tiles=2)
     assert p2 != p and p2.low == "nvfp4" and p2.sink_tiles == 2
     p2.low = "mxfp4"
@@ -202,3 +202,32 @@ def test_register_transformers_leaves_a_quiet_exit():
                        text=True)
     assert r.returncode == 0, r.stderr
     assert "leaked" not in r.stderr, r.stderr
+
+
+def test_policy_keywords_are_stated_once_and_the_stubs_follow():
+    import ast
+    import inspect
+    import pathlib
+    p = dmattn.Policy()
+    assert all(hasattr(p, f) for f in dmattn.POLICY_FIELDS)
+    kw = dict(high="mxfp4", low="mxfp4", diag_tiles=2, sink_tiles=1, scale_rule="ceil", pv="mxfp8", smooth_k=True,
+              smooth_q=True, rotate=True, sink_keys=2)
+    assert set(kw) == set(dmattn.POLICY_FIELDS)
+    built = dmattn.Policy(**kw)
+    assert all(getattr(built, f) == v for f, v in kw.items())
+    q, k, v = qkv(seed=12, Nq=140, Nk=140)
+    np.testing.assert_array_equal(dmattn.attention(q, k, v, causal=True, **kw),
+                                  dmattn.attention(q, k, v, causal=True, policy=built))
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        dmattn.attention(q, k, v, diag_tile=2)
+    with pytest.raises(TypeError, match="not both"):
+        dmattn.attention(q, k, v, policy=built, diag_tiles=2)
+    stub = ast.parse(pathlib.Path(inspect.getfile(dmattn)).with_suffix(".pyi").read_text())
+    funcs = {n.name: n for n in ast.walk(stub) if isinstance(n, ast.FunctionDef)}
+    policy_init = next(n for c in stub.body if isinstance(c, ast.ClassDef) and c.name == "Policy"
+                       for n in c.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    assert [a.arg for a in policy_init.args.kwonlyargs] == list(dmattn.POLICY_FIELDS)
+    assert set(dmattn.POLICY_FIELDS) <= {a.arg for a in funcs["attention"].args.kwonlyargs}
+    sig = inspect.signature(dmattn.attention)
+    stub_rest = {a.arg for a in funcs["attention"].args.kwonlyargs} - set(dmattn.POLICY_FIELDS)
+    assert stub_rest == {n for n, prm in sig.parameters.items() if prm.kind == prm.KEYWORD_ONLY}

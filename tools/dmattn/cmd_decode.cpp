@@ -36,7 +36,6 @@ void add_decode(CLI::App& app) {
   cmd->callback([args] {
     check_outputs({{"--out", args->files.out}, {"--lse", args->files.lse}});
     const AttentionOptions ao = args->policy.options();
-    if (ao.policy.smooth_k) throw Error("--smooth-k: the KV cache does not support it (K's mean changes with every token)");
     const HostTensor q = read_npy_tensor(args->files.q, "--q");
     HostTensor k = read_npy_tensor(args->files.k, "--k"), v = read_npy_tensor(args->files.v, "--v");  // viewed per sequence
     const Shape &qs = q.shape(), &ks = k.shape();

@@ -22,18 +22,19 @@ std::string config_list() {
   return s;
 }
 
-// The configs --only names (exact always first: it is the baseline); "all" names every one, and
-// a policy given by flags runs as "custom".
+// The configs --only names, in the order given (exact first: it is the baseline); "all" names every
+// base config, and a policy given by flags runs as "custom".
 std::vector<model::EvalConfig> chosen(std::vector<std::string> only, const PolicyArgs& pa) {
-  const std::vector<model::EvalConfig> all = model::named_configs();
   if (only.empty() && !pa.policy_given()) only = model::default_eval_names();
-  const bool every = std::find(only.begin(), only.end(), "all") != only.end();
-  for (const std::string& name : only)
-    if (name != "all" && std::none_of(all.begin(), all.end(), [&](const auto& c) { return c.name == name; }))
-      throw Error("--only: no config named '" + name + "' (see dmattn eval --help for the names)");
-  std::vector<model::EvalConfig> out;
-  for (const model::EvalConfig& c : all)
-    if (c.exact || every || std::find(only.begin(), only.end(), c.name) != only.end()) out.push_back(c);
+  std::vector<model::EvalConfig> out{model::config_by_name("exact")};
+  for (const std::string& name : only) {
+    if (name == "all") {
+      for (const model::EvalConfig& c : model::named_configs())
+        if (!c.exact) out.push_back(c);
+    } else if (name != "exact") {
+      out.push_back(model::config_by_name(name));
+    }
+  }
   if (pa.policy_given()) out.push_back({"custom", pa.options().policy, false, pa.options().policy.describe()});
   return out;
 }
@@ -63,7 +64,12 @@ void add_eval(CLI::App& app) {
     for (const std::string& n : model::default_eval_names()) s += (s.empty() ? "" : " ") + n;
     return s;
   }() + "; 'all' runs every one):" + config_list() +
-              "\nPolicy flags (--high, --low, ...) add one more config, 'custom'.\n");
+              "\nModifiers, appended to a name (e.g. diag4-sink1+sq+rot):" + [] {
+                std::string s;
+                for (const auto& m : model::config_modifiers())
+                  s += "\n  +" + m.name + std::string(20 - std::min<size_t>(19, m.name.size()), ' ') + m.what;
+                return s;
+              }() + "\nPolicy flags (--high, --low, ...) add one more config, 'custom'.\n");
   cmd->add_option("--model", a->model, "GGUF model (default: the one scripts/fetch_model.sh fetches)");
   cmd->add_option("--text", a->texts, "text files (default: the licence texts in /usr/share/common-licenses)")
       ->check(CLI::ExistingFile);
@@ -122,11 +128,11 @@ void add_eval(CLI::App& app) {
     const auto res = model::evaluate(llama, tokens, configs, o);
     if (tty) std::fprintf(stderr, "\n");
     const double base = res.front().ppl;
-    std::printf("\n%-16s %10s %9s %16s %8s\n", "config", "ppl", "vs exact", "mean layer relL2", "time_s");
+    std::printf("\n%-28s %10s %9s %16s %8s\n", "config", "ppl", "vs exact", "mean layer relL2", "time_s");
     for (const auto& r : res) {
       double mean = 0;
       for (double e : r.layer_rel_l2) mean += e / double(r.layer_rel_l2.size());
-      std::printf("%-16s %10.4f %+8.3f%% %16.4e %8.1f\n", r.name.c_str(), r.ppl, 100 * (r.ppl / base - 1), mean, r.seconds);
+      std::printf("%-28s %10.4f %+8.3f%% %16.4e %8.1f\n", r.name.c_str(), r.ppl, 100 * (r.ppl / base - 1), mean, r.seconds);
     }
     for (const auto& c : configs)
       if (c.name == "custom") std::printf("custom: %s\n", c.policy.describe().c_str());

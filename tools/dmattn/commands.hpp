@@ -8,10 +8,12 @@
 namespace dmattn::cli {
 
 // Policy / backend options shared by the commands that run attention.
+// The policy flags start from the library's default Policy, so --help shows it.
 struct PolicyArgs {
-  std::string high = "mxfp8-e4m3", low = "mxfp4", pv = "bf16", scale_rule = "ocp", backend = "auto";
-  int diag_tiles = 1, sink_tiles = 0, threads = 0;
-  bool smooth_k = false;
+  Policy policy{};  // the integer and boolean fields are bound directly
+  std::string high{format_name(policy.high)}, low{format_name(policy.low)}, pv{pv_name(policy.pv)},
+      scale_rule{scale_rule_name(policy.scale_rule)}, backend = "auto";
+  int threads = 0;
   std::vector<const CLI::Option*> policy_options;  // the flags that set the policy, for policy_given()
   void add_to(CLI::App& app, bool with_backend = true);  // with --backend and --threads
   AttentionOptions options() const;  // throws dmattn::Error for unknown names

@@ -12,16 +12,23 @@ void PolicyArgs::add_to(CLI::App& app, bool with_backend) {
   const std::string fmts = "(" + format_names() + ")";
   app.add_option("--high", high, "format of high-precision tiles " + fmts)->capture_default_str();
   app.add_option("--low", low, "format of low-precision tiles " + fmts)->capture_default_str();
-  app.add_option("--diag-tiles", diag_tiles, "key tiles at and before the diagonal computed high")->capture_default_str();
-  app.add_option("--sink-tiles", sink_tiles, "leading key tiles computed high (attention sinks)")->capture_default_str();
+  app.add_option("--diag-tiles", policy.diag_tiles, "key tiles at and before the diagonal computed high")->capture_default_str();
+  app.add_option("--sink-tiles", policy.sink_tiles, "leading key tiles computed high (attention sinks)")->capture_default_str();
   app.add_option("--pv", pv, "P.V precision (bf16|mxfp8|mxfp4|fp8; mxfp4: V in MXFP4; fp8: E4M3 P at scale 2^-8 and V with a scale per channel, prefill only)")->capture_default_str();
   app.add_option("--scale-rule", scale_rule, "MX shared-exponent rule (ocp|ceil)")->capture_default_str();
-  app.add_flag("--smooth-k", smooth_k, "subtract K's per-channel mean before quantizing (softmax-invariant)");
+  auto on_off = [&](const std::string& name, bool& field, const std::string& help) {
+    app.add_flag("--" + name + ",!--no-" + name, field, help + (field ? " (on by default)" : " (off by default)"));
+  };
+  on_off("smooth-k", policy.smooth_k, "subtract K's per-channel mean before quantizing (softmax-invariant)");
+  on_off("smooth-q", policy.smooth_q, "subtract each 128-row Q block's mean, add its scores back exactly");
+  on_off("rotate", policy.rotate, "randomized Hadamard rotation of Q and K along d before quantizing");
+  app.add_option("--sink-keys", policy.sink_keys, "leading keys scored exactly from unquantized q and k")->capture_default_str();
   if (with_backend) {
     app.add_option("--backend", backend, "where to compute (auto|cpu|cuda)")->capture_default_str();
     add_threads(app, threads);
   }
-  for (const char* name : {"--high", "--low", "--diag-tiles", "--sink-tiles", "--pv", "--scale-rule", "--smooth-k"})
+  for (const char* name : {"--high", "--low", "--diag-tiles", "--sink-tiles", "--pv", "--scale-rule", "--smooth-k",
+                           "--smooth-q", "--rotate", "--sink-keys"})
     policy_options.push_back(app.get_option(name));
 }
 
@@ -48,13 +55,12 @@ void QkvFiles::add_to(CLI::App& cmd, const std::string& q_help, const std::strin
 
 AttentionOptions PolicyArgs::options() const {
   AttentionOptions o;
+  o.policy = policy;
   o.policy.high = parse_format(high);
   o.policy.low = parse_format(low);
-  o.policy.diag_tiles = diag_tiles;
-  o.policy.sink_tiles = sink_tiles;
   o.policy.pv = parse_pv(pv);
   o.policy.scale_rule = parse_scale_rule(scale_rule);
-  o.policy.smooth_k = smooth_k;
+  o.policy.validate();
   o.backend = parse_backend(backend);
   o.threads = threads;
   return o;
