@@ -557,13 +557,14 @@ TEST(AttentionCpu, AccuracyTransformsCutTheErrorTheyTarget) {
   t.rotate = true;
   EXPECT_LT(err(real, t), 0.8 * err(real, f4));
 
-  // Row 0 sees key 0 alone: its LSE is that one scaled score, exact to fp32 with sink_keys.
+  // Row 0 sees key 0 alone: its LSE is that one scaled score, q.k in fp32 with sink_keys (k as
+  // transformed rows are kept: in bf16).
   const QKV x = random_qkv({1, 1, 1, 130, 130, 64}, 43);
   t = f4;
   t.sink_keys = 1;
   const std::vector<float> q0 = x.q.to_floats(), k0 = x.k.to_floats();
   double dot = 0;
-  for (int i = 0; i < 64; ++i) dot += double(q0[size_t(i)]) * k0[size_t(i)];
+  for (int i = 0; i < 64; ++i) dot += double(q0[size_t(i)]) * round_bf16(k0[size_t(i)]);
   EXPECT_NEAR(run(x, opts(t, true)).lse[0], dot / 8.0, 1e-5 * (1 + std::fabs(dot)));
   EXPECT_GT(std::fabs(run(x, opts(f4, true)).lse[0] - dot / 8.0), 1e-3);
 }
@@ -585,4 +586,28 @@ TEST(AttentionCpu, AccuracyTransformsHelpOnRealActivations) {
     std::printf("layer %d: default %.4f  with transforms %.4f\n", layer, e.dma, with);
     EXPECT_LT(with, 0.6 * e.dma) << layer;
   }
+}
+
+// smooth_q's blocks are query tiles in absolute positions, like the policy's tiles: a tile-aligned
+// chunk of queries against its key prefix reproduces the full call's rows bit for bit.
+TEST(AttentionCpu, SmoothQBlocksAreAbsoluteQueryTiles) {
+  const QKV x = random_qkv({1, 4, 2, 768, 768, 64}, 44);
+  AttentionOptions o;
+  o.causal = true;
+  o.policy.smooth_q = o.policy.rotate = true;
+  o.policy.sink_keys = 2;
+  const Result full = run(x, o);
+  QKV part{HostTensor::copy_of(slice_tokens(x.q.view(), 256, 256)), HostTensor::copy_of(slice_tokens(x.k.view(), 0, 512)),
+           HostTensor::copy_of(slice_tokens(x.v.view(), 0, 512))};
+  const Result r = run(part, o);  // bottom-right alignment puts these queries at 256..511
+  for (int64_t h = 0; h < 4; ++h)
+    for (int64_t i = 0; i < 256 * 64; ++i)
+      ASSERT_EQ(r.out[size_t(h * 256 * 64 + i)], full.out[size_t((h * 768 + 256) * 64 + i)]) << h << " " << i;
+  // A chunk that starts mid-tile: its first rows share their tile's mean with rows it does not hold,
+  // so they differ from the full call's, while the rows of whole tiles agree.
+  QKV mid{HostTensor::copy_of(slice_tokens(x.q.view(), 200, 312)), HostTensor::copy_of(slice_tokens(x.k.view(), 0, 512)),
+          HostTensor::copy_of(slice_tokens(x.v.view(), 0, 512))};
+  const Result m = run(mid, o);
+  for (int64_t i = 0; i < 256 * 64; ++i)  // rows 256..511 of the sequence: whole tiles
+    ASSERT_EQ(m.out[size_t(56 * 64 + i)], full.out[size_t(256 * 64 + i)]) << i;
 }

@@ -43,8 +43,8 @@ struct Policy {
   // removes K's channel outliers from the MX blocks (SageAttention's observation). LSE is reported
   // unshifted. Not in the paper's definition, so off by default.
   bool smooth_k = false;
-  // Subtract from each 128-row block of Q (rows [128c, 128c + 128) of the call, per batch and head)
-  // its per-channel mean mu before quantizing, and add the block's mu.k back to every score in fp32
+  // Subtract from each query tile of Q (the rows at positions [128c, 128c + 128), per batch and head)
+  // its per-channel mean mu before quantizing, and add the tile's mu.k back to every score in fp32
   // from the unquantized K (SageAttention2's smoothing): exact in real arithmetic; it removes Q's
   // common part, which holds most of its energy, from the quantized product, and scales K's
   // quantization error by q - mu instead of q.

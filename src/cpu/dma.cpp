@@ -59,6 +59,9 @@ void dma_attention(const Problem& p) {
   const float scale = pol.rotate ? p.scale / float(rotation_block(d)) : p.scale;
   // Local indices of the keys scored exactly: absolute positions below sink_keys.
   const int64_t exact_keys = std::clamp<int64_t>(pol.sink_keys - p.k_pos0, 0, p.Nk);
+  const bool transformed = !pol.transforms().empty();
+  // smooth_q's blocks are the query tiles (absolute positions, as the policy's): qtile0 is row 0's.
+  const int64_t qtile0 = p.query_tile(0), qtiles = p.query_tile(p.Nq - 1) - qtile0 + 1;
 
   for (int64_t b = 0; b < p.B; ++b) {
     for (int64_t hk = 0; hk < p.Hkv; ++hk) {
@@ -75,12 +78,15 @@ void dma_attention(const Problem& p) {
         for (int64_t n = 0; n < p.Nk; ++n)
           for (int i = 0; i < d; ++i) kf[size_t(n * d + i)] -= kmean[size_t(i)];
       }
+      if (transformed)  // transformed rows enter quantization as bf16 values
+        for (float& x : kf) x = round_bf16(x);
       KeyTiles keys[2];
       for (int s = 0; s < slots.count; ++s) keys[s] = prepare_keys(kf, p.Nk, d, slots.fmt[s], rule, p.threads);
       const ValueRows values = prepare_values(vf, p.Nk, d, pol.pv, rule, p.threads);
 
-      // Q of each head of the group as it is quantized: rotated, and with smooth_q each 128-row
-      // block's mean removed (qmean, [chunk][d]); qfull keeps the rows before that subtraction.
+      // Q of each head of the group as it is quantized: rotated, with smooth_q each query tile's
+      // mean removed (qmean, [tile][d], tiles counted from the first row's), then rounded to bf16
+      // when transformed; qfull keeps the rotated rows in fp32 (exact sink scores, the LSE shift).
       const int64_t G = p.group();
       std::vector<std::vector<float>> qt(static_cast<size_t>(G)), qfull(static_cast<size_t>(G)), qmean(static_cast<size_t>(G));
       parallel_for(G, p.threads, [&](int64_t g) {
@@ -91,15 +97,19 @@ void dma_attention(const Problem& p) {
           if (pol.rotate) rotate_row(x.data() + r * d, d);
         }
         qfull[size_t(g)] = x;
-        if (!pol.smooth_q) return;
-        qmean[size_t(g)].resize(size_t(row_chunks * d));
-        for (int64_t c = 0; c < row_chunks; ++c) {
-          const int64_t r0 = c * T, rows = std::min<int64_t>(T, p.Nq - r0);
-          const std::vector<float> mu = channel_mean(x.data() + r0 * d, rows, d);
-          std::copy(mu.begin(), mu.end(), qmean[size_t(g)].begin() + c * d);
-          for (int64_t r = r0; r < r0 + rows; ++r)
-            for (int i = 0; i < d; ++i) x[size_t(r * d + i)] -= mu[size_t(i)];
+        if (pol.smooth_q) {
+          qmean[size_t(g)].resize(size_t(qtiles * d));
+          for (int64_t c = 0; c < qtiles; ++c) {
+            const int64_t r0 = std::max<int64_t>(0, (qtile0 + c) * T - p.q_pos0);
+            const int64_t r1 = std::min<int64_t>(p.Nq, (qtile0 + c + 1) * T - p.q_pos0);
+            const std::vector<float> mu = channel_mean(x.data() + r0 * d, r1 - r0, d);
+            std::copy(mu.begin(), mu.end(), qmean[size_t(g)].begin() + c * d);
+            for (int64_t r = r0; r < r1; ++r)
+              for (int i = 0; i < d; ++i) x[size_t(r * d + i)] -= mu[size_t(i)];
+          }
         }
+        if (transformed)
+          for (float& v : x) v = round_bf16(v);
       });
 
       // NVFP4's tensor scale of Q is per (batch, query head), over the rows as quantized.
@@ -125,13 +135,15 @@ void dma_attention(const Problem& p) {
             quantize_row_values(qrows + ri * d, d, slots.fmt[s], rule, q_tensor_scale[size_t(g)], qe[s].data() + ri * d,
                                 qs[s].data() + ri * keys[s].nblk);
         }
-        // smooth_q: the block's mu.k for every key (zero past Nk), added to each row's scores.
+        // smooth_q: each query tile's mu.k for every key (zero past Nk), added to its rows' scores.
+        const int64_t c0 = p.query_tile(r0) - qtile0, c1 = p.query_tile(r0 + rows - 1) - qtile0;
+        const int64_t padded = (p.Nk + T - 1) / T * T;
         std::vector<float> ds;
         if (pol.smooth_q) {
-          const int64_t tiles_all = (p.Nk + T - 1) / T;
-          ds.assign(size_t(tiles_all * T), 0.0f);
-          const float* mu = qmean[size_t(g)].data() + chunk * d;
-          for (int64_t n = 0; n < p.Nk; ++n) ds[size_t(n)] = dot_f64(mu, kf.data() + n * d, d);
+          ds.assign(size_t((c1 - c0 + 1) * padded), 0.0f);
+          for (int64_t c = c0; c <= c1; ++c)
+            for (int64_t n = 0; n < p.Nk; ++n)
+              ds[size_t((c - c0) * padded + n)] = dot_f64(qmean[size_t(g)].data() + c * d, kf.data() + n * d, d);
         }
         // Sink keys scored exactly, from the rows before quantization (and before smooth_q, which
         // is an identity on exact scores).
@@ -150,7 +162,7 @@ void dma_attention(const Problem& p) {
             const int slot = pol.is_high(p.query_tile(r), p.key_tile0() + j) ? slots.high() : slots.low();
             const int nvalid = int(std::min<int64_t>(T, kend - j * T));
             ScoreFix fix;
-            if (pol.smooth_q) fix.add = ds.data() + j * T;
+            if (pol.smooth_q) fix.add = ds.data() + (p.query_tile(r) - qtile0 - c0) * padded + j * T;
             if (j * T < exact_keys) {
               fix.exact = int(std::min<int64_t>(T, exact_keys - j * T));
               fix.exact_s = exact.data() + ri * exact_keys + j * T;
