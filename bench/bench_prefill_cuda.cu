@@ -58,7 +58,27 @@ int main(int argc, char** argv) {
   };
   Policy pv_fp8;
   pv_fp8.pv = PV::fp8;
+  // The accuracy transforms: rotate + smooth_k (the pre-pass alone), smooth_q (the kernel's per-key
+  // addition), all four, and all four with MXFP8 on 4 diagonal tiles and the sink tile.
+  auto tf = [](int diag, int sinks, bool sk, bool sq, bool rot, int sink_keys) {
+    Policy p;
+    p.high = Format::mxfp8_e4m3;
+    p.low = Format::mxfp4;
+    p.diag_tiles = diag;
+    p.sink_tiles = sinks;
+    p.smooth_k = sk;
+    p.smooth_q = sq;
+    p.rotate = rot;
+    p.sink_keys = sink_keys;
+    return p;
+  };
   const Named policies[] = {{"DMA-default", Policy{}},
+                            {"DMA-plain", tf(1, 0, false, false, false, 0)},
+                            {"DMA-rot-sk", tf(1, 0, true, false, true, 0)},
+                            {"DMA-sq", tf(1, 0, false, true, false, 0)},
+                            {"DMA-all", tf(1, 0, true, true, true, 1)},
+                            {"DMA-all-d4s1", tf(4, 1, true, true, true, 1)},
+                            {"DMA-d4s1", tf(4, 1, false, false, false, 0)},
                             {"all-MXFP8", Policy::all(Format::mxfp8_e4m3)},
                             {"all-MXFP4", Policy::all(Format::mxfp4)},
                             {"DMA-pv-fp8", pv_fp8},

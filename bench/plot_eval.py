@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Plots `dmattn eval --csv` output: perplexity change vs diag_tiles (sinks 0/1, with the
 all-MXFP8 and all-MXFP4 levels), and per-layer attention error of the main configs.
-Usage: python3 bench/plot_eval.py eval.csv out.png   (needs matplotlib==3.11.2)"""
+Usage: python3 bench/plot_eval.py eval.csv out.png   (needs python/requirements-bench.txt)"""
 import csv, sys
 import matplotlib
 matplotlib.use("Agg")

@@ -12,6 +12,8 @@
 #include "cuda/fp8.cuh"
 #include "cuda/prefill.cuh"
 #include "cuda/quantize.hpp"
+#include "cuda/transform.hpp"
+#include "dmattn/rotation.hpp"
 #include "dmattn/error.hpp"
 #include "dmattn/mx_codec.hpp"
 #include "dmattn/numeric.hpp"
@@ -166,8 +168,10 @@ void require_supported(const Problem& p) {
   if (p.policy.pv != PV::bf16 && p.policy.pv != PV::fp8)
     throw Error("the CUDA prefill computes pv=bf16 and pv=fp8 (per-32-key-block scales on P and V do not map onto "
                 "Hopper's wgmma at speed: README); pv=" + std::string(pv_name(p.policy.pv)) + " runs on --backend cpu");
-  if (!p.policy.transforms().empty())
-    throw Error("the accuracy transforms (" + p.policy.transforms() + ") run on the CPU backend for now");
+  const bool nv = p.policy.high == Format::nvfp4 || p.policy.low == Format::nvfp4;
+  if ((p.policy.smooth_q || p.policy.sink_keys > 0) && (nv || p.policy.pv == PV::fp8))
+    throw Error("the CUDA prefill applies smooth_q and sink_keys with MX tiles and pv=bf16 (this policy: " +
+                p.policy.describe() + "); the CPU backend computes every combination");
   if (p.d != 64 && p.d != 128) throw Error("the CUDA backend supports head dims 64 and 128 (got " + std::to_string(p.d) + ")");
   for (const TensorView* t : {&p.q, &p.k, &p.v, &p.out})
     if (t->stride[3] != 1) throw Error("the CUDA backend needs unit stride on the head dimension");
@@ -240,6 +244,34 @@ void dma_attention(const Problem& p) {
   check(cudaMemsetAsync(zero, 0, zeroed, stream), "cudaMemset");
   int* flags = reinterpret_cast<int*>(zero);
 
+  // The accuracy transforms: Q and K rotated and smoothed into bf16 rows, which the quantize pass
+  // then reads instead of the inputs.
+  const Policy& pol = p.policy;
+  const bool transformed = !pol.transforms().empty();
+  const float scale = pol.rotate ? p.scale / float(rotation_block(int(d))) : p.scale;
+  Transformed tf;
+  TensorView q_in = p.q, k_in = p.k;
+  if (transformed) {
+    query_tiles(p, tf.qtile0, tf.qtiles);
+    tf.sink_keys = int(std::min<int64_t>(std::max<int64_t>(pol.sink_keys - p.k_pos0, 0), p.Nk));
+    tf.q = buf.alloc<uint16_t>(size_t(q_rows * d) * 2);
+    tf.k = buf.alloc<uint16_t>(size_t(k_rows * d) * 2);
+    if (pol.smooth_k) {
+      tf.k_rot = buf.alloc<float>(size_t(k_rows * d) * 4);
+      tf.k_part = buf.alloc<double>(size_t(p.B * p.Hkv * (ldv / kTile) * d) * 8);
+      tf.kmean = buf.alloc<float>(size_t(p.B * p.Hkv * d) * 4);
+      if (p.lse) tf.lse_shift = buf.alloc<float>(size_t(q_rows) * 4);
+    }
+    if (pol.smooth_q) {
+      tf.qmean = buf.alloc<float>(size_t(p.B * p.Hq * tf.qtiles * d) * 4);
+      tf.ds = buf.alloc<float>(size_t(p.B * p.Hq * tf.qtiles * ldv) * 4);
+    }
+    if (tf.sink_keys > 0) tf.sink = buf.alloc<float>(size_t(q_rows * tf.sink_keys) * 4);
+    transform_qk(p, tf, scale, stream);
+    q_in = TensorView::contiguous(tf.q, DType::bf16, p.q.shape, Device::cuda);
+    k_in = TensorView::contiguous(tf.k, DType::bf16, p.k.shape, Device::cuda);
+  }
+
   PrefillParams pp{};
   // MX slots go through quantize_rows (both in one pass where both are MX) and fold_key_tiles; NVFP4
   // slots through quantize_rows_nvfp4 (their tensor scales need a pass over each head first), as bf16
@@ -281,16 +313,16 @@ void dma_attention(const Problem& p) {
   // of Q and K once and flags NaN/Inf on the way. (Q quantized inside the prefill kernel instead was
   // 5-12% slower at N = 16384: bench/RESULTS.md, session 8.)
   StreamFork fork(stream);
-  if (n_mx > 0) quantize_rows(p.q, p.policy.scale_rule, qt[mx[0]], n_mx == 2 ? qt[mx[1]] : QuantTarget{}, stream, flags);
+  if (n_mx > 0) quantize_rows(q_in, p.policy.scale_rule, qt[mx[0]], n_mx == 2 ? qt[mx[1]] : QuantTarget{}, stream, flags);
   for (int s = 0; s < nslots; ++s)
-    if (pp.nv[s]) quantize_rows_nvfp4(p.q, qn[s], stream, flags);
+    if (pp.nv[s]) quantize_rows_nvfp4(q_in, qn[s], stream, flags);
   if (n_mx > 0) {
-    quantize_rows(p.k, p.policy.scale_rule, kt[mx[0]], n_mx == 2 ? kt[mx[1]] : QuantTarget{}, fork.side(1), flags + 1);
+    quantize_rows(k_in, p.policy.scale_rule, kt[mx[0]], n_mx == 2 ? kt[mx[1]] : QuantTarget{}, fork.side(1), flags + 1);
     // one scale per key tile where exact (always for MXFP4 keys within 2^8)
     fold_key_tiles(folds, n_mx, p.B * p.Hkv, p.Nk, ldv, d, fork.side(1));
   }
   for (int s = 0; s < nslots; ++s)
-    if (pp.nv[s]) quantize_rows_nvfp4(p.k, kn[s], fork.side(1), flags + 1);
+    if (pp.nv[s]) quantize_rows_nvfp4(k_in, kn[s], fork.side(1), flags + 1);
   transpose_v(p.v, ldv, vt, flags + 2, pv_fp8, p.policy.scale_rule, vamax, vscale, fork.side(0));
   fork.join();
   // The flags are final once the pre-pass is: their read-back goes behind it, and the prefill kernel is
@@ -315,7 +347,11 @@ void dma_attention(const Problem& p) {
   pp.Hkv = int(p.Hkv);
   pp.Nq = int(p.Nq);
   pp.Nk = int(p.Nk);
-  pp.scale = p.scale;
+  pp.scale = scale;
+  pp.ds = tf.ds;
+  pp.ds_tiles = tf.qtiles;
+  pp.sink = tf.sink;
+  pp.sink_keys = tf.sink_keys;
   pp.causal = p.causal;
   pp.policy = p.policy;
   pp.q_pos0 = p.q_pos0 - p.k_pos0;  // from key 0 (Problem's are absolute)
@@ -324,6 +360,7 @@ void dma_attention(const Problem& p) {
   const int64_t blocks = hd::floor_div(pp.q_pos0 + p.Nq - 1, kPrefillRows) - pp.first_block + 1;
   pp.blocks = blocks;
   launch_prefill(pp, int(d), p.out.dtype, blocks, int(p.B), stream);
+  if (tf.lse_shift) add_lse_shift(p.lse, tf.lse_shift, q_rows, stream);
   if (!readback) return;  // stream-ordered: the scratch buffers are freed after the work
   const int* bad = readback->wait();  // the one host wait: until the pre-pass is done, not the kernel
   const char* names[3] = {"Q", "K", "V"};

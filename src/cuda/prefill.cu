@@ -50,14 +50,16 @@ constexpr float kLog2e = 1.4426950408889634f;
 // V go in rings of 2 stages each (kSplit), with barriers of their own: a tile's K is released once its
 // S has retired, its V once its P.V has, so each copy starts as soon as its own buffer frees. One ring of
 // 2 stages cost the MX kernel 27% at N = 16384 (bench/RESULTS.md, session 21).
-template <int D, bool kF8V, bool kNv = false>
+template <int D, bool kF8V, bool kNv = false, bool kFix = false>
 struct Smem {
   static constexpr int kNb = D / 32;
   static constexpr int kQK = BN * D;              // one FP8 K tile or Q slot
   static constexpr int kOp = kNv ? 2 * kQK : kQK;  // the room a Q slot or K tile takes
   static constexpr int kVHalf = D * 128, kVt = kF8V ? kVHalf : 2 * kVHalf;
   static constexpr int kQ = 2 * kOp, kQs = 2 * BM * kNb * 4;
-  static constexpr int kKStage = kOp + 1024;  // K + BN floats and BN * kNb bytes (<= 1024 for D <= 128)
+  // K + BN floats and BN * kNb bytes (<= 1024 for D <= 128); kFix: then smooth_q's BN floats.
+  static constexpr int kKStage = kOp + 1024 + (kFix ? 1024 : 0);
+  static constexpr int kDs = kOp + 1024;  // offset of the ds floats in a K stage (kFix)
   static constexpr int kStage = kVt + kKStage;
   static constexpr uint32_t kTxK = kQK + BN * 4 + BN * kNb;  // bytes an MX tile's K copies bring
   static constexpr uint32_t kTxKBf16 = 2 * kQK + BN * 4;     // an NVFP4 tile's (no block scales)
@@ -274,9 +276,31 @@ __device__ __forceinline__ void load_q(const PrefillParams& p, int b, int h, int
   if (!uniform) q_folded[s][wgi] = 0;
 }
 
-template <int D, class TOut, bool kF8V, bool kNv>
+// The accuracy transforms' share of a tile's scores (kFix instances): S in logits, plus smooth_q's
+// per-key addition (ds: the tile's 128 floats in shared memory, brought with its K), and on key
+// tile 0 the exact scores of the sink keys. u: each row's factor from S to logits (1
+// where S already holds them).
+__device__ __forceinline__ void fix_scores(float (&s)[BN / 2], const float (&u)[2], const float* ds,
+                                           const float* sink0, const float* sink1, int sink_keys, int t) {
+#pragma unroll
+  for (int nt = 0; nt < BN / 8; ++nt) {
+    const float2 a = ds ? *reinterpret_cast<const float2*>(ds + acc_col(4 * nt, t)) : make_float2(0.0f, 0.0f);
+    s[4 * nt] = fmaf(s[4 * nt], u[0], a.x);
+    s[4 * nt + 1] = fmaf(s[4 * nt + 1], u[0], a.y);
+    s[4 * nt + 2] = fmaf(s[4 * nt + 2], u[1], a.x);
+    s[4 * nt + 3] = fmaf(s[4 * nt + 3], u[1], a.y);
+  }
+  if (sink_keys > 0)
+#pragma unroll
+    for (int i = 0; i < BN / 2; ++i) {
+      const int col = acc_col(i, t);
+      if (col < sink_keys) s[i] = ((i / 2) % 2 ? sink1 : sink0)[col];
+    }
+}
+
+template <int D, class TOut, bool kF8V, bool kNv, bool kFix = false>
 __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_constant__ PrefillParams p) {
-  using S = Smem<D, kF8V, kNv>;
+  using S = Smem<D, kF8V, kNv, kFix>;
   constexpr int NB = S::kNb, kStages = S::kStages;
   extern __shared__ __align__(1024) uint8_t smem[];
   uint8_t* sQ = smem;
@@ -330,7 +354,11 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
         const bool nv = kNv && p.nv[slot];  // bf16 K in D/64 atoms of 128-byte rows, no block scales
         if (j >= kStages) tma::wait(&empty[st], uint32_t(phase ^ 1));
         // kSplit: K's copies first, then V's into a ring whose buffer frees later (after P.V).
-        tma::arrive_expect(&full[st], (nv ? S::kTxKBf16 : S::kTxK) + (S::kSplit ? 0 : S::kVt));
+        const uint32_t ds_bytes = kFix && p.ds ? BN * 4 : 0;
+        tma::arrive_expect(&full[st], (nv ? S::kTxKBf16 : S::kTxK) + (S::kSplit ? 0 : S::kVt) + ds_bytes);
+        if (ds_bytes)  // smooth_q's additions of this query tile for the tile's keys
+          tma::load_bytes(sK(st) + S::kDs, p.ds + ((int64_t(b) * p.Hq + h) * p.ds_tiles + (qtile - p.first_block)) * p.ldv +
+                                               int64_t(j) * BN, ds_bytes, &full[st]);
         if (nv) {
           for (int a = 0; a < D / 64; ++a) tma::load_3d(sK(st) + a * BN * 128, &p.kmap[slot], a * 64, j * BN, bh, &full[st]);
         } else {
@@ -515,6 +543,16 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       else
         scores_per_block<D, false>(s, sq, sqs, sk, sKb(st), p.scale, t);  // s: scaled logits
     }
+    if constexpr (kFix) {  // S to logits, plus the transforms' parts; c then takes log2(e) alone
+      const float u[2] = {folded ? c[0] * (1.0f / kLog2e) : 1.0f, folded ? c[1] * (1.0f / kLog2e) : 1.0f};
+      const int64_t bhq = int64_t(b) * p.Hq + h;
+      const int sk = j == 0 && p.ktile0 == 0 ? p.sink_keys : 0;
+      const float* sink0 = sk ? p.sink + (bhq * p.Nq + (valid[0] ? row[0] : 0)) * p.sink_keys : nullptr;
+      const float* sink1 = sk ? p.sink + (bhq * p.Nq + (valid[1] ? row[1] : 0)) * p.sink_keys : nullptr;
+      fix_scores(s, u, p.ds ? reinterpret_cast<const float*>(sK(st) + S::kDs) : nullptr, sink0, sink1, sk, t);
+      c[0] = c[1] = kLog2e;
+    }
+
     if constexpr (S::kSplit) tma::arrive(&empty[st]);  // S_j has retired and the key scales are read
 
     // Mask (tiles every row of the warp sees whole skip it), online softmax (fp32).
@@ -625,7 +663,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   }
 }
 
-template <int D, class TOut, bool kF8V, bool kNv>
+template <int D, class TOut, bool kF8V, bool kNv, bool kFix = false>
 void launch(PrefillParams p, int64_t blocks, int batch, cudaStream_t stream) {
   // TMA maps: K bytes [B*Hkv][Nk][D] in boxes of one tile (zeros past Nk), swizzled like wg::swizzled<D>;
   // V^T bf16 [B*Hkv][D][ldv] in boxes of 64 keys x D (128-byte rows).
@@ -645,24 +683,28 @@ void launch(PrefillParams p, int64_t blocks, int batch, cudaStream_t stream) {
   else
     p.vmap = tensor_map_3d(p.vt, CU_TENSOR_MAP_DATA_TYPE_UINT16, {ldv, D, bh}, {ldv * 2, D * ldv * 2}, {BN / 2, D, 1},
                            CU_TENSOR_MAP_SWIZZLE_128B);
-  constexpr int bytes = Smem<D, kF8V, kNv>::kBytes;
-  constexpr auto kernel = prefill_kernel<D, TOut, kF8V, kNv>;
+  constexpr int bytes = Smem<D, kF8V, kNv, kFix>::kBytes;
+  constexpr auto kernel = prefill_kernel<D, TOut, kF8V, kNv, kFix>;
   allow_dynamic_smem<kernel>(bytes);
   kernel<<<dim3(unsigned(blocks), unsigned(p.Hq), unsigned(batch)), kThreads, bytes, stream>>>(p);
 }
 
-template <int D, bool kF8V, bool kNv>
+template <int D, bool kF8V, bool kNv, bool kFix = false>
 void launch_d(const PrefillParams& p, DType out, int64_t blocks, int batch, cudaStream_t stream) {
   switch (out) {
-    case DType::f32: return launch<D, float, kF8V, kNv>(p, blocks, batch, stream);
-    case DType::f16: return launch<D, fp16, kF8V, kNv>(p, blocks, batch, stream);
-    case DType::bf16: return launch<D, bf16, kF8V, kNv>(p, blocks, batch, stream);
+    case DType::f32: return launch<D, float, kF8V, kNv, kFix>(p, blocks, batch, stream);
+    case DType::f16: return launch<D, fp16, kF8V, kNv, kFix>(p, blocks, batch, stream);
+    case DType::bf16: return launch<D, bf16, kF8V, kNv, kFix>(p, blocks, batch, stream);
   }
 }
 
 template <int D>
 void launch_pv(const PrefillParams& p, DType out, int64_t blocks, int batch, cudaStream_t stream) {
   const bool nv = p.nv[0] || (p.nslots == 2 && p.nv[1]);
+  if (p.ds || p.sink_keys > 0) {  // the transforms' instances: MX tiles, bf16 P.V (require_supported)
+    if (nv || p.pv_fp8) throw Error("the CUDA prefill applies smooth_q and sink_keys to MX tiles with pv=bf16");
+    return launch_d<D, false, false, true>(p, out, blocks, batch, stream);
+  }
   if (p.pv_fp8)
     nv ? launch_d<D, true, true>(p, out, blocks, batch, stream) : launch_d<D, true, false>(p, out, blocks, batch, stream);
   else

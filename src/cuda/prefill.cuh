@@ -46,6 +46,13 @@ struct PrefillParams {
   int64_t q_pos0, ktile0;
   int64_t first_block;  // the first 128-position block (positions can be negative when Nq > Nk)
   int64_t blocks;       // number of query blocks (the grid's x)
+  // Accuracy transforms (transform.hpp), in logits (the softmax scale applied): smooth_q's per-key
+  // additions ds [B*Hq][ds_tiles][ldv] of each query tile (tile first_block + c at c), and the exact
+  // scores sink [B*Hq*Nq][sink_keys] of the leading keys; null / 0 when off.
+  const float* ds;
+  int64_t ds_tiles;
+  const float* sink;
+  int sink_keys;
 };
 
 // pv = fp8: the wgmma's A fragment of P (E4M3, k = 32 from registers; wgmma.cuh) holds, at logical

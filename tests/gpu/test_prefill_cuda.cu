@@ -545,3 +545,66 @@ TEST(GpuPrefill, RejectsWhatItCannotDo) {
   const HostTensor qn = HostTensor::from_floats(q, x.q.shape());
   EXPECT_THROW(attention_on_device(qn.view(), x.k.view(), x.v.view(), out.view(), nullptr, {}), Error);
 }
+
+// The accuracy transforms (rotate, smooth_k, smooth_q, sink_keys) against the oracle: each alone and
+// together, causal and not, chunked (Nq < Nk) and key blocks, every input dtype; real activations;
+// keys and queries with large common parts (what smooth_k and smooth_q remove).
+TEST(GpuPrefill, AccuracyTransformsMatchCpuOracle) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  auto with = [](Policy p, bool sk, bool sq, bool rot, int sink) {
+    p.smooth_k = sk;
+    p.smooth_q = sq;
+    p.rotate = rot;
+    p.sink_keys = sink;
+    return p;
+  };
+  const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
+  const Policy dflt{e4, f4, 1, 0}, wide{e4, f4, 4, 1};
+  const Case cases[] = {
+      {4, 1, 700, 700, 128, true, with(dflt, false, false, true, 0), "rotate"},
+      {4, 2, 700, 700, 64, true, with(dflt, true, false, false, 0), "smooth_k"},
+      {4, 2, 700, 700, 128, true, with(dflt, false, true, false, 0), "smooth_q"},
+      {4, 1, 700, 700, 64, true, with(dflt, false, false, false, 3), "sink_keys"},
+      {8, 2, 1000, 1000, 128, true, with(wide, true, true, true, 1), "all, diag4 sink1"},
+      {8, 1, 300, 1000, 64, true, with(dflt, true, true, true, 2), "all, chunked Nq<Nk"},
+      {4, 4, 500, 500, 128, false, with(dflt, true, true, true, 1), "all, non-causal"},
+      {4, 2, 4096, 4096, 128, true, with(wide, true, true, true, 1), "all, N=4096"},
+      {4, 1, 2000, 2000, 128, true, with(Policy{f4, Format::nvfp4, 1, 0}, true, false, true, 0), "rotate+smooth_k nvfp4"},
+  };
+  const uint64_t seed = fresh_seed();
+  const DType dtypes[3] = {DType::bf16, DType::f16, DType::f32};
+  for (size_t i = 0; i < std::size(cases); ++i) {
+    const Case& c = cases[i];
+    QKV x = random_qkv({1, c.hq, c.hkv, c.nq, c.nk, c.d}, seed + i, dtypes[i % 3]);
+    std::vector<float> q = x.q.to_floats(), k = x.k.to_floats();
+    for (size_t e = 0; e < k.size(); ++e) k[e] += (e % size_t(c.d)) % 7 == 0 ? 3.0f : 0.5f;  // a common part
+    for (size_t e = 0; e < q.size(); ++e) q[e] += (e % size_t(c.d)) % 5 == 0 ? 2.0f : -0.3f;
+    x.q = HostTensor::from_floats(q, x.q.shape(), dtypes[i % 3]);
+    x.k = HostTensor::from_floats(k, x.k.shape(), dtypes[i % 3]);
+    check_qkv(c, x, dtypes[i % 3]);
+  }
+  // Key blocks: the sink keys only where the block holds them.
+  Case block{4, 2, 256, 384, 128, true, with(dflt, false, true, true, 2), "all, key block", 512, 256};
+  check_case(block, DType::bf16, seed + 20);
+  block.k_offset = 0;
+  block.name = "all, key block with sinks";
+  check_case(block, DType::bf16, seed + 21);
+  const char* src = std::getenv("DMATTN_SOURCE_DIR");
+  for (int layer : {1, 20}) {
+    const std::string base = std::string(src ? src : DMATTN_SOURCE_DIR) + "/tests/data/layer" + std::to_string(layer) + "_";
+    const QKV x{read_npy_tensor(base + "q.npy", "q"), read_npy_tensor(base + "k.npy", "k"), read_npy_tensor(base + "v.npy", "v")};
+    check_qkv({9, 3, 512, 512, 64, true, with(wide, true, true, true, 1), "all, real activations"}, x, DType::f16);
+  }
+}
+
+// A small case of every transform, for the sanitizers (memcheck, racecheck).
+TEST(GpuPrefill, AccuracyTransformsSmallMatchCpuOracle) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Policy p;
+  p.smooth_k = p.smooth_q = p.rotate = true;
+  p.sink_keys = 2;
+  p.sink_tiles = 1;
+  const uint64_t seed = fresh_seed();
+  check_case({2, 1, 300, 300, 64, true, p, "all, small d=64"}, DType::bf16, seed);
+  check_case({2, 2, 200, 260, 128, true, p, "all, small d=128"}, DType::f16, seed + 1);
+}

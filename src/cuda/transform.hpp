@@ -1,0 +1,37 @@
+// The accuracy transforms' pre-pass on the GPU (Policy::rotate, smooth_k, smooth_q, sink_keys; their
+// semantics in include/dmattn/attention.hpp): Q and K rotated and smoothed into bf16 rows, which the
+// quantize pass then takes as its input, plus what the prefill kernel and its epilogue need besides.
+#pragma once
+#include <cuda_runtime.h>
+
+#include "problem.hpp"
+
+namespace dmattn::cuda {
+
+// Outputs, all device memory of the caller (sizes from Problem p, qtiles = the query tiles the
+// call's rows touch, ldv = Nk rounded up to 128).
+struct Transformed {
+  uint16_t* q = nullptr;     // [B, Hq, Nq, d] bf16 bits: rotated, minus the tile mean (smooth_q)
+  uint16_t* k = nullptr;     // [B, Hkv, Nk, d] bf16 bits: rotated, minus the key mean (smooth_k)
+  float* k_rot = nullptr;    // smooth_k: [B, Hkv, Nk, d] scratch (the rotated rows before the mean)
+  double* k_part = nullptr;  // smooth_k: [B*Hkv, ceil(Nk/128), d] scratch (partial channel sums)
+  float* kmean = nullptr;    // smooth_k: [B*Hkv, d]
+  float* qmean = nullptr;    // smooth_q: [B*Hq, qtiles, d]
+  float* ds = nullptr;       // smooth_q: [B*Hq, qtiles, ldv], mu.k' times the softmax scale (logits)
+  float* lse_shift = nullptr;  // smooth_k with an LSE: [B*Hq*Nq], scale * q_rot.kmean
+  float* sink = nullptr;     // sink_keys: [B*Hq*Nq, sink] exact scores times the softmax scale
+  int sink_keys = 0;         // keys scored exactly (sink_keys less the key offset, at most Nk)
+  int64_t qtile0 = 0, qtiles = 0;  // the first query tile (from key 0) and how many the rows touch
+};
+
+// Query tiles touched by the rows of p, counted from key 0's position.
+void query_tiles(const Problem& p, int64_t& first, int64_t& count);
+
+// Fills t (its buffers allocated by the caller for the transforms p.policy turns on), on `stream`.
+// `scale` is the softmax scale the kernel applies (rotation's block size already divided out).
+void transform_qk(const Problem& p, const Transformed& t, float scale, cudaStream_t stream);
+
+// lse[i] += shift[i] for the n rows (smooth_k's correction, after the prefill wrote lse).
+void add_lse_shift(float* lse, const float* shift, int64_t n, cudaStream_t stream);
+
+}  // namespace dmattn::cuda
