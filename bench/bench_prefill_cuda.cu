@@ -76,6 +76,8 @@ int main(int argc, char** argv) {
                             {"DMA-plain", tf(1, 0, false, false, false, 0)},
                             {"DMA-rot-sk", tf(1, 0, true, false, true, 0)},
                             {"DMA-sq", tf(1, 0, false, true, false, 0)},
+                            {"DMA-rot-sk-sink", tf(1, 0, true, false, true, 1)},
+                            {"DMA-rot-sk-sink-d4s1", tf(4, 1, true, false, true, 1)},
                             {"DMA-all", tf(1, 0, true, true, true, 1)},
                             {"DMA-all-d4s1", tf(4, 1, true, true, true, 1)},
                             {"DMA-d4s1", tf(4, 1, false, false, false, 0)},

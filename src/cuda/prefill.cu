@@ -543,7 +543,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       else
         scores_per_block<D, false>(s, sq, sqs, sk, sKb(st), p.scale, t);  // s: scaled logits
     }
-    if constexpr (kFix) {  // S to logits, plus the transforms' parts; c then takes log2(e) alone
+    // kFix: S to logits plus the transforms' parts (c then takes log2(e) alone), on every tile with
+    // smooth_q, on key tile 0 alone with only sink keys.
+    if (kFix && (p.ds || (j == 0 && p.ktile0 == 0 && p.sink_keys > 0))) {
       const float u[2] = {folded ? c[0] * (1.0f / kLog2e) : 1.0f, folded ? c[1] * (1.0f / kLog2e) : 1.0f};
       const int64_t bhq = int64_t(b) * p.Hq + h;
       const int sk = j == 0 && p.ktile0 == 0 ? p.sink_keys : 0;

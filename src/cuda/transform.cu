@@ -1,98 +1,138 @@
-// The accuracy transforms' pre-pass (transform.hpp). A warp holds a row of d channels as d/32 values
-// a lane (channel lane + 32e), so the Hadamard butterfly's stages below 32 are lane shuffles and the
-// rest register pairs: the same additions in the same stages as rotate_row on the host, so rotated
-// rows are bit-identical. Means and dots accumulate in fp64 in the host oracle's order where a
-// result is rounded once to fp32 (means of a query tile, key sums within a 128-row chunk).
+// The accuracy transforms' pre-pass (transform.hpp). A warp holds a row of d = 32 E channels, E
+// contiguous channels a lane (lane E + e), so the Hadamard butterfly's stages below E are register
+// pairs and the rest lane shuffles: the same additions in the same stages as rotate_row on the host,
+// so rotated rows are bit-identical. Means and dots accumulate in fp64 and round once to fp32.
+#include <algorithm>
+
 #include "cuda/buffers.hpp"
+#include "cuda/mma.cuh"
 #include "cuda/transform.hpp"
 #include "dmattn/error.hpp"
 #include "dmattn/numeric.hpp"
-#include "dmattn/rotation.hpp"
 #include "dmattn/policy.hpp"
+#include "dmattn/rotation.hpp"
 
 namespace dmattn::cuda {
 namespace {
 
-constexpr int kMaxE = 8;  // d / 32 for d <= 256
+// Warps a CTA of the row kernels: enough rows in flight to cover a row's load latency (a warp takes
+// its rows one after another).
+constexpr int kWarps = 16, kRowThreads = 32 * kWarps;
 
-// Row n of a [B, H, N, d] view (any strides) into this lane's channels lane + 32e, as fp32, rotated.
-template <class T>
-__device__ __forceinline__ void load_row(const T* x, const TensorView& v, int64_t b, int64_t h, int64_t n, int E,
-                                         bool rotate, float (&r)[kMaxE]) {
+// Row n of a [B, H, N, d] view into this lane's channels lane E + e, as fp32, rotated. vec: unit
+// stride along d and rows aligned to E elements, so a lane's channels are one vector load.
+template <class T, int E>
+__device__ __forceinline__ void load_row(const TensorView& v, int64_t b, int64_t h, int64_t n, bool vec, bool rotate,
+                                         float (&r)[E]) {
   const int lane = threadIdx.x % 32;
-  const T* row = x + b * v.stride[0] + h * v.stride[1] + n * v.stride[2];
+  const T* row = static_cast<const T*>(v.data) + b * v.stride[0] + h * v.stride[1] + n * v.stride[2];
+  if constexpr (sizeof(T) == 2 && E >= 2) {
+    if (vec) {
+      using V = std::conditional_t<E == 2, uint32_t, std::conditional_t<E == 4, uint2, uint4>>;
+      const V w = *reinterpret_cast<const V*>(row + lane * E);
+      const uint16_t* h16 = reinterpret_cast<const uint16_t*>(&w);
 #pragma unroll
-  for (int e = 0; e < kMaxE; ++e) r[e] = e < E ? to_float(row[(lane + 32 * e) * v.stride[3]]) : 0.0f;
-  if (!rotate) return;
-  const int d = 32 * E, blk = rotation_block(d);
+      for (int e = 0; e < E; ++e) r[e] = to_float(T{h16[e]});
+    } else {
 #pragma unroll
-  for (int e = 0; e < kMaxE; ++e) r[e] *= e < E ? rotation_sign(lane + 32 * e) : 1.0f;
-  for (int h = 1; h < blk && h < 32; h *= 2) {  // partners in other lanes
-    const bool upper = lane & h;
-#pragma unroll
-    for (int e = 0; e < kMaxE; ++e) {
-      const float other = __shfl_xor_sync(0xffffffffu, r[e], h);
-      r[e] = upper ? other - r[e] : r[e] + other;
+      for (int e = 0; e < E; ++e) r[e] = to_float(row[(lane * E + e) * v.stride[3]]);
     }
-  }
-  for (int h = 1; 32 * h < blk; h *= 2)  // partners in this lane's other registers
+  } else {
 #pragma unroll
-    for (int e = 0; e < kMaxE; ++e)
-      if (e < E && !(e & h)) {
+    for (int e = 0; e < E; ++e) r[e] = to_float(row[(lane * E + e) * v.stride[3]]);
+  }
+  if (!rotate) return;
+#pragma unroll
+  for (int e = 0; e < E; ++e) r[e] *= rotation_sign(lane * E + e);
+#pragma unroll
+  for (int h = 1; h < E; h *= 2)  // partners in this lane's registers
+#pragma unroll
+    for (int e = 0; e < E; ++e)
+      if (!(e & h)) {
         const float a = r[e], c = r[e + h];
         r[e] = a + c;
         r[e + h] = a - c;
       }
+#pragma unroll
+  for (int l = 1; l < 32; l *= 2) {  // partners in other lanes (channel distance l E)
+    const bool upper = lane & l;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+      const float other = __shfl_xor_sync(0xffffffffu, r[e], l);
+      r[e] = upper ? other - r[e] : r[e] + other;
+    }
+  }
 }
 
-// sum over the row of a[lane + 32e] * b[...] in fp64, the same value in every lane.
-__device__ __forceinline__ double warp_dot(const float (&a)[kMaxE], const float (&b)[kMaxE], int E) {
+// This lane's E channels as bf16 into a row of d (E 16-bit values, one store).
+template <int E>
+__device__ __forceinline__ void store_bf16(uint16_t* row, const float (&x)[E]) {
+  uint16_t h[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) h[e] = to_bf16(x[e]).bits;
+  const int lane = threadIdx.x % 32;
+  if constexpr (E == 1)
+    row[lane] = h[0];
+  else if constexpr (E == 2)
+    *reinterpret_cast<uint32_t*>(row + 2 * lane) = *reinterpret_cast<const uint32_t*>(h);
+  else if constexpr (E == 4)
+    *reinterpret_cast<uint2*>(row + 4 * lane) = *reinterpret_cast<const uint2*>(h);
+  else
+    *reinterpret_cast<uint4*>(row + 8 * lane) = *reinterpret_cast<const uint4*>(h);
+}
+
+// sum over the row of a[c] * b[c] in fp64, the same value in every lane.
+template <int E>
+__device__ __forceinline__ double warp_dot(const float (&a)[E], const float (&b)[E]) {
   double s = 0;
 #pragma unroll
-  for (int e = 0; e < kMaxE; ++e)
-    if (e < E) s += double(a[e]) * b[e];
+  for (int e = 0; e < E; ++e) s += double(a[e]) * b[e];
 #pragma unroll
   for (int o = 16; o > 0; o /= 2) s += __shfl_xor_sync(0xffffffffu, s, o);
   return s;
 }
 
-__device__ __forceinline__ void load_bf16_row(const uint16_t* row, int E, float (&r)[kMaxE]) {
+template <int E>
+__device__ __forceinline__ void load_bf16_row(const uint16_t* row, float (&r)[E]) {
   const int lane = threadIdx.x % 32;
 #pragma unroll
-  for (int e = 0; e < kMaxE; ++e) r[e] = e < E ? to_float(bf16{row[lane + 32 * e]}) : 0.0f;
+  for (int e = 0; e < E; ++e) r[e] = to_float(bf16{row[lane * E + e]});
 }
 
 // K rows rotated; without smooth_k straight to bf16, with it to fp32 scratch plus each 128-row
-// chunk's channel sums (fp64, rows in order). Grid: (chunks, B * Hkv); 4 warps.
-template <class T>
-__global__ void __launch_bounds__(128) k_rows_kernel(TensorView k, bool rotate, uint16_t* out, float* k_rot, double* part) {
+// chunk's channel sums (fp64). Grid: (chunks, B * Hkv); kWarps warps.
+template <class T, int E>
+__global__ void __launch_bounds__(kRowThreads) k_rows_kernel(TensorView k, bool vec, bool rotate, uint16_t* out,
+                                                             float* k_rot, double* part) {
+  constexpr int d = 32 * E;
   const int64_t bh = blockIdx.y, b = bh / k.shape[1], h = bh % k.shape[1], N = k.shape[2];
-  const int E = int(k.shape[3] / 32), warp = threadIdx.x / 32, lane = threadIdx.x % 32, d = 32 * E;
-  __shared__ double sums[4][256];
-  double acc[kMaxE] = {};
-  for (int64_t n = int64_t(blockIdx.x) * 128 + warp; n < min(N, int64_t(blockIdx.x + 1) * 128); n += 4) {
-    float r[kMaxE];
-    load_row(static_cast<const T*>(k.data), k, b, h, n, E, rotate, r);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __shared__ double sums[kWarps][d];
+  double acc[E] = {};
+  for (int64_t n = int64_t(blockIdx.x) * 128 + warp; n < min(N, int64_t(blockIdx.x + 1) * 128); n += kWarps) {
+    float r[E];
+    load_row<T, E>(k, b, h, n, vec, rotate, r);
     const int64_t base = (bh * N + n) * d;
+    if (k_rot) {
 #pragma unroll
-    for (int e = 0; e < kMaxE; ++e)
-      if (e < E) {
-        if (k_rot) {
-          k_rot[base + lane + 32 * e] = r[e];
-          acc[e] += r[e];
-        } else {
-          out[base + lane + 32 * e] = to_bf16(r[e]).bits;
-        }
+      for (int e = 0; e < E; ++e) {
+        k_rot[base + lane * E + e] = r[e];
+        acc[e] += r[e];
       }
+    } else {
+      store_bf16<E>(out + base, r);
+    }
   }
   if (!k_rot) return;
-  // Rows n = warp (mod 4) summed per warp: the chunk's sum then adds the four in a fixed order.
+  // Rows n = warp (mod kWarps) summed per warp: the chunk's sum then adds the warps' in a fixed order.
 #pragma unroll
-  for (int e = 0; e < kMaxE; ++e)
-    if (e < E) sums[warp][lane + 32 * e] = acc[e];
+  for (int e = 0; e < E; ++e) sums[warp][lane * E + e] = acc[e];
   __syncthreads();
-  for (int c = threadIdx.x; c < d; c += 128)
-    part[(bh * gridDim.x + blockIdx.x) * d + c] = ((sums[0][c] + sums[1][c]) + sums[2][c]) + sums[3][c];
+  for (int c = threadIdx.x; c < d; c += kRowThreads) {
+    double s = 0;
+    for (int w = 0; w < kWarps; ++w) s += sums[w][c];
+    part[(bh * gridDim.x + blockIdx.x) * d + c] = s;
+  }
 }
 
 // kmean = (sum of the chunks' sums) / N; grid B * Hkv, a thread a channel.
@@ -104,16 +144,28 @@ __global__ void kmean_kernel(const double* part, int chunks, int d, int64_t N, f
   }
 }
 
-// k' = bf16(k_rot - kmean), elementwise.
-__global__ void k_center_kernel(const float* k_rot, const float* kmean, int64_t n_per_head, int d, int64_t total,
-                                uint16_t* out) {
-  for (int64_t i = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; i < total; i += int64_t(gridDim.x) * blockDim.x)
-    out[i] = to_bf16(k_rot[i] - kmean[(i / n_per_head) * d + i % d]).bits;
+// k' = bf16(k_rot - kmean), a row a warp. Grid (row blocks, B * Hkv).
+template <int E>
+__global__ void __launch_bounds__(kRowThreads) k_center_kernel(const float* k_rot, const float* kmean, int64_t N,
+                                                               uint16_t* out) {
+  constexpr int d = 32 * E;
+  const int64_t bh = blockIdx.y;
+  const int lane = threadIdx.x % 32;
+  float m[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) m[e] = kmean[bh * d + lane * E + e];
+  for (int64_t n = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; n < N; n += int64_t(gridDim.x) * kWarps) {
+    const float* src = k_rot + (bh * N + n) * d + lane * E;
+    float x[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) x[e] = src[e] - m[e];
+    store_bf16<E>(out + (bh * N + n) * d, x);
+  }
 }
 
 struct QArgs {
   TensorView q;
-  bool rotate, smooth_q;
+  bool vec, rotate, smooth_q;
   int64_t Hkv, Nk, q_pos0, qtile0;  // q_pos0: row 0's position from key 0
   float scale;
   const uint16_t* k;   // transformed K [B, Hkv, Nk, d] (the sink scores)
@@ -126,80 +178,115 @@ struct QArgs {
 
 // One query tile's rows of one (b, h): rotated; the exact sink scores and the LSE shift from the
 // rotated rows; with smooth_q the tile's mean (fp64 over its rows in order) subtracted. Grid
-// (qtiles, Hq, B); 4 warps; dynamic shared memory: the tile's rows as fp32 (smooth_q).
-template <class T>
-__global__ void __launch_bounds__(128) q_rows_kernel(QArgs a) {
+// (qtiles, Hq, B); kWarps warps; dynamic shared memory: the tile's rows as fp32 (smooth_q).
+template <class T, int E>
+__global__ void __launch_bounds__(kRowThreads) q_rows_kernel(QArgs a) {
+  constexpr int d = 32 * E;
   extern __shared__ float rows[];  // [128][d]
-  __shared__ float mu[256];
+  __shared__ float mu[d];
   const int64_t b = blockIdx.z, h = blockIdx.y, c = blockIdx.x, Nq = a.q.shape[2], Hq = a.q.shape[1];
   const int64_t hk = h / (Hq / a.Hkv), bhq = b * Hq + h, kv_head = (b * a.Hkv + hk) * a.Nk;
-  const int E = int(a.q.shape[3] / 32), d = 32 * E, warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t r0 = max(int64_t(0), (a.qtile0 + c) * 128 - a.q_pos0), r1 = min(Nq, (a.qtile0 + c + 1) * 128 - a.q_pos0);
-  for (int64_t r = r0 + warp; r < r1; r += 4) {
-    float x[kMaxE];
-    load_row(static_cast<const T*>(a.q.data), a.q, b, h, r, E, a.rotate, x);
+  float km[E];
+  if (a.kmean)
+#pragma unroll
+    for (int e = 0; e < E; ++e) km[e] = a.kmean[(b * a.Hkv + hk) * d + lane * E + e];
+  for (int64_t r = r0 + warp; r < r1; r += kWarps) {
+    float x[E];
+    load_row<T, E>(a.q, b, h, r, a.vec, a.rotate, x);
     const int64_t row = bhq * Nq + r;
     for (int n = 0; n < a.sink; ++n) {
-      float kv[kMaxE];
-      load_bf16_row(a.k + (kv_head + n) * d, E, kv);
-      const double s = warp_dot(x, kv, E);
+      float kv[E];
+      load_bf16_row<E>(a.k + (kv_head + n) * d, kv);
+      const double s = warp_dot<E>(x, kv);
       if (lane == 0) a.sinks[row * a.sink + n] = float(s) * a.scale;
     }
     if (a.kmean) {
-      float km[kMaxE];
-#pragma unroll
-      for (int e = 0; e < kMaxE; ++e) km[e] = e < E ? a.kmean[(b * a.Hkv + hk) * d + lane + 32 * e] : 0.0f;
-      const double s = warp_dot(x, km, E);
+      const double s = warp_dot<E>(x, km);
       if (lane == 0) a.lse_shift[row] = float(s) * a.scale;
     }
+    if (a.smooth_q) {
 #pragma unroll
-    for (int e = 0; e < kMaxE; ++e)
-      if (e < E) {
-        if (a.smooth_q)
-          rows[(r - r0) * d + lane + 32 * e] = x[e];
-        else
-          a.out[row * d + lane + 32 * e] = to_bf16(x[e]).bits;
-      }
+      for (int e = 0; e < E; ++e) rows[(r - r0) * d + lane * E + e] = x[e];
+    } else {
+      store_bf16<E>(a.out + row * d, x);
+    }
   }
   if (!a.smooth_q) return;
   __syncthreads();
-  for (int ch = threadIdx.x; ch < d; ch += 128) {
+  for (int ch = threadIdx.x; ch < d; ch += kRowThreads) {
     double s = 0;
     for (int64_t r = r0; r < r1; ++r) s += rows[(r - r0) * d + ch];
     mu[ch] = float(s / double(r1 - r0));
     a.qmean[(bhq * a.qtiles + c) * d + ch] = mu[ch];
   }
   __syncthreads();
-  for (int64_t i = threadIdx.x; i < (r1 - r0) * d; i += 128)
-    a.out[(bhq * Nq + r0) * d + i] = to_bf16(rows[i] - mu[i % d]).bits;
+  float m[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) m[e] = mu[lane * E + e];
+  for (int64_t r = r0 + warp; r < r1; r += kWarps) {
+    float x[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) x[e] = rows[(r - r0) * d + lane * E + e] - m[e];
+    store_bf16<E>(a.out + (bhq * Nq + r) * d, x);
+  }
 }
 
-// smooth_q's correction ds[b*Hq + h][c][n] = scale * mu(c).k'[n] (fp32 over the channels in order)
-// for the keys tile c sees. Grid (key chunks of 128, B * Hkv); 128 threads, a key each; dynamic
-// shared memory: the chunk's keys as fp32 [128][d + 1].
-__global__ void __launch_bounds__(128) delta_s_kernel(const uint16_t* k, const float* qmean, int64_t Hkv, int64_t G,
+// smooth_q's correction ds[b*Hq + h][c][n] = scale * mu(c).k'[n] on the tensor cores: mu split into
+// bf16 high and low parts (mu - hi is exact in fp32 and its bf16 rounding leaves ~2^-16 of mu), k'
+// already bf16, so hi.k' + lo.k' in fp32 accumulation is mu.k' to ~1e-5. One CTA a 128-key chunk
+// of one (b, kv head): its keys in shared memory, then 16 query-tile rows (mu of (tile c, head g)
+// at row c * G + g) at a time, each of 4 warps 32 keys, m16n8k16 over 2d contraction slots.
+// Causal: only the tiles that see the chunk (a suffix of the rows).
+__global__ void __launch_bounds__(128) delta_s_kernel(const uint16_t* k, const float* qmean, int64_t Hkv, int G,
                                                       int64_t Nk, int d, int64_t ldv, int64_t qtiles, int64_t qtile0,
-                                                      int64_t q_last, bool causal, float scale, float* ds) {
-  extern __shared__ float keys[];  // [128][d + 1]
+                                                      bool causal, float scale, float* ds) {
+  extern __shared__ uint32_t keys[];  // [128][d / 2 + 4] bf16 pairs (padded against bank conflicts)
+  const int pitch = d / 2 + 4;
   const int64_t bh = blockIdx.y, j = blockIdx.x, n0 = j * 128;
-  for (int64_t i = threadIdx.x; i < int64_t(128) * d; i += 128) {
-    const int64_t n = n0 + i / d;
-    keys[(i / d) * (d + 1) + i % d] = n < Nk ? to_float(bf16{k[(bh * Nk + n) * d + i % d]}) : 0.0f;
+  for (int i = threadIdx.x; i < 128 * (d / 2); i += 128) {
+    const int r = i / (d / 2), w = i % (d / 2);
+    const int64_t n = n0 + r;
+    keys[r * pitch + w] = n < Nk ? reinterpret_cast<const uint32_t*>(k + (bh * Nk + n) * d)[w] : 0u;
   }
   __syncthreads();
-  const int64_t b = bh / Hkv, hk = bh % Hkv, Hq = Hkv * G, n = n0 + threadIdx.x;
-  const float* kr = keys + threadIdx.x * (d + 1);
-  for (int64_t c = 0; c < qtiles; ++c) {
-    // Causal: tile c's rows see keys up to its last row's position (q_last caps it).
-    const int64_t last = min(q_last, (qtile0 + c + 1) * 128 - 1);
-    if (causal && n0 > last) continue;
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t bhq = b * Hq + hk * G + g;
-      const float* mu = qmean + (bhq * qtiles + c) * d;
-      float s = 0.0f;
-      for (int i = 0; i < d; ++i) s = fmaf(mu[i], kr[i], s);
-      ds[(bhq * qtiles + c) * ldv + n] = n < Nk ? s * scale : 0.0f;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int64_t b = bh / Hkv, hk = bh % Hkv, Hq = Hkv * G;
+  // Tile c sees this chunk unless causal and the chunk starts at or after the tile's end.
+  const int64_t c_first = causal ? std::max<int64_t>(0, j - qtile0) : 0;
+  const int64_t rows = qtiles * G;
+  // Row m's (bhq, tile): mu at qmean + mu_off(m), its ds row at ds + mu_off(m) / d * ldv.
+  auto mu_off = [&](int64_t m) { return ((b * Hq + hk * G + m % G) * qtiles + m / G) * d; };
+  for (int64_t m0 = c_first * G; m0 < rows; m0 += 16) {
+    const int64_t mr[2] = {m0 + g, m0 + g + 8};
+    const bool ok[2] = {mr[0] < rows, mr[1] < rows};
+    const int64_t off[2] = {ok[0] ? mu_off(mr[0]) : 0, ok[1] ? mu_off(mr[1]) : 0};
+    float acc[4][4] = {};
+    for (int kk = 0; kk < d; kk += 16) {
+      uint32_t hi[4], lo[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {  // a[q]: row g (+8 for q odd), channels kk + 2t (+8 for q >= 2)
+        const float2 v = ok[q % 2] ? *reinterpret_cast<const float2*>(qmean + off[q % 2] + kk + 2 * t + 8 * (q / 2))
+                                   : make_float2(0.0f, 0.0f);
+        hi[q] = bf16x2_rn(v.x, v.y);
+        const float hx = to_float(bf16{uint16_t(hi[q] & 0xFFFFu)}), hy = to_float(bf16{uint16_t(hi[q] >> 16)});
+        lo[q] = bf16x2_rn(v.x - hx, v.y - hy);
+      }
+#pragma unroll
+      for (int nt = 0; nt < 4; ++nt) {  // keys warp * 32 + nt * 8 + g
+        const uint32_t* kr = keys + (warp * 32 + nt * 8 + g) * pitch + kk / 2 + t;
+        mma_16816<true>(acc[nt], hi, kr[0], kr[4]);
+        mma_16816<true>(acc[nt], lo, kr[0], kr[4]);
+      }
     }
+#pragma unroll
+    for (int nt = 0; nt < 4; ++nt)
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {  // c[q]: row g (+8 for q >= 2), key 2t + q % 2
+        const int64_t n = n0 + warp * 32 + nt * 8 + 2 * t + q % 2;
+        if (ok[q / 2]) ds[off[q / 2] / d * ldv + n] = n < Nk ? acc[nt][q] * scale : 0.0f;
+      }
   }
 }
 
@@ -210,6 +297,51 @@ __global__ void lse_shift_kernel(float* lse, const float* shift, int64_t n) {
 
 unsigned grid_for(int64_t n) { return unsigned(std::min<int64_t>((n + 255) / 256, 132 * 16)); }
 
+// Whether a view's rows can be read as vectors of E 16-bit elements.
+bool vector_rows(const TensorView& v, int E) {
+  if (dtype_size(v.dtype) != 2 || v.stride[3] != 1) return false;
+  const int64_t align = E * 2;
+  if (reinterpret_cast<uintptr_t>(v.data) % uintptr_t(align) != 0) return false;
+  for (int i = 0; i < 3; ++i)
+    if (v.stride[i] % E != 0) return false;
+  return true;
+}
+
+template <int E>
+void transform_d(const Problem& p, const Transformed& t, float scale, cudaStream_t stream) {
+  constexpr int d = 32 * E;
+  const Policy& pol = p.policy;
+  const int64_t chunks = (p.Nk + kTile - 1) / kTile, ldv = chunks * kTile;
+  with_typed(p.k, [&](auto* typed) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
+    k_rows_kernel<T, E><<<dim3(unsigned(chunks), unsigned(p.B * p.Hkv)), kRowThreads, 0, stream>>>(
+        p.k, vector_rows(p.k, E), pol.rotate, t.k, pol.smooth_k ? t.k_rot : nullptr, t.k_part);
+  });
+  check(cudaGetLastError(), "k_rows_kernel");
+  if (pol.smooth_k) {
+    kmean_kernel<<<unsigned(p.B * p.Hkv), 128, 0, stream>>>(t.k_part, int(chunks), d, p.Nk, t.kmean);
+    const unsigned blocks = unsigned(std::min<int64_t>((p.Nk + kWarps - 1) / kWarps, 1024));
+    k_center_kernel<E><<<dim3(blocks, unsigned(p.B * p.Hkv)), kRowThreads, 0, stream>>>(t.k_rot, t.kmean, p.Nk, t.k);
+    check(cudaGetLastError(), "k_center_kernel");
+  }
+  QArgs a{p.q, vector_rows(p.q, E), pol.rotate, pol.smooth_q, p.Hkv, p.Nk, p.q_pos0 - p.k_pos0, t.qtile0, scale, t.k,
+          t.lse_shift ? t.kmean : nullptr, t.sink_keys, t.q, t.qmean, t.lse_shift, t.sink, t.qtiles};
+  const size_t smem = pol.smooth_q ? size_t(128) * d * sizeof(float) : 0;
+  with_typed(p.q, [&](auto* typed) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
+    check(cudaFuncSetAttribute(q_rows_kernel<T, E>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), "q_rows smem");
+    q_rows_kernel<T, E><<<dim3(unsigned(t.qtiles), unsigned(p.Hq), unsigned(p.B)), kRowThreads, smem, stream>>>(a);
+  });
+  check(cudaGetLastError(), "q_rows_kernel");
+  if (pol.smooth_q) {
+    const size_t ksmem = size_t(128) * (d / 2 + 4) * sizeof(uint32_t);
+    check(cudaFuncSetAttribute(delta_s_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(ksmem)), "delta_s smem");
+    delta_s_kernel<<<dim3(unsigned(chunks), unsigned(p.B * p.Hkv)), 128, ksmem, stream>>>(
+        t.k, t.qmean, p.Hkv, int(p.group()), p.Nk, d, ldv, t.qtiles, t.qtile0, p.causal, scale, t.ds);
+    check(cudaGetLastError(), "delta_s_kernel");
+  }
+}
+
 }  // namespace
 
 void query_tiles(const Problem& p, int64_t& first, int64_t& count) {
@@ -219,40 +351,13 @@ void query_tiles(const Problem& p, int64_t& first, int64_t& count) {
 }
 
 void transform_qk(const Problem& p, const Transformed& t, float scale, cudaStream_t stream) {
-  const Policy& pol = p.policy;
-  const int d = int(p.d), E = d / 32;
-  if (d > 256 || d % 32 != 0) throw Error("transform_qk: head dims up to 256");
-  const int64_t chunks = (p.Nk + kTile - 1) / kTile, ldv = chunks * kTile;
-  with_typed(p.k, [&](auto* typed) {
-    using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
-    k_rows_kernel<T><<<dim3(unsigned(chunks), unsigned(p.B * p.Hkv)), 128, 0, stream>>>(
-        p.k, pol.rotate, t.k, pol.smooth_k ? t.k_rot : nullptr, t.k_part);
-  });
-  check(cudaGetLastError(), "k_rows_kernel");
-  if (pol.smooth_k) {
-    kmean_kernel<<<unsigned(p.B * p.Hkv), 128, 0, stream>>>(t.k_part, int(chunks), d, p.Nk, t.kmean);
-    const int64_t total = p.B * p.Hkv * p.Nk * d;
-    k_center_kernel<<<grid_for(total), 256, 0, stream>>>(t.k_rot, t.kmean, p.Nk * d, d, total, t.k);
-    check(cudaGetLastError(), "k_center_kernel");
+  switch (p.d) {
+    case 32: return transform_d<1>(p, t, scale, stream);
+    case 64: return transform_d<2>(p, t, scale, stream);
+    case 128: return transform_d<4>(p, t, scale, stream);
+    case 256: return transform_d<8>(p, t, scale, stream);
+    default: throw Error("the accuracy transforms on the GPU take head dims 32, 64, 128 and 256 (got " + std::to_string(p.d) + ")");
   }
-  QArgs a{p.q, pol.rotate, pol.smooth_q, p.Hkv, p.Nk, p.q_pos0 - p.k_pos0, t.qtile0, scale, t.k,
-          t.lse_shift ? t.kmean : nullptr, t.sink_keys, t.q, t.qmean, t.lse_shift, t.sink, t.qtiles};
-  const size_t smem = pol.smooth_q ? size_t(128) * d * sizeof(float) : 0;
-  with_typed(p.q, [&](auto* typed) {
-    using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
-    check(cudaFuncSetAttribute(q_rows_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), "q_rows smem");
-    q_rows_kernel<T><<<dim3(unsigned(t.qtiles), unsigned(p.Hq), unsigned(p.B)), 128, smem, stream>>>(a);
-  });
-  check(cudaGetLastError(), "q_rows_kernel");
-  if (pol.smooth_q) {
-    const size_t ksmem = size_t(128) * (d + 1) * sizeof(float);
-    check(cudaFuncSetAttribute(delta_s_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(ksmem)), "delta_s smem");
-    delta_s_kernel<<<dim3(unsigned(chunks), unsigned(p.B * p.Hkv)), 128, ksmem, stream>>>(
-        t.k, t.qmean, p.Hkv, p.group(), p.Nk, d, ldv, t.qtiles, t.qtile0, p.q_pos0 - p.k_pos0 + p.Nq - 1, p.causal,
-        scale, t.ds);
-    check(cudaGetLastError(), "delta_s_kernel");
-  }
-  (void)E;
 }
 
 void add_lse_shift(float* lse, const float* shift, int64_t n, cudaStream_t stream) {
