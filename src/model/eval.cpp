@@ -175,6 +175,7 @@ std::vector<EvalResult> evaluate(const Llama& model, const std::vector<int>& tok
     res[c].ppl = std::exp(nll / double(n));
     res[c].scored = n;
     res[c].seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    if (opts.on_result) opts.on_result(res[c]);
   }
   return res;
 }

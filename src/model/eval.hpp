@@ -49,6 +49,8 @@ struct EvalOptions {
   int threads = 0;
   // Called as work proceeds: (config index, window index, windows).
   std::function<void(size_t, int64_t, int64_t)> progress;
+  // Called with each config's result as soon as it is complete, in order (the exact config first).
+  std::function<void(const EvalResult&)> on_result;
 };
 
 std::vector<EvalResult> evaluate(const Llama& model, const std::vector<int>& tokens,

@@ -124,30 +124,39 @@ void add_eval(CLI::App& app) {
     };
     std::printf("dmattn eval: %s, %zu tokens of text, %lld windows of %d (second half scored), %zu configs\n",
                 a->model.c_str(), tokens.size(), (long long)windows, a->ctx, configs.size());
-    std::fflush(stdout);
-    const auto res = model::evaluate(llama, tokens, configs, o);
-    if (tty) std::fprintf(stderr, "\n");
-    const double base = res.front().ppl;
     std::printf("\n%-28s %10s %9s %16s %8s\n", "config", "ppl", "vs exact", "mean layer relL2", "time_s");
-    for (const auto& r : res) {
+    std::fflush(stdout);
+    // Rows are printed (and written to the CSV) as each config completes: a long run interrupted
+    // keeps what it finished.
+    std::ofstream csv;
+    if (!a->csv.empty()) {
+      csv.open(a->csv);
+      if (!csv) throw Error(a->csv + ": cannot write");
+    }
+    double base = 0;
+    bool header = false;
+    o.on_result = [&](const model::EvalResult& r) {
+      if (base == 0) base = r.ppl;  // the exact config comes first
       double mean = 0;
       for (double e : r.layer_rel_l2) mean += e / double(r.layer_rel_l2.size());
+      if (tty) std::fprintf(stderr, "\r%100s\r", "");
       std::printf("%-28s %10.4f %+8.3f%% %16.4e %8.1f\n", r.name.c_str(), r.ppl, 100 * (r.ppl / base - 1), mean, r.seconds);
-    }
+      std::fflush(stdout);
+      if (!csv.is_open()) return;
+      if (!header) {
+        csv << "config,ppl,ppl_vs_exact,scored_tokens,seconds";
+        for (size_t l = 0; l < r.layer_rel_l2.size(); ++l) csv << ",layer" << l << "_rel_l2";
+        csv << "\n";
+        header = true;
+      }
+      csv << r.name << "," << r.ppl << "," << r.ppl / base - 1 << "," << r.scored << "," << r.seconds;
+      for (double e : r.layer_rel_l2) csv << "," << e;
+      csv << "\n" << std::flush;
+    };
+    model::evaluate(llama, tokens, configs, o);
+    if (tty) std::fprintf(stderr, "\n");
     for (const auto& c : configs)
       if (c.name == "custom") std::printf("custom: %s\n", c.policy.describe().c_str());
-    if (!a->csv.empty()) {
-      std::ofstream f(a->csv);
-      if (!f) throw Error(a->csv + ": cannot write");
-      f << "config,ppl,ppl_vs_exact,scored_tokens,seconds";
-      for (size_t l = 0; l < res.front().layer_rel_l2.size(); ++l) f << ",layer" << l << "_rel_l2";
-      f << "\n";
-      for (const auto& r : res) {
-        f << r.name << "," << r.ppl << "," << r.ppl / base - 1 << "," << r.scored << "," << r.seconds;
-        for (double e : r.layer_rel_l2) f << "," << e;
-        f << "\n";
-      }
-    }
   });
 }
 
