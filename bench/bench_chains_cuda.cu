@@ -5,7 +5,7 @@
 // waited, online softmax (maxima, exp2, sums), P.V waited (o rescaled where a maximum rose), P_j
 // packed to bf16. Prints SM cycles per 128 x 128 tile pair of work (two 64-row warpgroups x 128
 // keys), to set against the tensor work of a pair at d = 128 (1,536 cycles: bench_wgmma_cuda) and the
-// prefill's period (2,650 at N = 16384 by ncu; bench/RESULTS.md, session 24 runs 1 and 3, has both).
+// prefill's period (2,650 at N = 16384 by ncu; bench/RESULTS.md, has both).
 // Usage: bench_chains_cuda [tiles]   (default 4096 tiles of 128 keys a warpgroup)
 #include <cuda_runtime.h>
 
@@ -135,7 +135,7 @@ int main(int argc, char** argv) {
   run<2, 64, false>(tiles, sb, sink);
   run<3, 64, true>(tiles, sb, sink);   // a third chain
   run<3, 64, false>(tiles, sb, sink);
-  run<2, 128, true, 64>(tiles, sb, sink);  // d = 64: the prefill's shape (turns at d = 128 only since session 23)
+  run<2, 128, true, 64>(tiles, sb, sink);  // d = 64: the prefill's shape (turns at d = 128 only)
   run<2, 128, false, 64>(tiles, sb, sink);
   run<3, 128, false, 64>(tiles, sb, sink);  // d = 64 fits a third chain without halves
   run<3, 64, false, 64>(tiles, sb, sink);

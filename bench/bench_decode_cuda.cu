@@ -1,4 +1,4 @@
-// Decode step over an MX KV cache on the GPU (issue 6's benchmark, dmattn side): B sequences of
+// Decode step over an MX KV cache on the GPU (the dmattn side of the decode comparison): B sequences of
 // `ctx` tokens, Hq=32, Hkv=8, d=128, one new query each, the default policy (the newest page in
 // MXFP8 E4M3, every other page MXFP4; V bf16). The pages are filled on the device with random
 // valid codes (the kernel's time does not depend on the values; building 64 x 128k tokens through

@@ -1,5 +1,5 @@
 """Decode step: dmattn over an MX KV cache vs PyTorch SDPA over a bf16 cache of the same length, same
-run (issue 6). B sequences x ctx tokens, Hq=32, Hkv=8, d=128, one new query per sequence.
+run. B sequences x ctx tokens, Hq=32, Hkv=8, d=128, one new query per sequence.
 
 SDPA: q [B,32,1,128], k/v [B,8,ctx,128] bf16, enable_gqa=True, each backend that accepts it (flash,
 efficient, cuDNN), CUDA events over 20 steps; bytes = K + V + q + out. dmattn: bench_decode_cuda

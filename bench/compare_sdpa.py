@@ -89,7 +89,7 @@ def mx_fake_quant(x, bits):
 
 
 # The dmattn rows' times: bench_prefill_cuda, one process a policy. In one process a policy timed after
-# another one could run up to 6% slower (pv=fp8 after the default: bench/RESULTS.md, session 24 run 6), and a
+# another one could run up to 6% slower (pv=fp8 after the default: bench/RESULTS.md), and a
 # model runs one policy throughout. Last, the default with check_finite = false (no read-back of the NaN/Inf
 # flags, stream-ordered as SDPA is). {policy name as printed: median ms}
 def prefill_times(N, d, iters):

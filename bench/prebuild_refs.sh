@@ -4,7 +4,7 @@
 # build-exp.tar.xz: about 3 MB a build, so one device call can carry many for an A/B run
 # (the working tree that travels is limited to 64 MiB; an unpacked build is ~17 MB).
 # usage: bash bench/prebuild_refs.sh NAME=REF[=CUDA_FLAGS] ...
-#   e.g. base=main imma=wip-decode-imma poly8=wip-exp2-poly=-DDMATTN_EXP2_POLY_EVERY=8
+#   e.g. base=main variant=my-branch poly8=my-branch=-DDMATTN_EXP2_POLY_EVERY=8
 # On the device (carry build-exp.tar.xz; python3 -m tarfile -e unpacks it where tar lacks xz): tar -xJf build-exp.tar.xz && AB="build-exp/base build-exp/imma" bash bench/device.sh
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,8 +20,8 @@ for spec in "$@"; do
   cmake -S "$wt" -B "$wt/build-sm90" -G Ninja -DDMATTN_CUDA=ON -DCMAKE_CUDA_ARCHITECTURES=90a -DDMATTN_PYTHON=OFF \
     -DCMAKE_CUDA_FLAGS="${flags:-}" -DDMATTN_DEPS="$root/.deps" >/dev/null
   benches="prefill decode quantize"
-  [ -f "$wt/bench/bench_wgmma_cuda.cu" ] && benches="$benches wgmma"  # refs from session 22 on
-  [ -f "$wt/bench/bench_chains_cuda.cu" ] && benches="$benches chains"  # refs from session 24 on
+  [ -f "$wt/bench/bench_wgmma_cuda.cu" ] && benches="$benches wgmma"  # (older refs lack it)
+  [ -f "$wt/bench/bench_chains_cuda.cu" ] && benches="$benches chains"  # (older refs lack it)
   # shellcheck disable=SC2046  # one target a bench
   cmake --build "$wt/build-sm90" --target $(printf 'bench_%s_cuda ' $benches) dmattn_gpu_tests \
     >"$wt.log" 2>&1 || { tail -30 "$wt.log"; echo "$name ($ref) does not build" >&2; exit 1; }

@@ -3,9 +3,8 @@
 sm_90a (no GPU needed) and prints, for each prefill_kernel instance, its main loop's sequence of wgmma
 issues, waits (WARPGROUP.DEPBAR), barriers and runs of MUFU (the softmax's exponentials).
 
-A wait names no registers, so ptxas's scheduler may move it within its basic block: session 22 found the
-default kernel's wait for P.V hoisted above the softmax it was meant to overlap (bench/RESULTS.md, session
-22 run 5). Run this after any change to the loop.
+A wait names no registers, so ptxas's scheduler may move it within its basic block: it has been seen to
+hoist the default kernel's wait for P.V above the softmax it was meant to overlap (bench/RESULTS.md). Run this after any change to the loop.
 
 Usage: python3 bench/sass_waits.py [instance-substring ...]   (default: the d=128 bf16-out instances)
 Needs nvcc and cuobjdump (the CUDA toolkit's, or pip's nvidia-cuda-cuobjdump: set CUOBJDUMP=path).

@@ -3,7 +3,7 @@
 # PLAIN seconds in 4 processes, then under racecheck for RACE seconds in 8, then replays up to 4
 # failing seeds without a sanitizer (and the first racecheck one under it). Usage, on the device
 # with the test binary built (or carried): bash bench/seed_hunt.sh GpuPrefill.SomeTest
-# Session 9 (bench/RESULTS.md): PLAIN=25 RACE=90 bash bench/seed_hunt.sh GpuPrefill.MatchesCpuOracleWhereScalesDoNotFold
+# For example (bench/RESULTS.md): PLAIN=25 RACE=90 bash bench/seed_hunt.sh GpuPrefill.MatchesCpuOracleWhereScalesDoNotFold
 T=${T:-build-sm90/tests/dmattn_gpu_tests}; F=--gtest_filter=${1:?gtest filter}
 rm -rf /tmp/r; mkdir -p /tmp/r; nvidia-smi --query-gpu=name --format=csv,noheader
 loop() {  # tag seconds [tool]

@@ -38,7 +38,7 @@ Problem validate(const TensorView& q, const TensorView& k, const TensorView& v, 
 
 namespace cpu {
 void exact_attention(const Problem& p);  // fp64 reference
-void dma_attention(const Problem& p);    // DMA, DESIGN §3
+void dma_attention(const Problem& p);    // DMA, docs/DESIGN.md
 }  // namespace cpu
 
 namespace cuda {

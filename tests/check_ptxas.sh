@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Compiles the hot CUDA kernels for sm_90a (no GPU needed) and fails when ptxas reports what would
 # silently cost speed: register spills in a kernel, or wgmma instructions it serialises (C7511, C7514, C7515,
-# C7520: each wgmma waits for the previous one — a 2x trap seen in session 7). Prints the figures.
+# C7520: each wgmma waits for the previous one — a 2x slowdown once seen). Prints the figures.
 # usage: check_ptxas.sh NVCC SOURCE_DIR
 set -uo pipefail
 nvcc=$1 src=$2

@@ -235,7 +235,7 @@ TEST(Decode, RejectsWhatItCannotDo) {
 // Token-by-token generation over the real model's layer-20 activations (SmolLM2, 512 tokens): with
 // pv = bf16 every step's decode equals that row of the full prefill, so decode quality is exactly the
 // prefill tables' (bench/RESULTS.md). With pv = mxfp8 it cannot: full prefill quantizes each 32-key V
-// block with the keys after the row (DESIGN's pv = mxfp8 leak), generation only with those it has;
+// block with the keys after the row (the pv = mxfp8 leak of docs/DESIGN.md), generation only with those it has;
 // the test measures that gap (each step still equals prefill over the same Nk: EqualsPrefillLastRows).
 TEST(Decode, TokenByTokenEqualsPrefillOnRealActivations) {
   const std::string base = std::string(DMATTN_SOURCE_DIR) + "/tests/data/layer20_";
@@ -268,8 +268,8 @@ TEST(Decode, TokenByTokenEqualsPrefillOnRealActivations) {
 }
 
 // The GPU decode's instance and splits (plain C++): three CTAs an SM where the grid then fills the GPU
-// in one wave (B=16 x Hkv=8 at 32k, session 10's win), two where three would cost a wave more than
-// the SM rate gives back (B=64 at 8k, B=1 at 32k, where session 10's fixed three ran slower), and
+// in one wave (B=16 x Hkv=8 at 32k, where three measured faster), two where three would cost a wave more than
+// the SM rate gives back (B=64 at 8k, B=1 at 32k, where a fixed three ran slower), and
 // two wherever three do not fit; a forced instance is capped at what fits.
 TEST(Decode, PlanWeighsCtasAnSmAgainstWaves) {
   using dmattn::cuda::decode_plan;
@@ -291,7 +291,7 @@ TEST(Decode, PlanWeighsCtasAnSmAgainstWaves) {
   EXPECT_EQ(decode_plan(128, 256, sms, 4, 0, 4).ctas_per_sm, 4);  // four forced where they fit
   EXPECT_EQ(decode_plan(128, 256, sms, 4, 0, 4).splits, 4);       // 512 CTAs on 528 slots
   EXPECT_EQ(decode_plan(128, 256, sms, 3, 0, 4).ctas_per_sm, 3);  // ... and capped where they do not
-  // V in MXFP4 fits four (session 15 run 11: B=16 32k 298 against 303 us at three; B=64 8k 299 against
+  // V in MXFP4 fits four (measured: B=16 32k 298 against 303 us at three; B=64 8k 299 against
   // 341 at two; B=1 32k 53.8 against 48.1 at two).
   EXPECT_EQ(decode_plan(128, 256, sms, 4).ctas_per_sm, 4);
   EXPECT_EQ(decode_plan(128, 256, sms, 4).splits, 4);

@@ -1,6 +1,6 @@
 // attention(): the one entry point. Validates, then dispatches to a backend by where tensors live.
 //
-// Semantics (DESIGN §3, made precise here so that every backend computes the same numbers):
+// Semantics (docs/DESIGN.md, made precise here so that every backend computes the same numbers):
 //  - Q [B,Hq,Nq,d], K and V [B,Hkv,Nk,d], Hq a multiple of Hkv (query head h reads KV head
 //    h / (Hq/Hkv)); out [B,Hq,Nq,d]; optional lse [B,Hq,Nq] fp32 (natural log of the sum of
 //    exp(scaled scores)).

@@ -3,7 +3,7 @@
 // Storage: pages of 128 tokens (one key tile) x all KV heads. K lives in the page's format: the
 // policy's high format for the most recent `diag_tiles` pages and the first `sink_tiles` pages,
 // the low format otherwise; V in bf16 (pv = bf16) or MX in 32-key blocks per channel, MXFP8 E4M3
-// (pv = mxfp8) or MXFP4 (pv = mxfp4, an experiment beyond DESIGN; CPU decode only); the open block
+// (pv = mxfp8) or MXFP4 (pv = mxfp4); the open block
 // at the end is re-quantized from its retained originals on every append, zero-padded as prefill
 // pads past Nk, so its codes are prefill's. A page that leaves the recent window is
 // re-encoded to the low format from the original K values, which the cache retains (as fp32) only
@@ -11,14 +11,14 @@
 // path computes for that tile from the same inputs (re-encoding from the high format's values
 // instead would round twice; the test measures that difference).
 //
-// Decode semantics (DESIGN §3 with the decode alignment): Nq new queries of a sequence of length L
+// Decode semantics (docs/DESIGN.md with the decode alignment): Nq new queries of a sequence of length L
 // sit at positions L-Nq..L-1 (causal, bottom-right); key page j runs in the format it is stored in,
 // i.e. the policy of the query tile of position L-1. For queries that all lie in that tile this is
 // exactly the prefill definition, and decode equals the prefill path's last Nq rows. Queries that
 // straddle a 128-position boundary (Nq > 1 only) use the newest tile's policy for all rows.
 // Split-KV: each split runs its pages in ascending order (online softmax), partial results merge
 // by LSE; one split reproduces prefill bit for bit, more splits round P relative to each split's
-// own maximum (rel. L2 ~1e-3 against one split, see DESIGN findings).
+// own maximum (rel. L2 ~1e-3 against one split).
 #pragma once
 #include <cstdint>
 #include <memory>

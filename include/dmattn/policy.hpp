@@ -7,10 +7,10 @@
 
 namespace dmattn {
 
-// P.V precision (DESIGN §3): bf16 (P rounded to bf16, V in bf16), mxfp8 (P and V in MXFP8 E4M3,
-// 32-blocks along the key dimension) and mxfp4, an experiment beyond DESIGN (P in MXFP8 E4M3, V in
+// P.V precision (docs/DESIGN.md): bf16 (P rounded to bf16, V in bf16), mxfp8 (P and V in MXFP8 E4M3,
+// 32-blocks along the key dimension) and mxfp4 (P in MXFP8 E4M3, V in
 // MXFP4, the same blocks): the V bytes a 4-bit decode would read, to measure its quality cost first.
-// fp8 (beyond DESIGN, prefill only): the form Hopper's FP8 wgmma takes without per-block promotion.
+// fp8 (prefill only): the form Hopper's FP8 wgmma takes without per-block promotion.
 // P in E4M3 at one fixed scale 2^-8 (P <= 1; the MX scale of any block holding the row's maximum),
 // V in E4M3 with one power-of-two scale per channel over all Nk keys of a (batch, KV head) (the MX
 // scale rule applied to the channel's amax). So a masked V value can change the rounding of visible

@@ -7,7 +7,7 @@
 // NCCL transport is not built yet). Exactness: each rank runs a key shard's tiles in ascending
 // order, but a row's shards arrive in ring order and merge by LSE, so P is rounded to bf16 against
 // each partial maximum rather than the running one: outputs agree with single-device attention to
-// bf16-P rounding (~1e-3 rel. L2), LSE to fp32 rounding (DESIGN findings).
+// bf16-P rounding (~1e-3 rel. L2), LSE to fp32 rounding.
 #pragma once
 #include <cstdint>
 #include <vector>

@@ -174,7 +174,7 @@ NB_MODULE(_dmattn, m) {
   m.doc() = "dmattn's compiled core (use the `dmattn` package, not this module directly).";
   nb::exception<Error>(m, "DmattnError", PyExc_ValueError);
 
-  nb::class_<Policy>(m, "Policy", "Which 128x128 tiles run in the high and the low format (DESIGN §3).")
+  nb::class_<Policy>(m, "Policy", "Which 128x128 tiles run in the high and the low format (docs/DESIGN.md).")
       .def(
           "__init__",
           [](Policy* self, const std::string& high, const std::string& low, int diag_tiles, int sink_tiles,

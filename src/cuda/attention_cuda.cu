@@ -308,10 +308,10 @@ void dma_attention(const Problem& p) {
   // The pre-pass's three independent jobs run concurrently: Q (the largest) on the caller's stream, K
   // and its tile fold on one side stream, V (the shortest) on the other; the prefill waits for all three.
   // Enqueued longest first: each launch takes the host ~4 us, and the device starts each job as it
-  // arrives (session 21: 38 us of host time from the call's start to the prefill's launch at N = 4096,
+  // arrives (measured: 38 us of host time from the call's start to the prefill's launch at N = 4096,
   // where the pre-pass takes ~30 us on the device). The quantize pass reads every element
   // of Q and K once and flags NaN/Inf on the way. (Q quantized inside the prefill kernel instead was
-  // 5-12% slower at N = 16384: bench/RESULTS.md, session 8.)
+  // 5-12% slower at N = 16384: bench/RESULTS.md.)
   StreamFork fork(stream);
   if (n_mx > 0) quantize_rows(q_in, p.policy.scale_rule, qt[mx[0]], n_mx == 2 ? qt[mx[1]] : QuantTarget{}, stream, flags);
   for (int s = 0; s < nslots; ++s)
@@ -327,7 +327,7 @@ void dma_attention(const Problem& p) {
   fork.join();
   // The flags are final once the pre-pass is: their read-back goes behind it, and the prefill kernel is
   // enqueued before the host waits for them, so the wait overlaps the kernel (the caller's next launches
-  // then overlap it too) instead of following it (session 16: 0.374 against 0.331 ms unchecked at N=4096).
+  // then overlap it too) instead of following it (measured: 0.374 against 0.331 ms unchecked at N=4096).
   std::optional<FlagReadback> readback;
   if (p.check_finite) readback.emplace(flags, 3, stream);
   pp.nslots = nslots;

@@ -135,7 +135,7 @@ struct Buffers {
 // Sub-buffers of one allocation, laid out by running the same code twice: over base 0 to measure
 // (size()), then over the allocation's address to hand out the pointers. One pool allocation a call
 // instead of one a buffer: each cudaMallocFromPoolAsync took 1-2 us of host time ahead of the call's
-// first launch (bench/RESULTS.md, session 21).
+// first launch (bench/RESULTS.md).
 class Carve {
  public:
   explicit Carve(uintptr_t base) : base_(base) {}

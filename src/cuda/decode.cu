@@ -367,7 +367,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
   for (int i = 0; i < kStages - 1; ++i) issue(j0 + i, i);
 
   // Each row's element offset in q, computed once by lane r (32-bit divisions by Nq per element took
-  // most of the prologue's ~16K instructions a CTA, session 17 ncu), then read with shuffles.
+  // most of the prologue's ~16K instructions a CTA, ncu), then read with shuffles.
   int64_t row_off = 0;
   if (lane < rows) {
     const int rr = r0 + lane;  // the row within the KV head's G x Nq
@@ -376,9 +376,9 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
   // q's values for the prologue's quantization (below): a warp per (row, 32-block) of the real rows (4
   // of 8 at G = 4, Nq = 1), a lane per element. Every load is issued before any arithmetic, as raw bits
   // (a conversion next to its load would wait for it): one dependent load an iteration serialised the
-  // DRAM latency (29% of the kernel's stall samples at B = 1, 8k; session 18). After the first page
+  // DRAM latency (29% of the kernel's stall samples at B = 1, 8k). After the first page
   // copies' issue: issued ahead of the page table's loads, they delayed the copies of a cold step
-  // (session 18 run 7, ncu).
+  // (ncu).
   constexpr int kJobs = (kRows * NB + kWarps - 1) / kWarps;
   const bool q32 = p.qdt == DType::f32;
   uint32_t qraw[kJobs];  // f32 bits, or a 16-bit value's in the low half
@@ -709,8 +709,8 @@ __global__ void merge_splits(const float* part, int64_t rows, int splits, int d,
   if (lse && c == 0) lse[row] = M * scale + logf(lsum);  // M in raw score units
 }
 
-// kCtas CTAs an SM (Smem sizes the stages for it): run 19 measured the earlier block-synchronous
-// kernel faster at two CTAs than at one CTA with twice the stages, session 10 three faster than two
+// kCtas CTAs an SM (Smem sizes the stages for it): a block-synchronous kernel measured faster at two
+// CTAs than at one CTA with twice the stages, and three faster than two
 // for MXFP4 V where the grid fills the GPU (bench/RESULTS.md).
 template <int D, int kVB, int kNR, int kCtas>
 void launch(const Params& p, dim3 grid, cudaStream_t stream) {

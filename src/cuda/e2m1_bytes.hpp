@@ -55,7 +55,7 @@ DMATTN_HD uint32_t e2m1x4_neg_x2(uint32_t flipped) { return e2m1x4_pos_x2(flippe
 // half, output j's magnitude sits mag_shift(j) below bits 11..9 and its sign sign_shift(j) below bit
 // 15 (offsets chosen so the four outputs' bits tile the half; no choice gives every output a single
 // shift). Output j's low half is code 2j, its high half code 2j + 1. 6 logic ops and 5 shifts for 8
-// codes, where widening to E4M3 bytes (e2m1x4_to_e4m3x4) and then to f16 took 14 (session 16).
+// codes, where widening to E4M3 bytes (e2m1x4_to_e4m3x4) and then to f16 took 14.
 DMATTN_HD constexpr int mag_shift(int j) { return 3 * j; }                // 0 3 6 9
 DMATTN_HD constexpr int sign_shift(int j) { return j < 2 ? 3 * j : j - 1; }  // 0 3 1 2
 inline constexpr uint32_t kF16Mag = 0x0E000E00u, kF16Sign = 0x80008000u;

@@ -2,7 +2,7 @@
 // contiguous record that is, byte for byte, what the decode kernel's shared-memory stage for that
 // block holds. One bulk copy (TMA, cp.async.bulk) then brings a warp its part of a page, issued by one
 // lane: the per-lane cp.async path it replaces took ~150 instructions a warp and page (64-bit
-// addresses, swizzle arithmetic, ten copies a lane; session 16 SASS) in a kernel bound by issued
+// addresses, swizzle arithmetic, ten copies a lane; SASS) in a kernel bound by issued
 // instructions. Host and device: the mirror (kv_mirror.cu) packs records with these functions, the
 // kernel (decode.cu) reads them with the same ones, and the CPU tests check their properties.
 //

@@ -10,7 +10,7 @@
 // see the wait after the softmax). Each consumer warpgroup loads its own Q rows (both formats, from the quantize
 // pass) while the first copies are in flight. Heavy (late) causal tiles are scheduled first.
 //
-// S = Q.K^T per tile with MX scaling (DESIGN §3, §5). Where every row of the warpgroup's Q and every
+// S = Q.K^T per tile with MX scaling (docs/DESIGN.md). Where every row of the warpgroup's Q and every
 // key of the tile carries one scale for all of d (block scales are folded into the FP8 codes where
 // that is exact, for Q here and for K by the quantize pass), all of d runs as one wgmma chain and
 // the row x key scales multiply S once; otherwise one wgmma per 32-wide block, promoted with the
@@ -49,7 +49,7 @@ constexpr float kLog2e = 1.4426950408889634f;
 // [128 B]; every Q slot and K tile gets that room. Where 3 stages do not fit (d = 128, bf16 V), K and
 // V go in rings of 2 stages each (kSplit), with barriers of their own: a tile's K is released once its
 // S has retired, its V once its P.V has, so each copy starts as soon as its own buffer frees. One ring of
-// 2 stages cost the MX kernel 27% at N = 16384 (bench/RESULTS.md, session 21).
+// 2 stages cost the MX kernel 27% at N = 16384 (bench/RESULTS.md).
 template <int D, bool kF8V, bool kNv = false, bool kFix = false>
 struct Smem {
   static constexpr int kNb = D / 32;
@@ -93,7 +93,7 @@ __device__ __forceinline__ void scale_by_keys(float (&s)[BN / 2], const float* s
   }
 }
 
-// S for this warpgroup's 64 rows x the tile's 128 keys (DESIGN §5):
+// S for this warpgroup's 64 rows x the tile's 128 keys (docs/DESIGN.md):
 //  - folded tile: all of d as one wgmma chain (issued and committed here, awaited by the caller),
 //    then the key scales (scale_by_keys) and the row scales (in the softmax) once;
 //  - otherwise one wgmma per (64-key half, 32-wide block) into a fresh accumulator, promoted with
@@ -212,7 +212,7 @@ __device__ __forceinline__ void store_pair(fp16* dst, float lo, float hi) { *rei
 // scale 0. Each warpgroup loads its own rows, so warpgroup 1's run under warpgroup 0's first tile.
 // kNv: slot by slot, an NVFP4 slot's rows as bf16 (2D bytes) in 128-byte atoms, with Q's tensor scale
 // (per b, h) as the row's one scale. (The MX instances keep their own loop, both slots' loads issued
-// before any store: the general one would change their SASS, which session 20 kept as measured.)
+// before any store: the general one would change their SASS, which was measured as it stands.)
 template <int D, bool kF8V, bool kNv>
 __device__ __forceinline__ void load_q(const PrefillParams& p, int b, int h, int64_t pos0, int64_t off, int wgi,
                                        uint8_t* sQ, float* sQs, int (*q_folded)[2]) {
@@ -384,9 +384,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   // 0's first tile) and skips its last hand-over, so both barriers see as many arrivals as waits.
   // At d = 64 the turns cost more than they order: a tile's tensor work is half of d = 128's, so
   // the two softmaxes, not the tensor cores, bound the period and run faster side by side
-  // (bench/RESULTS.md, session 23 run 2: -9.1% at N = 16384, -10.8% at 65536 for bf16 P.V, -2 to -4%
+  // (bench/RESULTS.md: -9.1% at N = 16384, -10.8% at 65536 for bf16 P.V, -2 to -4%
   // for pv = fp8 and NVFP4). At d = 128 dropping them measured -0.5 to +1.5% (bf16 P.V) and up to +3.7%
-  // (pv = fp8): run 3.
+  // (pv = fp8).
   constexpr bool kTurns = D == 128;
   const int me = 1 + wgi, other = 2 - wgi;
   if (kTurns && wgi == 1 && tiles > 0) wg::bar_arrive(1, kConsumers);
@@ -407,7 +407,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   for (int r = 0; r < 2; ++r)
     kmax[r] = !valid[r] ? -1 : p.causal ? int(min(int64_t(p.Nk) - 1, pos[r])) : p.Nk - 1;
   // Opaque to ptxas, so it keeps the two ints instead of recomputing them from 64-bit positions in
-  // every tile (~20 instructions a tile, session 10 SASS).
+  // every tile (~20 instructions a tile, SASS).
   asm volatile("" : "+r"(kmax[0]), "+r"(kmax[1]));
 
   float o[D / 2];
@@ -425,7 +425,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   // its commit is never empty. A commit of a group that may be empty (the P.V under `if (j > 0)`) made
   // ptxas append a dummy wgmma to it every tile, and wait<1> then retired P.V together with S_j, so
   // the softmax never ran under P.V; committing inside the `if` made ptxas serialise every wgmma
-  // (session 10, SASS).
+  // (SASS).
   uint32_t a[kF8V ? BN / 32 : BN / 16][4];
 #pragma unroll
   for (int kc = 0; kc < (kF8V ? BN / 32 : BN / 16); ++kc) a[kc][0] = a[kc][1] = a[kc][2] = a[kc][3] = 0u;
@@ -592,7 +592,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       // in the softmax's block it hoists the wait above the exponentials (the P.V retires first); in a
       // block after a branch of its own it stays after them. The MX instances measured 2% faster the
       // first way (d = 64 and 128), the split-ring one (NVFP4, d = 128) 3.4% faster the second
-      // (bench/RESULTS.md, session 22 run 5).
+      // (bench/RESULTS.md).
       auto rescale_o = [&] {
 #pragma unroll
         for (int i = 0; i < D / 2; ++i) o[i] *= alpha[(i / 2) % 2];
@@ -627,7 +627,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
 
   // pv = fp8: V's scales for this thread's D/4 columns (acc_col), all loaded before any store: read
   // next to the stores, which may alias them, each load's latency stalled its store (8% of the
-  // kernel's samples at N = 8192, ncu, session 11).
+  // kernel's samples at N = 8192, ncu).
   float vs[kF8V ? D / 4 : 1];
   if constexpr (kF8V) {
     const float* vsrc = p.vscale + (int64_t(b) * p.Hkv + hk) * D;

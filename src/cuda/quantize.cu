@@ -52,7 +52,7 @@ struct Lanes {
 // (FixedForm: the plain codes, and the prefill pre-pass's two forms, FP8 bytes folded, K's with row
 // scales), with the row's lane count: the encoder then runs without branches on the flags and its
 // shuffle loops unroll. kUnits: the lane-units a thread takes (quantize_rows_kernel). Four for the
-// plain forms (session 18: the pair at 88% of copy against 86% with two); two where the encoder holds
+// plain forms (measured: the pair at 88% of copy against 86% with two); two where the encoder holds
 // more (the run-time form spills with four; the pre-pass's K form ran 4% slower with four).
 struct RuntimeForm {
   static constexpr bool kFixed = false, kBytes = false, kRows = false;
@@ -283,7 +283,7 @@ struct Folds {
 
 // One CTA per (b*h, tile, K form), a thread per key; the tile's decision is the AND of its keys' exactness.
 // The forms come as a __grid_constant__ parameter: indexed by blockIdx.z, a plain by-value parameter was
-// copied to local memory in every thread (session 19, SASS).
+// copied to local memory in every thread (SASS).
 template <int D, bool kE5M2>
 __global__ void __launch_bounds__(kTile) fold_key_tiles_kernel(const __grid_constant__ Folds folds, int64_t N,
                                                                   int64_t row_pad) {
@@ -297,8 +297,7 @@ __global__ void __launch_bounds__(kTile) fold_key_tiles_kernel(const __grid_cons
   const int64_t bh = blockIdx.y, tile = blockIdx.x, tiles = row_pad / kTile;
   const int64_t key = tile * kTile + threadIdx.x, slot = bh * row_pad + key;  // slot: index into row_scale
   // Every global load first (the tile's split flag, the key's row scale and codes), so the thread waits
-  // one DRAM latency: the chain flag -> scale -> reduction -> codes waited three (11-13 us at N = 4096,
-  // session 19 run 1). A split tile's codes are then read for nothing (rare: MXFP4 keys fold whenever
+  // one DRAM latency: the chain flag -> scale -> reduction -> codes waited three (11-13 us at N = 4096). A split tile's codes are then read for nothing (rare: MXFP4 keys fold whenever
   // their scales span at most 2^8).
   const int split = fk.tile_split[bh * tiles + tile];
   // Row scales are powers of two (or 0 past N): their bits order like their values.

@@ -20,7 +20,7 @@ struct QuantTarget {
   // values shifted by 2^(its scale - the row's largest), the FP8 bytes holding them exactly) and
   // give every block of the row the largest scale. The values code x scale are unchanged; a row
   // whose scales all agree lets the kernel run all of d as one MMA chain with one scale per row
-  // (DESIGN §5). Rows where a shifted value would round keep their own scales.
+  // (docs/DESIGN.md). Rows where a shifted value would round keep their own scales.
   bool fold = false;
   // Optional, for the prefill kernel: per row, the row's one scale as a float when all its blocks
   // share it (else -1), in [B*H][row_pad] (row_pad a multiple of 128, zeros past N are the
@@ -51,7 +51,7 @@ inline Elem mma_elem(Format f) { return f == Format::mxfp8_e5m2 ? Elem::e5m2 : E
 void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first, const QuantTarget& second,
                    cudaStream_t stream, int* nonfinite = nullptr);
 
-// NVFP4 in the prefill's tensor-core form (DESIGN §2): per (b, h) slice one fp32 tensor scale from the
+// NVFP4 in the prefill's tensor-core form (docs/DESIGN.md): per (b, h) slice one fp32 tensor scale from the
 // slice's amax (nvfp4_tensor_scale), per 16-block an E4M3 scale, each element's E2M1 value times its
 // block's scale as bf16 (at most 6 significant bits: exact), from the CPU codec's own encoder (the
 // same header). Two launches: the slices' amax, then the blocks (one thread a block). values: [rows, d]

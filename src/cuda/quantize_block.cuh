@@ -1,6 +1,6 @@
 // The MX block encoder of the GPU quantize pass (quantize.cu): bit-identical to the CPU codec
-// (dmattn/mx_codec.hpp), checked by GpuQuantize. (The prefill kernel used it for an in-kernel Q in
-// session 7; that was slower than the pass and was removed, bench/RESULTS.md session 8.)
+// (dmattn/mx_codec.hpp), checked by GpuQuantize. (Quantizing Q inside the prefill kernel with it
+// measured slower than this separate pass: bench/RESULTS.md.)
 #pragma once
 #include <type_traits>
 
@@ -17,7 +17,7 @@ constexpr int kPerLane = 8;
 // A lane's eight codes, packed: E2M1 nibbles in x (low nibble first) unless as FP8 bytes; else
 // eight bytes, element 0 in the low byte of x. Packed words let the conversions run two (FP8) or
 // four (E2M1 -> E4M3 bytes) elements an instruction, and keep branches out of the element loop: the
-// per-element encoder with a branch per element cost ~50 instructions an element (session 9 SASS).
+// per-element encoder with a branch per element cost ~50 instructions an element (SASS).
 
 // Four FP8 bytes shifted by 2^k (k <= 0), and whether every shifted value stays exact. Every FP8
 // value is an f16 value (E5M2 shares f16's exponent range), so each product is exact in f16 whenever

@@ -26,7 +26,7 @@ inline int decode_auto_splits(int64_t ctas, int max_pages, int slots) {
 // How many CTAs an SM a decode instance runs (two; three or four where the instance fits them: fewer
 // stages each, see decode.cu's max_ctas) and its splits. More CTAs move more bytes an SM when the SM is
 // full, but a CTA then streams its pages at 1/c of the SM: the time of a plan is
-// waves x (pages per split + 1) x c / that SM's rate at c. Measured (session 15 run 11, V in MXFP4,
+// waves x (pages per split + 1) x c / that SM's rate at c. Measured (measured: V in MXFP4,
 // forced instances, us): B=16 32k 323 / 303 / 298 at two / three / four; B=64 8k 341 / 361 / 299;
 // B=64 32k 1221 / 1128 / 1105; B=1 32k 48.1 / 50.6 / 53.8 (V in MXFP8: B=16 32k 303 / 284, B=64 8k
 // 319 / 340). Four CTAs only where the CTA groups alone fill half the SMs: at B=1 the model put four 2%

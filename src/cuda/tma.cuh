@@ -38,7 +38,7 @@ __device__ __forceinline__ void arrive_expect(uint64_t* bar, uint32_t bytes) {
 // Blocks until the barrier's phase of the given parity has completed. The suspend-time hint lets the
 // hardware park the warp until the phase completes (or ~10 ms pass) instead of returning at once: a
 // bare try_wait loop spun 270 times a tile in the producer (137 M instructions at N = 16384, 9% of
-// the kernel's, all on one scheduler of each SM; session 10 ncu).
+// the kernel's, all on one scheduler of each SM; ncu).
 __device__ __forceinline__ void wait(uint64_t* bar, uint32_t parity) {
   uint32_t done = 0;
   do {

@@ -30,7 +30,7 @@ __device__ __forceinline__ uint32_t swizzled(uint32_t row, uint32_t byte) {
 // offset (a multiple of 16: along K inside the swizzle atom, which the hardware resolves through the
 // same XOR, or whole 8-row groups) adds to the address field only, and shared memory is < 256 KB, so
 // that 14-bit field never carries: a descriptor built once before the loop costs each wgmma one add
-// (rebuilt per wgmma it cost five uniform instructions, ~12% of a tile's instructions: ncu, session 8).
+// (rebuilt per wgmma it cost five uniform instructions, ~12% of a tile's instructions: ncu).
 struct Desc {
   uint32_t lo, hi;
   __device__ __forceinline__ Desc operator+(uint32_t bytes) const { return {lo + (bytes >> 4), hi}; }

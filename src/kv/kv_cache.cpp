@@ -74,7 +74,7 @@ size_t KVCache::bytes(int id) const {
   return n + seq(id).v_tail.size() * sizeof(float);
 }
 
-// The decode alignment of DESIGN §3: page j is high while it is one of the diag_tiles pages ending at
+// The decode alignment of docs/DESIGN.md: page j is high while it is one of the diag_tiles pages ending at
 // the newest one, or a sink.
 bool KVCache::high_block(int64_t block, int64_t last_block) const {
   return last_block - block < policy_.diag_tiles || block < policy_.sink_tiles;

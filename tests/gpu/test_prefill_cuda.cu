@@ -71,10 +71,9 @@ Pair run_pair(const Case& c, const QKV& x) {
 
 // Tolerance against the oracle. Hopper's FP8 wgmma keeps only about 13 bits of a sum
 // (GpuMma.WgmmaFp8DotPrecision: E4M3 blocks and folded E2M1 chains off by up to ~3e-4 of sum|p|), so
-// the kernel agrees with the oracle to ~1e-3 rel. L2, not DESIGN's 1e-5 (bench/RESULTS.md has the
+// the kernel agrees with the oracle to ~1e-3 rel. L2, not the 1e-5 fp32 arithmetic would give (bench/RESULTS.md has the
 // measured values). pv = fp8 rounds P to E4M3 (steps of 2^-3 relative): a score that moves by that
-// much flips a P code by a whole step, ~5x more than bf16's, so its bound is 1e-2 (measured <= 3.8e-3,
-// session 11); where the scores are exact sums (all-MXFP4: E2M1 products) the P.V alone agrees to
+// much flips a P code by a whole step, ~5x more than bf16's, so its bound is 1e-2 (measured <= 3.8e-3); where the scores are exact sums (all-MXFP4: E2M1 products) the P.V alone agrees to
 // ~1e-4 and kPvFp8ExactScores holds it to 1e-3.
 constexpr double kTol = 2e-3, kPvFp8Tol = 1e-2, kPvFp8ExactScores = 1e-3;
 
@@ -219,8 +218,8 @@ TEST(GpuPrefill, PositionOffsetsMatchCpuOracle) {
 // NVFP4 the scores agree with the oracle's to a few ulps (fp32 sums in another order, the tensor
 // scales' roundings moved) and the outputs to kExact; mixed with MX tiles, to those tiles' bound. Q scaled per head (2^4 apart) and K per key
 // (2^6) make the tensor and block scales differ, and the softmax peaked: there an ulp can flip one bf16
-// rounding of P, which moves that row by up to 2^-9 (H200, session 20: one row at 2.2e-3; rel. L2 over
-// a case 1.1e-6 … 7.7e-5 on five seeds), hence 3e-4 rather than DESIGN's 1e-5 (still 7x below kTol).
+// rounding of P, which moves that row by up to 2^-9 (H200: one row at 2.2e-3; rel. L2 over
+// a case 1.1e-6 … 7.7e-5 on five seeds), hence 3e-4 rather than 1e-5 (still 7x below kTol).
 // NVFP4 cases: heads and keys of different magnitudes (so the tensor and block scales both matter),
 // fresh inputs in each of f32, f16, bf16 by turn.
 constexpr double kNvExact = 3e-4;  // all-NVFP4: same codes, but an ulp of S can flip P's bf16 rounding
@@ -330,7 +329,7 @@ TEST(GpuPrefill, MatchesCpuOracleWhereScalesDoNotFold) {
 // (GpuMma.WgmmaFp8DotPrecision), which moves such a logit by tens to hundreds: near-ties between a
 // row's largest logits then resolve differently from the exact-sum oracle, and a block whose dot
 // cancels (one seed: a quantized logit of 176 out of sum|p| ~ 3e5) moves the LSE by 16. On an H200,
-// 12 of 226 seeds broke the oracle bounds (bench/RESULTS.md, session 9). What must hold regardless:
+// 12 of 226 seeds broke the oracle bounds (bench/RESULTS.md). What must hold regardless:
 // finite outputs inside the range of V over the keys a row sees (softmax weights are a convex
 // combination; P and V enter P.V as bf16, hence 1%), and an LSE within the error model's reach:
 // |lse - oracle| <= 2e-3 (1 + |oracle|) + 1e-3 * scale * max_k sum_i |q_i k_i| (3x the measured worst).
