@@ -18,16 +18,20 @@ namespace dmattn {
 // The largest power of two that divides d (d itself when d is a power of two).
 DMATTN_HD int rotation_block(int d) { return d & -d; }
 
-// The sign of channel i (0 <= i < 256): +1 or -1, from a fixed hash (the rotation's seed).
-DMATTN_HD float rotation_sign(int i) {
-  uint32_t h = uint32_t(i) * 0x9E3779B9u + 0x7F4A7C15u;
+// The signs of channels 8g .. 8g + 7 as bits 0..7 (1: -1): a hash of g (murmur3's finaliser), a
+// fixed pseudo-random pattern (the rotation's seed); one hash serves a GPU lane's 8 channels.
+DMATTN_HD uint32_t rotation_sign_bits(int g) {
+  uint32_t h = uint32_t(g) * 0x9E3779B9u + 0x7F4A7C15u;
   h ^= h >> 16;
   h *= 0x85EBCA6Bu;
   h ^= h >> 13;
   h *= 0xC2B2AE35u;
   h ^= h >> 16;
-  return (h & 1u) ? -1.0f : 1.0f;
+  return h;
 }
+
+// The sign of channel i: +1 or -1.
+DMATTN_HD float rotation_sign(int i) { return (rotation_sign_bits(i >> 3) >> (i & 7)) & 1u ? -1.0f : 1.0f; }
 
 // Rotates x[0..d) in place (the definition above).
 DMATTN_HD void rotate_row(float* x, int d) {

@@ -251,7 +251,22 @@ void dma_attention(const Problem& p) {
   const float scale = pol.rotate ? p.scale / float(rotation_block(int(d))) : p.scale;
   Transformed tf;
   TensorView q_in = p.q, k_in = p.k;
-  if (transformed) {
+  // Fast path: rotate and smooth_k with MX tiles need no rows of their own: the quantize pass
+  // rotates and centres each row as it reads it (RowTransform); smooth_k's mean comes first.
+  const bool any_nv = fmt[0] == Format::nvfp4 || fmt[nslots - 1] == Format::nvfp4;
+  const bool fused = transformed && !pol.smooth_q && pol.sink_keys == 0 && !any_nv;
+  RowTransform q_tf, k_tf;
+  if (fused) {
+    q_tf = {true, pol.rotate, nullptr};
+    k_tf = {true, pol.rotate, nullptr};
+    if (pol.smooth_k) {  // the mean is taken on K's side stream, ahead of K's quantize (below)
+      query_tiles(p, tf.qtile0, tf.qtiles);
+      tf.k_part = buf.alloc<double>(size_t(p.B * p.Hkv * (ldv / kTile) * d) * 8);
+      tf.kmean = buf.alloc<float>(size_t(p.B * p.Hkv * d) * 4);
+      k_tf.sub = tf.kmean;
+      if (p.lse) tf.lse_shift = buf.alloc<float>(size_t(q_rows) * 4);
+    }
+  } else if (transformed) {
     query_tiles(p, tf.qtile0, tf.qtiles);
     tf.sink_keys = int(std::min<int64_t>(std::max<int64_t>(pol.sink_keys - p.k_pos0, 0), p.Nk));
     tf.q = buf.alloc<uint16_t>(size_t(q_rows * d) * 2);
@@ -313,11 +328,17 @@ void dma_attention(const Problem& p) {
   // of Q and K once and flags NaN/Inf on the way. (Q quantized inside the prefill kernel instead was
   // 5-12% slower at N = 16384: bench/RESULTS.md.)
   StreamFork fork(stream);
-  if (n_mx > 0) quantize_rows(q_in, p.policy.scale_rule, qt[mx[0]], n_mx == 2 ? qt[mx[1]] : QuantTarget{}, stream, flags);
+  if (n_mx > 0)
+    quantize_rows(q_in, p.policy.scale_rule, qt[mx[0]], n_mx == 2 ? qt[mx[1]] : QuantTarget{}, stream, flags, q_tf);
   for (int s = 0; s < nslots; ++s)
     if (pp.nv[s]) quantize_rows_nvfp4(q_in, qn[s], stream, flags);
+  if (fused && pol.smooth_k) {
+    key_means(p, tf.k_part, tf.kmean, fork.side(1));
+    if (tf.lse_shift) lse_shifts(p, tf.kmean, scale, tf.qtile0, tf.qtiles, tf.lse_shift, fork.side(1));
+  }
   if (n_mx > 0) {
-    quantize_rows(k_in, p.policy.scale_rule, kt[mx[0]], n_mx == 2 ? kt[mx[1]] : QuantTarget{}, fork.side(1), flags + 1);
+    quantize_rows(k_in, p.policy.scale_rule, kt[mx[0]], n_mx == 2 ? kt[mx[1]] : QuantTarget{}, fork.side(1), flags + 1,
+                  k_tf);
     // one scale per key tile where exact (always for MXFP4 keys within 2^8)
     fold_key_tiles(folds, n_mx, p.B * p.Hkv, p.Nk, ldv, d, fork.side(1));
   }

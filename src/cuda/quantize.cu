@@ -3,11 +3,13 @@
 #include <string>
 #include <type_traits>
 
+#include "cuda/mma.cuh"
 #include "cuda/quantize_block.cuh"
 #include "dmattn/error.hpp"
 #include "dmattn/mx_codec.hpp"
 #include "dmattn/numeric.hpp"
 #include "dmattn/policy.hpp"
+#include "dmattn/rotation.hpp"
 
 namespace dmattn::cuda {
 namespace {
@@ -101,6 +103,47 @@ __device__ __forceinline__ void emit(const QuantTarget& q, ScaleRule rule, const
   }
 }
 
+// RowTransform on one lane-unit (kPerLane channels 8 u.. of its row, u = its unit in the row; a
+// row's units sit in consecutive lanes of the warp, 4 nblk of them from a multiple of 4 nblk): the
+// butterfly's stages below 8 channels in registers, the rest across lanes, in the oracle's order.
+__device__ __forceinline__ void transform_unit(float (&v)[kPerLane], const Lanes& l, uint32_t nblk, int d,
+                                               const RowTransform& tf) {
+  const int unit = int(4 * (l.blk % nblk)) + l.part, ch0 = kPerLane * unit;
+  if (tf.rotate) {
+    const int blk = rotation_block(d);
+    const uint32_t signs = rotation_sign_bits(unit);  // channels ch0 = 8 unit ..
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) v[e] *= (signs >> e) & 1u ? -1.0f : 1.0f;
+#pragma unroll
+    for (int h = 1; h < kPerLane; h *= 2)
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e)
+        if (!(e & h) && h < blk) {
+          const float a = v[e], c = v[e + h];
+          v[e] = a + c;
+          v[e + h] = a - c;
+        }
+    for (int m = 1; kPerLane * m < blk; m *= 2) {  // partner lanes m apart: channels 8 m apart
+      const float sign = unit & m ? -1.0f : 1.0f;  // the upper of a pair takes other - v: one exact FMA
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) v[e] = fmaf(v[e], sign, __shfl_xor_sync(0xffffffffu, v[e], m));
+    }
+  }
+  if (tf.sub) {
+    const float4* s4 = reinterpret_cast<const float4*>(tf.sub + int64_t(l.bh) * d + ch0);
+    const float4 a = __ldg(s4), b = __ldg(s4 + 1);
+    const float sub[kPerLane] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) v[e] -= sub[e];
+  }
+#pragma unroll
+  for (int e = 0; e < kPerLane; e += 2) {  // to bf16, round to nearest even (cvt), and back
+    const uint32_t pair = bf16x2_rn(v[e], v[e + 1]);
+    v[e] = __uint_as_float(pair << 16);
+    v[e + 1] = __uint_as_float(pair & 0xFFFF0000u);
+  }
+}
+
 // A lane's values as floats: bf16 pairs by one shift or one mask each (to_float's 16-bit path costs a
 // permute and a multiply for each odd element).
 template <class T>
@@ -123,16 +166,16 @@ __device__ __forceinline__ void to_floats(const T (&raw)[kPerLane], float (&v)[k
 // 32-bit indices: 64-bit division costs the GPU far more than the quantization itself.
 // F: the targets' form (fixed element types only; RuntimeForm otherwise).
 constexpr int kThreads = 256;
-template <class T, bool kVector, Elems kElems, class F = RuntimeForm>
+template <class T, bool kVector, Elems kElems, class F = RuntimeForm, bool kTf = false>
 __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T* __restrict__ x, Geometry g, uint32_t nblocks,
                                                             ScaleRule rule, QuantTarget t0, QuantTarget t1, Elem e0,
-                                                            Elem e1, int targets, int* nonfinite) {
+                                                            Elem e1, int targets, int* nonfinite, RowTransform tf) {
   constexpr int kUnits = F::kUnits;
   const uint32_t nblk = uint32_t(g.nblk), N = uint32_t(g.N), H = uint32_t(g.H);  // as FastDiv in g
   Lanes l[kUnits];
   alignas(16) T raw[kUnits][kPerLane];
   // Row-scale targets (or the run-time form, which may have them) need each block's (n, bh, c).
-  const bool where = !g.packed || F::kRows || !F::kFixed;
+  const bool where = !g.packed || F::kRows || !F::kFixed || (kTf && tf.sub);
 #pragma unroll
   for (int u = 0; u < kUnits; ++u) {
     const uint32_t lane = (blockIdx.x + u * gridDim.x) * blockDim.x + threadIdx.x;
@@ -169,6 +212,7 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T* __rest
   for (int u = 0; u < kUnits; ++u) {
     float v[kPerLane];
     to_floats(raw[u], v);
+    if constexpr (kTf) transform_unit(v, l[u], nblk, int(nblk) * kBlock, tf);
     float amax;
     bool bad;
     block_stats(v, amax, bad);
@@ -196,6 +240,7 @@ struct Launch {
   int targets;
   int* nonfinite;
   cudaStream_t stream;
+  RowTransform tf;
 };
 
 // One instance, its grid sized by its form's units a thread.
@@ -206,14 +251,18 @@ void launch(const T* x, const Launch& a) {
   // its quantized copies anyway.
   if (a.nblocks * 4 + per_cta >= (int64_t(1) << 32)) throw Error("quantize_rows: tensor too large (2^35 elements or more)");
   const unsigned grid = unsigned((a.nblocks * 4 + per_cta - 1) / per_cta);
-  quantize_rows_kernel<T, kVector, kElems, F><<<grid, kThreads, 0, a.stream>>>(x, a.g, uint32_t(a.nblocks), a.rule, a.t0, a.t1,
-                                                                                a.e0, a.e1, a.targets, a.nonfinite);
+  if (a.tf.on)  // (instances of their own: the plain pass keeps its code)
+    quantize_rows_kernel<T, kVector, kElems, F, true><<<grid, kThreads, 0, a.stream>>>(
+        x, a.g, uint32_t(a.nblocks), a.rule, a.t0, a.t1, a.e0, a.e1, a.targets, a.nonfinite, a.tf);
+  else
+    quantize_rows_kernel<T, kVector, kElems, F><<<grid, kThreads, 0, a.stream>>>(x, a.g, uint32_t(a.nblocks), a.rule, a.t0, a.t1,
+                                                                                a.e0, a.e1, a.targets, a.nonfinite, a.tf);
 }
 
 }  // namespace
 
 void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first, const QuantTarget& second,
-                   cudaStream_t stream, int* nonfinite) {
+                   cudaStream_t stream, int* nonfinite, const RowTransform& transform) {
   if (x.device != Device::cuda) throw Error("quantize_rows: the tensor is not on a CUDA device");
   if (x.shape[3] % kBlock != 0) throw Error("quantize_rows: d must be a multiple of 32");
   if (x.stride[3] != 1) throw Error("quantize_rows: the last axis must have unit stride");
@@ -247,7 +296,9 @@ void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first
   auto plain = [](const QuantTarget& t) { return !t.fp8_bytes && !t.fold && !t.row_scale; };
   const bool plain_pair = pair && plain(first) && plain(second);
   const bool plain_e2m1 = vec && targets == 1 && e0 == Elem::e2m1 && plain(first);
-  const Launch a{g, nblocks, rule, first, second, e0, e1, targets, nonfinite, stream};
+  if (transform.rotate && (rotation_block(int(x.shape[3])) < kPerLane || x.shape[3] > 256))
+    throw Error("quantize_rows: the rotation takes head dims up to 256 with blocks of at least 8");
+  const Launch a{g, nblocks, rule, first, second, e0, e1, targets, nonfinite, stream, transform};
   with_typed(x, [&](auto* typed) {
     using T = std::remove_pointer_t<decltype(typed)>;
     constexpr Elems kPair = Elems::e4m3_e2m1;

@@ -33,6 +33,16 @@ struct QuantTarget {
   int* tile_split = nullptr;
 };
 
+// The accuracy transforms a quantize pass applies to each row as it reads it (the prefill's fast
+// path for Policy::rotate and smooth_k): the randomized Hadamard rotation (dmattn/rotation.hpp; d a
+// power of two up to 256, or blocks of its largest power-of-two divisor), then minus sub[b*H + h]
+// (a [B*H][d] vector, smooth_k's mean), then rounded to bf16 -- the oracle's transformed rows.
+struct RowTransform {
+  bool on = false;
+  bool rotate = false;
+  const float* sub = nullptr;
+};
+
 // Whether every row start of x ([B,H,N,d], unit stride on d) is 16-byte aligned: vector loads.
 inline bool rows_16byte_aligned(const TensorView& x) {
   const int64_t es = int64_t(dtype_size(x.dtype));
@@ -49,7 +59,7 @@ inline Elem mma_elem(Format f) { return f == Format::mxfp8_e5m2 ? Elem::e5m2 : E
 // sets *nonfinite = 1 where a value is NaN or Inf (the block's scale is the NaN scale either way),
 // so callers need no separate scan of the input.
 void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first, const QuantTarget& second,
-                   cudaStream_t stream, int* nonfinite = nullptr);
+                   cudaStream_t stream, int* nonfinite = nullptr, const RowTransform& transform = {});
 
 // NVFP4 in the prefill's tensor-core form (docs/DESIGN.md): per (b, h) slice one fp32 tensor scale from the
 // slice's amax (nvfp4_tensor_scale), per 16-block an E4M3 scale, each element's E2M1 value times its

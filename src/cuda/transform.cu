@@ -3,6 +3,7 @@
 // pairs and the rest lane shuffles: the same additions in the same stages as rotate_row on the host,
 // so rotated rows are bit-identical. Means and dots accumulate in fp64 and round once to fp32.
 #include <algorithm>
+#include <type_traits>
 
 #include "cuda/buffers.hpp"
 #include "cuda/mma.cuh"
@@ -55,12 +56,9 @@ __device__ __forceinline__ void load_row(const TensorView& v, int64_t b, int64_t
       }
 #pragma unroll
   for (int l = 1; l < 32; l *= 2) {  // partners in other lanes (channel distance l E)
-    const bool upper = lane & l;
+    const float sign = lane & l ? -1.0f : 1.0f;  // the upper of a pair takes other - r: one exact FMA
 #pragma unroll
-    for (int e = 0; e < E; ++e) {
-      const float other = __shfl_xor_sync(0xffffffffu, r[e], l);
-      r[e] = upper ? other - r[e] : r[e] + other;
-    }
+    for (int e = 0; e < E; ++e) r[e] = fmaf(r[e], sign, __shfl_xor_sync(0xffffffffu, r[e], l));
   }
 }
 
@@ -99,8 +97,8 @@ __device__ __forceinline__ void load_bf16_row(const uint16_t* row, float (&r)[E]
   for (int e = 0; e < E; ++e) r[e] = to_float(bf16{row[lane * E + e]});
 }
 
-// K rows rotated; without smooth_k straight to bf16, with it to fp32 scratch plus each 128-row
-// chunk's channel sums (fp64). Grid: (chunks, B * Hkv); kWarps warps.
+// K rows rotated, to bf16 (out), to fp32 scratch (k_rot) and/or into each 128-row chunk's channel
+// sums (part, fp64), as given. Grid: (chunks, B * Hkv); kWarps warps.
 template <class T, int E>
 __global__ void __launch_bounds__(kRowThreads) k_rows_kernel(TensorView k, bool vec, bool rotate, uint16_t* out,
                                                              float* k_rot, double* part) {
@@ -113,17 +111,15 @@ __global__ void __launch_bounds__(kRowThreads) k_rows_kernel(TensorView k, bool 
     float r[E];
     load_row<T, E>(k, b, h, n, vec, rotate, r);
     const int64_t base = (bh * N + n) * d;
-    if (k_rot) {
+    if (k_rot)
 #pragma unroll
-      for (int e = 0; e < E; ++e) {
-        k_rot[base + lane * E + e] = r[e];
-        acc[e] += r[e];
-      }
-    } else {
-      store_bf16<E>(out + base, r);
-    }
+      for (int e = 0; e < E; ++e) k_rot[base + lane * E + e] = r[e];
+    if (part)
+#pragma unroll
+      for (int e = 0; e < E; ++e) acc[e] += r[e];
+    if (out) store_bf16<E>(out + base, r);
   }
-  if (!k_rot) return;
+  if (!part) return;
   // Rows n = warp (mod kWarps) summed per warp: the chunk's sum then adds the warps' in a fixed order.
 #pragma unroll
   for (int e = 0; e < E; ++e) sums[warp][lane * E + e] = acc[e];
@@ -209,7 +205,7 @@ __global__ void __launch_bounds__(kRowThreads) q_rows_kernel(QArgs a) {
     if (a.smooth_q) {
 #pragma unroll
       for (int e = 0; e < E; ++e) rows[(r - r0) * d + lane * E + e] = x[e];
-    } else {
+    } else if (a.out) {
       store_bf16<E>(a.out + row * d, x);
     }
   }
@@ -315,7 +311,8 @@ void transform_d(const Problem& p, const Transformed& t, float scale, cudaStream
   with_typed(p.k, [&](auto* typed) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
     k_rows_kernel<T, E><<<dim3(unsigned(chunks), unsigned(p.B * p.Hkv)), kRowThreads, 0, stream>>>(
-        p.k, vector_rows(p.k, E), pol.rotate, t.k, pol.smooth_k ? t.k_rot : nullptr, t.k_part);
+        p.k, vector_rows(p.k, E), pol.rotate, pol.smooth_k ? nullptr : t.k, pol.smooth_k ? t.k_rot : nullptr,
+        pol.smooth_k ? t.k_part : nullptr);
   });
   check(cudaGetLastError(), "k_rows_kernel");
   if (pol.smooth_k) {
@@ -358,6 +355,50 @@ void transform_qk(const Problem& p, const Transformed& t, float scale, cudaStrea
     case 256: return transform_d<8>(p, t, scale, stream);
     default: throw Error("the accuracy transforms on the GPU take head dims 32, 64, 128 and 256 (got " + std::to_string(p.d) + ")");
   }
+}
+
+template <int E>
+void key_means_d(const Problem& p, double* part, float* kmean, cudaStream_t stream) {
+  const int64_t chunks = (p.Nk + kTile - 1) / kTile;
+  with_typed(p.k, [&](auto* typed) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
+    k_rows_kernel<T, E><<<dim3(unsigned(chunks), unsigned(p.B * p.Hkv)), kRowThreads, 0, stream>>>(
+        p.k, vector_rows(p.k, E), p.policy.rotate, nullptr, nullptr, part);
+  });
+  check(cudaGetLastError(), "k_rows_kernel");
+  kmean_kernel<<<unsigned(p.B * p.Hkv), 128, 0, stream>>>(part, int(chunks), 32 * E, p.Nk, kmean);
+}
+
+template <int E>
+void lse_shifts_d(const Problem& p, const float* kmean, float scale, int64_t qtile0, int64_t qtiles, float* shift,
+                  cudaStream_t stream) {
+  QArgs a{p.q, vector_rows(p.q, E), p.policy.rotate, false, p.Hkv, p.Nk, p.q_pos0 - p.k_pos0, qtile0, scale, nullptr,
+          kmean, 0, nullptr, nullptr, shift, nullptr, qtiles};
+  with_typed(p.q, [&](auto* typed) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
+    q_rows_kernel<T, E><<<dim3(unsigned(qtiles), unsigned(p.Hq), unsigned(p.B)), kRowThreads, 0, stream>>>(a);
+  });
+  check(cudaGetLastError(), "q_rows_kernel");
+}
+
+template <class F>
+void by_head_dim(int64_t d, F&& f) {
+  switch (d) {
+    case 32: return f(std::integral_constant<int, 1>{});
+    case 64: return f(std::integral_constant<int, 2>{});
+    case 128: return f(std::integral_constant<int, 4>{});
+    case 256: return f(std::integral_constant<int, 8>{});
+    default: throw Error("the accuracy transforms on the GPU take head dims 32, 64, 128 and 256 (got " + std::to_string(d) + ")");
+  }
+}
+
+void key_means(const Problem& p, double* part, float* kmean, cudaStream_t stream) {
+  by_head_dim(p.d, [&](auto e) { key_means_d<decltype(e)::value>(p, part, kmean, stream); });
+}
+
+void lse_shifts(const Problem& p, const float* kmean, float scale, int64_t qtile0, int64_t qtiles, float* shift,
+                cudaStream_t stream) {
+  by_head_dim(p.d, [&](auto e) { lse_shifts_d<decltype(e)::value>(p, kmean, scale, qtile0, qtiles, shift, stream); });
 }
 
 void add_lse_shift(float* lse, const float* shift, int64_t n, cudaStream_t stream) {

@@ -31,6 +31,13 @@ void query_tiles(const Problem& p, int64_t& first, int64_t& count);
 // `scale` is the softmax scale the kernel applies (rotation's block size already divided out).
 void transform_qk(const Problem& p, const Transformed& t, float scale, cudaStream_t stream);
 
+// The fast path's pieces (rotation and the key mean applied by the quantize pass as it reads the
+// rows, quantize.hpp's RowTransform): smooth_k's key means (part: [B*Hkv][chunks][d] scratch), and
+// the LSE shifts scale * q_rot.kmean of every query row.
+void key_means(const Problem& p, double* part, float* kmean, cudaStream_t stream);
+void lse_shifts(const Problem& p, const float* kmean, float scale, int64_t qtile0, int64_t qtiles, float* shift,
+                cudaStream_t stream);
+
 // lse[i] += shift[i] for the n rows (smooth_k's correction, after the prefill wrote lse).
 void add_lse_shift(float* lse, const float* shift, int64_t n, cudaStream_t stream);
 

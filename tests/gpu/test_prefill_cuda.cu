@@ -569,6 +569,8 @@ TEST(GpuPrefill, AccuracyTransformsMatchCpuOracle) {
       {4, 4, 500, 500, 128, false, with(dflt, true, true, true, 1), "all, non-causal"},
       {4, 2, 4096, 4096, 128, true, with(wide, true, true, true, 1), "all, N=4096"},
       {4, 1, 2000, 2000, 128, true, with(Policy{f4, Format::nvfp4, 1, 0}, true, false, true, 0), "rotate+smooth_k nvfp4"},
+      {8, 2, 3000, 3000, 128, true, with(wide, true, false, true, 0), "rotate+smooth_k diag4 sink1"},
+      {4, 4, 1000, 1000, 64, false, with(dflt, true, false, true, 0), "rotate+smooth_k non-causal"},
   };
   const uint64_t seed = fresh_seed();
   const DType dtypes[3] = {DType::bf16, DType::f16, DType::f32};
