@@ -1,0 +1,89 @@
+#!/usr/bin/env python3
+"""Prefill as users call it: dmattn.attention on torch tensors (bf16 in and out, causal, torch's
+current stream) against torch.nn.functional.scaled_dot_product_attention's cuDNN and flash backends,
+same process, a matrix of shapes; then the policies given on the command line at one shape.
+
+Usage: python3 bench/bench_python.py [POLICY ...]   (POLICY: name=key:value,key:value, e.g.
+       rot=rotate:1,smooth_k:1,scale_rule:ceil; values 0/1 are booleans, digits ints)
+Prints one table a section: ms (median of CUDA-event timings) and the ratio to the best SDPA backend.
+"""
+import sys
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import dmattn
+
+SHAPES = [  # B, N, Hq, Hkv, d
+    (1, 4096, 32, 8, 128), (1, 16384, 32, 8, 128), (4, 4096, 32, 8, 128), (8, 2048, 32, 8, 128),
+    (1, 16384, 64, 8, 128), (1, 16384, 32, 8, 64), (1, 8192, 32, 32, 128)]
+
+
+def timeit(fn, iters=10):
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    out = []
+    for _ in range(iters):
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        out.append(a.elapsed_time(b))
+    return sorted(out)[len(out) // 2]
+
+
+def inputs(B, N, Hq, Hkv, d):
+    g = torch.Generator(device="cuda").manual_seed(0)
+    q = torch.randn(B, Hq, N, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    k = torch.randn(B, Hkv, N, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(B, Hkv, N, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    return q, k, v
+
+
+def sdpa_ms(q, k, v, backend):
+    with sdpa_kernel(backend):
+        try:
+            return timeit(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+        except RuntimeError:
+            return float("nan")
+
+
+def parse(spec):
+    name, _, body = spec.partition("=")
+    kw = {}
+    for item in filter(None, body.split(",")):
+        key, _, val = item.partition(":")
+        kw[key] = bool(int(val)) if val in ("0", "1") and key != "sink_keys" else int(val) if val.isdigit() else val
+    return name, kw
+
+
+def main():
+    policies = [("default", {})] + [parse(s) for s in sys.argv[1:]]
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
+    print("\n| B x N, Hq/Hkv, d | cuDNN ms | flash ms | dmattn ms | vs best SDPA | unchecked ms |")
+    print("|---|---|---|---|---|---|")
+    with torch.inference_mode():
+        for B, N, Hq, Hkv, d in SHAPES:
+            q, k, v = inputs(B, N, Hq, Hkv, d)
+            cud, fla = sdpa_ms(q, k, v, SDPBackend.CUDNN_ATTENTION), sdpa_ms(q, k, v, SDPBackend.FLASH_ATTENTION)
+            ms = timeit(lambda: dmattn.attention(q, k, v, causal=True))
+            unchecked = timeit(lambda: dmattn.attention(q, k, v, causal=True, check_finite=False))
+            best = min(x for x in (cud, fla) if x == x)
+            print(f"| {B} x {N}, {Hq}/{Hkv}, {d} | {cud:.3f} | {fla:.3f} | {ms:.3f} | {best / ms:.2f}x | {unchecked:.3f} |",
+                  flush=True)
+            del q, k, v
+        q, k, v = inputs(1, 16384, 32, 8, 128)
+        best = min(sdpa_ms(q, k, v, SDPBackend.CUDNN_ATTENTION), sdpa_ms(q, k, v, SDPBackend.FLASH_ATTENTION))
+        print("\n| policy (1 x 16384, 32/8, 128) | ms | vs best SDPA | vs default |")
+        print("|---|---|---|---|")
+        base = None
+        for name, kw in policies:
+            ms = timeit(lambda: dmattn.attention(q, k, v, causal=True, **kw))
+            base = base or ms
+            print(f"| {name} {kw or ''} | {ms:.3f} | {best / ms:.2f}x | {ms / base - 1:+.1%} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
