@@ -35,7 +35,8 @@ struct QkvFiles {
 void check_outputs(const std::vector<std::pair<std::string, std::string>>& outputs);
 
 // The model scripts/fetch_model.sh installs: $DMATTN_MODEL, else .cache/models/... found from the
-// working directory or the executable's folder upwards (the relative path when neither has it).
+// working directory or the executable's folder upwards, or in the source tree the tool was built
+// from (the relative path when none has it).
 std::string default_model_path();
 
 void add_run(CLI::App& app);

@@ -34,11 +34,12 @@ std::string default_model_path() {
   if (const char* env = std::getenv("DMATTN_MODEL"); env && *env) return env;
   const fs::path rel = model::kDefaultModelPath;
   std::error_code ec;
-  // The working directory and the folders above it, then those above the executable (a build
-  // tree inside the repository finds the repository's model from anywhere).
+  // The working directory and the folders above it, those above the executable (a build tree
+  // inside the repository), then the source tree the tool was built from.
   std::vector<fs::path> starts{fs::current_path(ec)};
   const fs::path exe = fs::read_symlink("/proc/self/exe", ec);
   if (!ec) starts.push_back(exe.parent_path());
+  starts.push_back(DMATTN_SOURCE_DIR);
   for (fs::path dir : starts)
     for (; !dir.empty(); dir = dir.parent_path()) {
       if (fs::exists(dir / rel, ec)) return (dir / rel).string();
