@@ -81,6 +81,7 @@ int main(int argc, char** argv) {
                             {"DMA-rot-sk-d4s1", tf(4, 1, true, false, true, 0)},
                             {"DMA-rot", tf(1, 0, false, false, true, 0)},
                             {"DMA-ceil", [] { Policy p; p.scale_rule = ScaleRule::ceil; return p; }()},
+                            {"DMA-ocp", [] { Policy p; p.scale_rule = ScaleRule::ocp; return p; }()},
                             {"DMA-rot-sk-sink-d4s1", tf(4, 1, true, false, true, 1)},
                             {"DMA-all", tf(1, 0, true, true, true, 1)},
                             {"DMA-all-d4s1", tf(4, 1, true, true, true, 1)},

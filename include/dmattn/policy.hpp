@@ -36,7 +36,7 @@ struct Policy {
   int diag_tiles = 1;  // key tiles j with |qtile - j| < diag_tiles are high (causal: the diagonal
                        // tile and the diag_tiles - 1 before it; non-causal: a symmetric band)
   int sink_tiles = 0;  // key tiles j < sink_tiles are high
-  ScaleRule scale_rule = ScaleRule::ocp;
+  ScaleRule scale_rule = ScaleRule::ceil;  // measured better than ocp at no cost (docs/QUALITY.md)
   PV pv = PV::bf16;
   // Subtract K's per-channel mean (over the Nk keys of each batch and KV head) before quantizing.
   // Softmax is invariant to it in exact arithmetic (it shifts a row's scores by q.mean(K)); it

@@ -105,7 +105,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
         pv: precision of P.V: "bf16" (P rounded to bf16), "mxfp8" (P and V in MXFP8 E4M3), "mxfp4"
           (P in MXFP8, V in MXFP4; CPU only for prefill) or "fp8" (P in E4M3 at scale 2^-8, V in
           E4M3 with one scale per channel: the GPU prefill's FP8 P.V).
-        scale_rule: E8M0 block-scale rule, "ocp" (the OCP spec's floor rule) or "ceil".
+        scale_rule: E8M0 block-scale rule, "ceil" (default: no element saturates) or "ocp" (the spec's floor rule).
         smooth_k, smooth_q, rotate, sink_keys: the accuracy transforms (exact in real arithmetic;
           they change only what gets quantized): K's channel mean removed; each 128-row Q block's
           mean removed and its scores added back exactly; a randomized Hadamard rotation of Q and K
