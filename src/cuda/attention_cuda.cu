@@ -256,27 +256,19 @@ void dma_attention(const Problem& p) {
   const bool any_nv = fmt[0] == Format::nvfp4 || fmt[nslots - 1] == Format::nvfp4;
   const bool fused = transformed && !pol.smooth_q && pol.sink_keys == 0 && !any_nv;
   RowTransform q_tf, k_tf;
+  if (transformed) query_tiles(p, tf.qtile0, tf.qtiles);
+  if (pol.smooth_k) {  // the key mean (fused: on K's side stream, ahead of K's quantize below)
+    tf.k_part = buf.alloc<double>(size_t(p.B * p.Hkv * (ldv / kTile) * d) * 8);
+    tf.kmean = buf.alloc<float>(size_t(p.B * p.Hkv * d) * 4);
+    if (p.lse) tf.lse_shift = buf.alloc<float>(size_t(q_rows) * 4);
+  }
   if (fused) {
     q_tf = {true, pol.rotate, nullptr};
-    k_tf = {true, pol.rotate, nullptr};
-    if (pol.smooth_k) {  // the mean is taken on K's side stream, ahead of K's quantize (below)
-      query_tiles(p, tf.qtile0, tf.qtiles);
-      tf.k_part = buf.alloc<double>(size_t(p.B * p.Hkv * (ldv / kTile) * d) * 8);
-      tf.kmean = buf.alloc<float>(size_t(p.B * p.Hkv * d) * 4);
-      k_tf.sub = tf.kmean;
-      if (p.lse) tf.lse_shift = buf.alloc<float>(size_t(q_rows) * 4);
-    }
+    k_tf = {true, pol.rotate, tf.kmean};
   } else if (transformed) {
-    query_tiles(p, tf.qtile0, tf.qtiles);
     tf.sink_keys = int(std::min<int64_t>(std::max<int64_t>(pol.sink_keys - p.k_pos0, 0), p.Nk));
     tf.q = buf.alloc<uint16_t>(size_t(q_rows * d) * 2);
     tf.k = buf.alloc<uint16_t>(size_t(k_rows * d) * 2);
-    if (pol.smooth_k) {
-      tf.k_rot = buf.alloc<float>(size_t(k_rows * d) * 4);
-      tf.k_part = buf.alloc<double>(size_t(p.B * p.Hkv * (ldv / kTile) * d) * 8);
-      tf.kmean = buf.alloc<float>(size_t(p.B * p.Hkv * d) * 4);
-      if (p.lse) tf.lse_shift = buf.alloc<float>(size_t(q_rows) * 4);
-    }
     if (pol.smooth_q) {
       tf.qmean = buf.alloc<float>(size_t(p.B * p.Hq * tf.qtiles * d) * 4);
       tf.ds = buf.alloc<float>(size_t(p.B * p.Hq * tf.qtiles * ldv) * 4);
@@ -377,10 +369,9 @@ void dma_attention(const Problem& p) {
   pp.policy = p.policy;
   pp.q_pos0 = p.q_pos0 - p.k_pos0;  // from key 0 (Problem's are absolute)
   pp.ktile0 = p.k_pos0 / kTile;
-  pp.first_block = hd::floor_div(pp.q_pos0, kPrefillRows);
-  const int64_t blocks = hd::floor_div(pp.q_pos0 + p.Nq - 1, kPrefillRows) - pp.first_block + 1;
-  pp.blocks = blocks;
-  launch_prefill(pp, int(d), p.out.dtype, blocks, int(p.B), stream);
+  static_assert(kPrefillRows == kTile, "a CTA's query block is one query tile");
+  query_tiles(p, pp.first_block, pp.blocks);
+  launch_prefill(pp, int(d), p.out.dtype, pp.blocks, int(p.B), stream);
   if (tf.lse_shift) add_lse_shift(p.lse, tf.lse_shift, q_rows, stream);
   if (!readback) return;  // stream-ordered: the scratch buffers are freed after the work
   const int* bad = readback->wait();  // the one host wait: until the pre-pass is done, not the kernel

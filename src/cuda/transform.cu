@@ -97,27 +97,31 @@ __device__ __forceinline__ void load_bf16_row(const uint16_t* row, float (&r)[E]
   for (int e = 0; e < E; ++e) r[e] = to_float(bf16{row[lane * E + e]});
 }
 
-// K rows rotated, to bf16 (out), to fp32 scratch (k_rot) and/or into each 128-row chunk's channel
-// sums (part, fp64), as given. Grid: (chunks, B * Hkv); kWarps warps.
+// K rows rotated, minus sub[b*Hkv + h] where given (smooth_k's mean), to bf16 (out) and/or into each
+// 128-row chunk's channel sums (part, fp64, before any subtraction). Grid: (chunks, B * Hkv); kWarps warps.
 template <class T, int E>
-__global__ void __launch_bounds__(kRowThreads) k_rows_kernel(TensorView k, bool vec, bool rotate, uint16_t* out,
-                                                             float* k_rot, double* part) {
+__global__ void __launch_bounds__(kRowThreads) k_rows_kernel(TensorView k, bool vec, bool rotate, const float* sub,
+                                                             uint16_t* out, double* part) {
   constexpr int d = 32 * E;
   const int64_t bh = blockIdx.y, b = bh / k.shape[1], h = bh % k.shape[1], N = k.shape[2];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   __shared__ double sums[kWarps][d];
   double acc[E] = {};
+  float m[E] = {};
+  if (sub)
+#pragma unroll
+    for (int e = 0; e < E; ++e) m[e] = sub[bh * d + lane * E + e];
   for (int64_t n = int64_t(blockIdx.x) * 128 + warp; n < min(N, int64_t(blockIdx.x + 1) * 128); n += kWarps) {
     float r[E];
     load_row<T, E>(k, b, h, n, vec, rotate, r);
-    const int64_t base = (bh * N + n) * d;
-    if (k_rot)
-#pragma unroll
-      for (int e = 0; e < E; ++e) k_rot[base + lane * E + e] = r[e];
     if (part)
 #pragma unroll
       for (int e = 0; e < E; ++e) acc[e] += r[e];
-    if (out) store_bf16<E>(out + base, r);
+    if (out) {
+#pragma unroll
+      for (int e = 0; e < E; ++e) r[e] -= m[e];
+      store_bf16<E>(out + (bh * N + n) * d, r);
+    }
   }
   if (!part) return;
   // Rows n = warp (mod kWarps) summed per warp: the chunk's sum then adds the warps' in a fixed order.
@@ -137,25 +141,6 @@ __global__ void kmean_kernel(const double* part, int chunks, int d, int64_t N, f
     double s = 0;
     for (int i = 0; i < chunks; ++i) s += part[(int64_t(blockIdx.x) * chunks + i) * d + c];
     kmean[int64_t(blockIdx.x) * d + c] = float(s / double(N));
-  }
-}
-
-// k' = bf16(k_rot - kmean), a row a warp. Grid (row blocks, B * Hkv).
-template <int E>
-__global__ void __launch_bounds__(kRowThreads) k_center_kernel(const float* k_rot, const float* kmean, int64_t N,
-                                                               uint16_t* out) {
-  constexpr int d = 32 * E;
-  const int64_t bh = blockIdx.y;
-  const int lane = threadIdx.x % 32;
-  float m[E];
-#pragma unroll
-  for (int e = 0; e < E; ++e) m[e] = kmean[bh * d + lane * E + e];
-  for (int64_t n = int64_t(blockIdx.x) * kWarps + threadIdx.x / 32; n < N; n += int64_t(gridDim.x) * kWarps) {
-    const float* src = k_rot + (bh * N + n) * d + lane * E;
-    float x[E];
-#pragma unroll
-    for (int e = 0; e < E; ++e) x[e] = src[e] - m[e];
-    store_bf16<E>(out + (bh * N + n) * d, x);
   }
 }
 
@@ -304,23 +289,29 @@ bool vector_rows(const TensorView& v, int E) {
 }
 
 template <int E>
+void key_means_d(const Problem& p, double* part, float* kmean, cudaStream_t stream) {
+  const int64_t chunks = (p.Nk + kTile - 1) / kTile;
+  with_typed(p.k, [&](auto* typed) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
+    k_rows_kernel<T, E><<<dim3(unsigned(chunks), unsigned(p.B * p.Hkv)), kRowThreads, 0, stream>>>(
+        p.k, vector_rows(p.k, E), p.policy.rotate, nullptr, nullptr, part);
+  });
+  check(cudaGetLastError(), "k_rows_kernel");
+  kmean_kernel<<<unsigned(p.B * p.Hkv), 128, 0, stream>>>(part, int(chunks), 32 * E, p.Nk, kmean);
+}
+
+template <int E>
 void transform_d(const Problem& p, const Transformed& t, float scale, cudaStream_t stream) {
   constexpr int d = 32 * E;
   const Policy& pol = p.policy;
   const int64_t chunks = (p.Nk + kTile - 1) / kTile, ldv = chunks * kTile;
+  if (pol.smooth_k) key_means_d<E>(p, t.k_part, t.kmean, stream);
   with_typed(p.k, [&](auto* typed) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
     k_rows_kernel<T, E><<<dim3(unsigned(chunks), unsigned(p.B * p.Hkv)), kRowThreads, 0, stream>>>(
-        p.k, vector_rows(p.k, E), pol.rotate, pol.smooth_k ? nullptr : t.k, pol.smooth_k ? t.k_rot : nullptr,
-        pol.smooth_k ? t.k_part : nullptr);
+        p.k, vector_rows(p.k, E), pol.rotate, pol.smooth_k ? t.kmean : nullptr, t.k, nullptr);
   });
   check(cudaGetLastError(), "k_rows_kernel");
-  if (pol.smooth_k) {
-    kmean_kernel<<<unsigned(p.B * p.Hkv), 128, 0, stream>>>(t.k_part, int(chunks), d, p.Nk, t.kmean);
-    const unsigned blocks = unsigned(std::min<int64_t>((p.Nk + kWarps - 1) / kWarps, 1024));
-    k_center_kernel<E><<<dim3(blocks, unsigned(p.B * p.Hkv)), kRowThreads, 0, stream>>>(t.k_rot, t.kmean, p.Nk, t.k);
-    check(cudaGetLastError(), "k_center_kernel");
-  }
   QArgs a{p.q, vector_rows(p.q, E), pol.rotate, pol.smooth_q, p.Hkv, p.Nk, p.q_pos0 - p.k_pos0, t.qtile0, scale, t.k,
           t.lse_shift ? t.kmean : nullptr, t.sink_keys, t.q, t.qmean, t.lse_shift, t.sink, t.qtiles};
   const size_t smem = pol.smooth_q ? size_t(128) * d * sizeof(float) : 0;
@@ -339,6 +330,17 @@ void transform_d(const Problem& p, const Transformed& t, float scale, cudaStream
   }
 }
 
+template <class F>
+void by_head_dim(int64_t d, F&& f) {
+  switch (d) {
+    case 32: return f(std::integral_constant<int, 1>{});
+    case 64: return f(std::integral_constant<int, 2>{});
+    case 128: return f(std::integral_constant<int, 4>{});
+    case 256: return f(std::integral_constant<int, 8>{});
+    default: throw Error("the accuracy transforms on the GPU take head dims 32, 64, 128 and 256 (got " + std::to_string(d) + ")");
+  }
+}
+
 }  // namespace
 
 void query_tiles(const Problem& p, int64_t& first, int64_t& count) {
@@ -348,25 +350,7 @@ void query_tiles(const Problem& p, int64_t& first, int64_t& count) {
 }
 
 void transform_qk(const Problem& p, const Transformed& t, float scale, cudaStream_t stream) {
-  switch (p.d) {
-    case 32: return transform_d<1>(p, t, scale, stream);
-    case 64: return transform_d<2>(p, t, scale, stream);
-    case 128: return transform_d<4>(p, t, scale, stream);
-    case 256: return transform_d<8>(p, t, scale, stream);
-    default: throw Error("the accuracy transforms on the GPU take head dims 32, 64, 128 and 256 (got " + std::to_string(p.d) + ")");
-  }
-}
-
-template <int E>
-void key_means_d(const Problem& p, double* part, float* kmean, cudaStream_t stream) {
-  const int64_t chunks = (p.Nk + kTile - 1) / kTile;
-  with_typed(p.k, [&](auto* typed) {
-    using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
-    k_rows_kernel<T, E><<<dim3(unsigned(chunks), unsigned(p.B * p.Hkv)), kRowThreads, 0, stream>>>(
-        p.k, vector_rows(p.k, E), p.policy.rotate, nullptr, nullptr, part);
-  });
-  check(cudaGetLastError(), "k_rows_kernel");
-  kmean_kernel<<<unsigned(p.B * p.Hkv), 128, 0, stream>>>(part, int(chunks), 32 * E, p.Nk, kmean);
+  by_head_dim(p.d, [&](auto e) { transform_d<decltype(e)::value>(p, t, scale, stream); });
 }
 
 template <int E>
@@ -379,17 +363,6 @@ void lse_shifts_d(const Problem& p, const float* kmean, float scale, int64_t qti
     q_rows_kernel<T, E><<<dim3(unsigned(qtiles), unsigned(p.Hq), unsigned(p.B)), kRowThreads, 0, stream>>>(a);
   });
   check(cudaGetLastError(), "q_rows_kernel");
-}
-
-template <class F>
-void by_head_dim(int64_t d, F&& f) {
-  switch (d) {
-    case 32: return f(std::integral_constant<int, 1>{});
-    case 64: return f(std::integral_constant<int, 2>{});
-    case 128: return f(std::integral_constant<int, 4>{});
-    case 256: return f(std::integral_constant<int, 8>{});
-    default: throw Error("the accuracy transforms on the GPU take head dims 32, 64, 128 and 256 (got " + std::to_string(d) + ")");
-  }
 }
 
 void key_means(const Problem& p, double* part, float* kmean, cudaStream_t stream) {

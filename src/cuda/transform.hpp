@@ -13,7 +13,6 @@ namespace dmattn::cuda {
 struct Transformed {
   uint16_t* q = nullptr;     // [B, Hq, Nq, d] bf16 bits: rotated, minus the tile mean (smooth_q)
   uint16_t* k = nullptr;     // [B, Hkv, Nk, d] bf16 bits: rotated, minus the key mean (smooth_k)
-  float* k_rot = nullptr;    // smooth_k: [B, Hkv, Nk, d] scratch (the rotated rows before the mean)
   double* k_part = nullptr;  // smooth_k: [B*Hkv, ceil(Nk/128), d] scratch (partial channel sums)
   float* kmean = nullptr;    // smooth_k: [B*Hkv, d]
   float* qmean = nullptr;    // smooth_q: [B*Hq, qtiles, d]
