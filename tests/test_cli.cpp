@@ -215,7 +215,13 @@ TEST_F(Cli, DecodeEqualsCausalRun) {
   save(many.q, "q17.npy");
   expect_error(fill("decode --q {d}/q17.npy --k {d}/k.npy --v {d}/v.npy --out {d}/o.npy", dir), "1 to 16 new queries");
   expect_error(fill("decode --q {d}/q.npy --k {d}/k.npy --v {d}/q.npy --out {d}/o.npy", dir), "same shape");
-  expect_error(fill("decode --q {d}/q.npy --k {d}/k.npy --v {d}/v.npy --out {d}/o.npy --smooth-k", dir), "smooth_k");
+  expect_error(fill("decode --q {d}/q.npy --k {d}/k.npy --v {d}/v.npy --out {d}/o.npy --pv fp8", dir), "pv=fp8");
+  // The accuracy transforms through the cache: still the causal run's result, bit for bit.
+  const std::string tf = " --backend cpu --diag-tiles 2 --rotate --smooth-k --sink-keys 2";
+  ASSERT_EQ(run(fill(std::string(kQKV) + " --causal", dir) + tf).code, 0);
+  const std::vector<float> want = npy_to_floats(read_npy(p("o.npy")));
+  ASSERT_EQ(run(fill("decode --q {d}/q.npy --k {d}/k.npy --v {d}/v.npy --out {d}/o.npy", dir) + tf).code, 0);
+  EXPECT_EQ(npy_to_floats(read_npy(p("o.npy"))), want);
   expect_error(fill("decode --q {d}/q.npy --k {d}/k.npy --v {d}/v.npy --out {d}/o.npy --low nvfp4", dir), "MX 32-block");
 }
 

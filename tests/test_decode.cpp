@@ -91,6 +91,89 @@ TEST(Decode, EqualsPrefillLastRowsBitForBit) {
   EXPECT_GE(checked, 50);
 }
 
+// The accuracy transforms in the cache: with the prompt appended whole (smooth_k's mean is the
+// first append's), decode equals prefill's last rows bit for bit, LSE included, over later
+// single-token appends too.
+TEST(Decode, TransformsEqualPrefillLastRowsBitForBit) {
+  const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
+  std::vector<Policy> pols;
+  for (int mask = 1; mask < 8; ++mask) {
+    Policy p{e4, f4, 1 + (mask & 1), mask >> 2};
+    p.rotate = mask & 1;
+    p.smooth_k = mask & 2;
+    p.sink_keys = mask & 4 ? 3 : 0;
+    pols.push_back(p);
+  }
+  Policy pv4 = pols.back();
+  pv4.pv = PV::mxfp4;
+  pols.push_back(pv4);
+  Policy many = pols.back();
+  many.sink_keys = 200;  // more than a page
+  pols.push_back(many);
+  int checked = 0;
+  for (int64_t L : {1, 5, 200, 300})
+    for (int64_t nq : {1, 4}) {
+      if (nq > L || (L - nq) / kTile != (L - 1) / kTile) continue;
+      for (const Policy& pol : pols) {
+        const QKV x = problem(4, 2, nq, L, 64, uint64_t(L * 7 + nq));
+        KVCache cache(2, 64, pol);
+        const int s = fill(cache, x, {std::max<int64_t>(L - 2, 1), 1, 1});  // the prompt, then tokens one by one
+        const Out want = prefill(x, pol), got = decode(cache, s, x.q);
+        if (pol.smooth_k && L > 2) {
+          // The mean is the first append's (L - 2 tokens), not prefill's over L: close, not equal.
+          EXPECT_LT(compare(got.out.to_floats(), want.out.to_floats()).rel_l2, 0.05) << pol.describe();
+          continue;
+        }
+        ASSERT_EQ(got.out.to_floats(), want.out.to_floats()) << "L=" << L << " Nq=" << nq << " " << pol.describe();
+        ASSERT_EQ(got.lse, want.lse) << "L=" << L << " Nq=" << nq << " " << pol.describe();
+        ++checked;
+      }
+      for (const Policy& pol : pols) {  // the whole sequence in one append: smooth_k's mean is prefill's
+        if (!pol.smooth_k) continue;
+        const QKV x = problem(4, 2, nq, L, 64, uint64_t(L * 7 + nq));
+        KVCache cache(2, 64, pol);
+        const int s = fill(cache, x, {});
+        const Out want = prefill(x, pol), got = decode(cache, s, x.q);
+        ASSERT_EQ(got.out.to_floats(), want.out.to_floats()) << "L=" << L << " Nq=" << nq << " " << pol.describe();
+        ASSERT_EQ(got.lse, want.lse) << "L=" << L << " Nq=" << nq << " " << pol.describe();
+        ++checked;
+      }
+    }
+  EXPECT_GE(checked, 40);
+}
+
+// What the cache keeps for the transforms: smooth_k's mean is the first append's, sink rows the
+// first keys as quantized, both in the byte count; smooth_q is prefill-only (decode is unchanged by it).
+TEST(Decode, TransformStateOfTheCache) {
+  const QKV x = problem(4, 2, 1, 40, 64, 11);
+  Policy pol;
+  pol.smooth_k = true;
+  pol.sink_keys = 2;
+  KVCache cache(2, 64, pol);
+  const int s = fill(cache, x, {10, 30});
+  const std::vector<float> k = x.k.to_floats();  // [1][2][40][64]
+  for (int h = 0; h < 2; ++h)
+    for (int i = 0; i < 64; i += 13) {
+      double m = 0;
+      for (int t = 0; t < 10; ++t) m += k[size_t((h * 40 + t) * 64 + i)];
+      EXPECT_FLOAT_EQ(cache.key_mean(s)[size_t(h * 64 + i)], float(m / 10));
+      const float centred = k[size_t((h * 40 + 1) * 64 + i)] - cache.key_mean(s)[size_t(h * 64 + i)];
+      EXPECT_EQ(cache.sink_rows(s)[size_t((h * 2 + 1) * 64 + i)], round_bf16(centred));
+    }
+  KVCache plain(2, 64, Policy{});
+  const int p = fill(plain, x, {10, 30});
+  EXPECT_EQ(cache.bytes(s), plain.bytes(p) + (2 * 64 + 2 * 2 * 64) * sizeof(float));
+
+  // bf16 inputs, so rounding transformed rows changes nothing: smooth_q's decode is the plain one.
+  const QKV b = llm_like_qkv({1, 4, 2, 40, 40, 64}, 12, DType::bf16);
+  const HostTensor q = HostTensor::copy_of(slice_tokens(b.q.view(), 39, 1));
+  Policy sq;
+  sq.smooth_q = true;
+  KVCache smoothed(2, 64, sq), none(2, 64, Policy{});
+  const int a = fill(smoothed, b, {}), c = fill(none, b, {});
+  EXPECT_EQ(decode(smoothed, a, q).out.to_floats(), decode(none, c, q).out.to_floats());
+}
+
 TEST(Decode, SplitKvMergesByLse) {
   const QKV x = problem(8, 2, 4, 1000, 128, 5);
   Policy pv8{};
@@ -207,9 +290,12 @@ TEST(Decode, MemoryAndReencoding) {
 
 TEST(Decode, RejectsWhatItCannotDo) {
   EXPECT_THROW(KVCache(2, 64, Policy{Format::mxfp8_e4m3, Format::nvfp4, 1, 0}), Error);
-  Policy sk;
-  sk.smooth_k = true;
-  EXPECT_THROW(KVCache(2, 64, sk), Error);
+  Policy many_sinks;
+  many_sinks.sink_keys = 100000;  // retained in fp32: the cache caps them
+  EXPECT_THROW(KVCache(2, 64, many_sinks), Error);
+  Policy pv_fp8;
+  pv_fp8.pv = PV::fp8;
+  EXPECT_THROW(KVCache(2, 64, pv_fp8), Error);
   EXPECT_THROW(KVCache(2, 48, Policy{}), Error);
   const QKV x = random_qkv({1, 4, 2, 17, 300, 64}, 3);
   KVCache cache(2, 64, Policy{});

@@ -16,6 +16,15 @@
 // i.e. the policy of the query tile of position L-1. For queries that all lie in that tile this is
 // exactly the prefill definition, and decode equals the prefill path's last Nq rows. Queries that
 // straddle a 128-position boundary (Nq > 1 only) use the newest tile's policy for all rows.
+//
+// The accuracy transforms (policy.hpp) in the cache: `rotate` stores K rotated and rotates each
+// query as decode quantizes it; `smooth_k` subtracts one per-head mean fixed by the sequence's first
+// append (its tokens' mean: a prompt appended whole gives prefill's mean) from every key the
+// sequence holds, and decode reports LSE unshifted; `sink_keys` retains the sequence's first keys as
+// they enter quantization and scores them exactly. Transformed rows (K and q) are rounded to bf16
+// before quantization, as in prefill. So decode still equals prefill's last rows when the prompt
+// is the first append. `smooth_q` applies to prefill only: its exact term mu.k needs unquantized
+// keys, which the cache does not hold, so decode quantizes its queries unsmoothed.
 // Split-KV: each split runs its pages in ascending order (online softmax), partial results merge
 // by LSE; one split reproduces prefill bit for bit, more splits round P relative to each split's
 // own maximum (rel. L2 ~1e-3 against one split).
@@ -32,8 +41,10 @@ namespace dmattn {
 
 class KVCache {
  public:
+  static constexpr int kMaxSinkKeys = 1024;  // sink keys a cache retains (fp32 rows a head)
+
   // Throws dmattn::Error for what a cache cannot hold: NVFP4 (its tensor scale needs all tokens),
-  // smooth_k (K's mean depends on tokens not yet appended), head dims unsupported.
+  // pv = fp8 (its V scales need all tokens), head dims unsupported.
   KVCache(int64_t kv_heads, int64_t head_dim, const Policy& policy);
 
   int new_sequence();                  // an empty sequence's id
@@ -43,8 +54,15 @@ class KVCache {
 
   int64_t length(int seq) const;
   const std::vector<int32_t>& page_table(int seq) const;  // logical page -> physical page
+  // smooth_k: the sequence's K mean [kv_heads][d] (rotated when rotate is on; empty before the first
+  // append or without smooth_k).
+  const std::vector<float>& key_mean(int seq) const;
+  // sink_keys: the sequence's first min(sink_keys, length) keys as quantized (transformed, rounded to
+  // bf16), [kv_heads][sink_keys][d], zeros past its length; empty without sink_keys.
+  const std::vector<float>& sink_rows(int seq) const;
   // Bytes this sequence holds: K codes and scales, V (bf16, or MXFP8 codes and scales), retained
-  // fp32 K of window pages and (pv = mxfp8) the retained fp32 V of the open 32-key block.
+  // fp32 K of window pages, (pv = mxfp8) the retained fp32 V of the open 32-key block, and the
+  // transforms' K mean and sink rows.
   size_t bytes(int seq) const;
   int64_t kv_heads() const { return heads_; }
   int64_t head_dim() const { return d_; }
@@ -78,7 +96,11 @@ class KVCache {
     int64_t length = 0;
     bool live = false;
     std::vector<float> v_tail;  // pv = mxfp8: originals of the open 32-key block, [heads][32][d]
+    std::vector<float> kmean;   // smooth_k: [heads][d], fixed by the first append
+    std::vector<float> sink;    // sink_keys: [heads][sink_keys][d]
   };
+  // K rows [heads][n][d] as they enter quantization: rotated, centred, rounded (the transforms).
+  void transform_keys(Sequence& s, std::vector<float>& k, int64_t n) const;
   void encode_values(Sequence& s, Page& pg, int64_t off, int64_t take, const float* v, int64_t n) const;
   bool high_block(int64_t block, int64_t last_block) const;
   void encode_rows(Page& pg, int64_t h, int64_t row0, int64_t rows, const float* k) const;

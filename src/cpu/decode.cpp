@@ -14,6 +14,7 @@
 #include "dmattn/mx_codec.hpp"
 #include "dmattn/numeric.hpp"
 #include "dmattn/quantize.hpp"
+#include "dmattn/rotation.hpp"
 #include "problem.hpp"
 
 namespace dmattn {
@@ -76,6 +77,7 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
       throw Error("decode_attention: sequence " + std::to_string(s) + " holds " + std::to_string(cache.length(s)) +
                   " tokens, fewer than the " + std::to_string(Nq) + " queries (append their keys first)");
   const float scale = opts.softmax_scale.value_or(1.0f / std::sqrt(float(d)));
+  if (!(scale > 0.0f && std::isfinite(scale))) throw Error("decode_attention: softmax_scale must be positive and finite");
   if (q.device == Device::cuda) {
 #if defined(DMATTN_HAVE_CUDA)
     cuda::decode_attention(cache, seqs, q, out, lse, scale, opts.splits, opts.stream);
@@ -86,6 +88,9 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
   }
   const Policy& pol = cache.policy();
   const int64_t group = Hq / Hkv;
+  const bool transformed = !pol.transforms().empty();
+  // The rotation multiplies every score by its block size: the scale divides it out (as prefill).
+  const float kscale = pol.rotate ? scale / float(rotation_block(int(d))) : scale;
 
   cpu::parallel_for(S * Hkv, opts.threads, [&](int64_t item) {
     const int64_t si = item / Hkv, hk = item % Hkv;
@@ -96,7 +101,11 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
     for (int32_t p : table) pages.push_back(unpack(cache.page(p), hk, d, cache.policy().pv));
     const int64_t np = int64_t(pages.size());
     const int64_t splits = std::min<int64_t>(std::max(opts.splits, 1), np);
-    std::vector<float> qf(static_cast<size_t>(d)), qe[2], qs[2];
+    // The transforms' per-sequence state: K's mean (smooth_k) and the sink keys' rows.
+    const int seq = seqs[size_t(si)];
+    const float* kmean = pol.smooth_k ? cache.key_mean(seq).data() + hk * d : nullptr;
+    const float* sink = pol.sink_keys > 0 ? cache.sink_rows(seq).data() + hk * pol.sink_keys * d : nullptr;
+    std::vector<float> qf(static_cast<size_t>(d)), qorig, exact(size_t(std::max(pol.sink_keys, 0))), qe[2], qs[2];
     const Format fmt[2] = {pol.high, pol.low};
     for (int s = 0; s < 2; ++s) {
       qe[s].resize(size_t(d));
@@ -108,9 +117,26 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
         load_row(q, si, h, r, qf.data());
         for (float x : qf)
           if (!std::isfinite(x)) throw Error("decode_attention: q holds a non-finite value");
+        // q as prefill quantizes it: rotated, then rounded to bf16 when transformed; qorig keeps the
+        // rotated fp32 row for the exact terms.
+        if (pol.rotate) rotate_row(qf.data(), int(d));
+        qorig = qf;
+        if (transformed)
+          for (float& x : qf) x = round_bf16(x);
+        const int64_t kend = L - Nq + r + 1;  // causal, bottom-right
+        // Sink keys scored exactly: the sequence's first min(sink_keys, L) keys.
+        const int64_t nexact = sink ? std::min<int64_t>(pol.sink_keys, L) : 0;
+        for (int64_t n = 0; n < nexact; ++n) exact[size_t(n)] = cpu::dot_f64(qorig.data(), sink + n * d, int(d));
+        auto fix_of = [&](int64_t j) {
+          cpu::ScoreFix fix;
+          if (j * T < nexact) {
+            fix.exact = int(std::min<int64_t>(T, nexact - j * T));
+            fix.exact_s = exact.data() + j * T;
+          }
+          return fix;
+        };
         for (int s = 0; s < 2; ++s)
           quantize_row_values(qf.data(), int(d), fmt[s], pol.scale_rule, 1.0f, qe[s].data(), qs[s].data());
-        const int64_t kend = L - Nq + r + 1;  // causal, bottom-right
         // Each split's pages in ascending order, then the LSE merge of the splits in order (one
         // split passes through unchanged: prefill's arithmetic exactly).
         cpu::Partial total{int(d)};
@@ -121,8 +147,8 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
             const PageTiles& pt = pages[size_t(j)];
             const int slot = pt.format == pol.high ? 0 : 1;
             const int nvalid = int(std::min<int64_t>(T, kend - j * T));
-            cpu::online_tile(qe[slot].data(), qs[slot].data(), pt.keys, 0, pt.values, 0, nvalid, int(d), scale, pol.pv,
-                             pol.scale_rule, part.m, part.l, part.acc.data());
+            cpu::online_tile(qe[slot].data(), qs[slot].data(), pt.keys, 0, pt.values, 0, nvalid, int(d), kscale, pol.pv,
+                             pol.scale_rule, part.m, part.l, part.acc.data(), fix_of(j));
           }
           cpu::merge(total, part);
         }
@@ -130,7 +156,9 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
           throw Error("decode_attention: scores overflow fp32 (sequence " + std::to_string(seqs[size_t(si)]) + ")");
         for (float& x : total.acc) x /= total.l;
         store_row(out, si, h, r, total.acc.data());
-        if (lse) lse[(si * Hq + h) * Nq + r] = total.m + std::log(total.l);
+        // smooth_k shifted every score by q.mean(K): LSE is reported unshifted.
+        const float shift = kmean ? cpu::dot_f64(qorig.data(), kmean, int(d)) * kscale : 0.0f;
+        if (lse) lse[(si * Hq + h) * Nq + r] = total.m + std::log(total.l) + shift;
       }
     }
   });

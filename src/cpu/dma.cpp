@@ -29,23 +29,6 @@ struct Slots {
   int low() const { return count - 1; }
 };
 
-// The per-channel mean of rows [n, d], accumulated in fp64 and rounded once to fp32.
-std::vector<float> channel_mean(const float* x, int64_t n, int d) {
-  std::vector<double> acc(static_cast<size_t>(d), 0.0);
-  for (int64_t r = 0; r < n; ++r)
-    for (int i = 0; i < d; ++i) acc[size_t(i)] += x[r * d + i];
-  std::vector<float> mean(static_cast<size_t>(d));
-  for (int i = 0; i < d; ++i) mean[size_t(i)] = float(acc[size_t(i)] / double(n));
-  return mean;
-}
-
-// dot(a, b) over d channels, accumulated in fp64 and rounded once to fp32.
-float dot_f64(const float* a, const float* b, int d) {
-  double s = 0;
-  for (int i = 0; i < d; ++i) s += double(a[i]) * b[i];
-  return float(s);
-}
-
 }  // namespace
 
 void dma_attention(const Problem& p) {

@@ -10,6 +10,21 @@
 #include "dmattn/quantize.hpp"
 
 namespace dmattn::cpu {
+
+std::vector<float> channel_mean(const float* x, int64_t n, int d) {
+  std::vector<double> acc(static_cast<size_t>(d), 0.0);
+  for (int64_t r = 0; r < n; ++r)
+    for (int i = 0; i < d; ++i) acc[size_t(i)] += x[r * d + i];
+  std::vector<float> mean(static_cast<size_t>(d));
+  for (int i = 0; i < d; ++i) mean[size_t(i)] = float(acc[size_t(i)] / double(n));
+  return mean;
+}
+
+float dot_f64(const float* a, const float* b, int d) {
+  double s = 0;
+  for (int i = 0; i < d; ++i) s += double(a[i]) * b[i];
+  return float(s);
+}
 namespace {
 
 constexpr int T = kTile;

@@ -2,6 +2,7 @@
 // (decode.cpp): keys and values of one (batch, kv head) in compute form, and the online-softmax step
 // of one query row over one 128-key tile. One implementation, so decode and prefill round alike.
 #pragma once
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -11,6 +12,13 @@
 namespace dmattn::cpu {
 
 constexpr int kPVBlock = 32;  // MXFP8 block along keys for pv = mxfp8
+
+// The per-channel mean of rows x [n, d], accumulated in fp64 and rounded once to fp32 (smooth_k's
+// and smooth_q's means).
+std::vector<float> channel_mean(const float* x, int64_t n, int d);
+// dot(a, b) over d channels, accumulated in fp64 and rounded once to fp32 (the transforms' exact
+// terms: sink scores, smooth_q's mu.k, smooth_k's LSE shift).
+float dot_f64(const float* a, const float* b, int d);
 
 // One format's keys for one (batch, kv head), tile-major and transposed so that the inner loops run
 // over the 128 keys of a tile with unit stride. Keys past Nk are zero.

@@ -32,6 +32,7 @@
 #include "dmattn/format.hpp"
 #include "dmattn/mx_codec.hpp"
 #include "dmattn/numeric.hpp"
+#include "dmattn/rotation.hpp"
 
 namespace dmattn::cuda {
 namespace {
@@ -54,6 +55,8 @@ struct Params {
   Elem kelem[2];         // K's element type per slot (q's too: it takes the page's format)
   float* part;           // [rows][splits][d + 2]: unnormalised acc, m (raw score units), l
   int Hq, Nq, G, splits, chunks;
+  const float* sink;     // [rows][sink_keys]: the sink keys' exact scores (raw units), or null
+  int sink_keys;
   float scale;           // softmax scale x log2(e): the softmax runs in base 2 (ex2.approx) on (s - m) x scale
   ScaleRule rule;        // pv != bf16: P's 32-key blocks take their scales by this rule
 };
@@ -506,6 +509,18 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
         case Elem::e2m3: block_scores<D, kNR, Elem::e2m3>(st, qs, sqs, lt, sc); break;
       }
     }
+    if (j * T < p.sink_keys) {  // sink keys: their exact scores replace the quantized ones
+      const int kb = j * T + 32 * warp + g;
+#pragma unroll
+      for (int nr = 0; nr < kNR; ++nr)
+#pragma unroll
+        for (int mt = 0; mt < 2; ++mt)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int key = kb + 16 * mt + 8 * (i / 2), row = 8 * nr + 2 * t + i % 2;
+            if (key < p.sink_keys && row < rows) sc[mt][nr][i] = p.sink[(qrow0 + row) * p.sink_keys + key];
+          }
+    }
     // Mask (keys past each row's end: -inf), the rows' maxima over this warp's raw scores (the scale is
     // applied to s - m below, scale > 0).
     const int kbase = j * T + 32 * warp + g;
@@ -682,7 +697,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
 // empty split is zeros with m = -inf, weight 0), so they are in flight together.
 template <class TOut>
 __global__ void merge_splits(const float* part, int64_t rows, int splits, int d, TOut* out, int64_t osb, int64_t osh,
-                             int64_t osn, int Hq, int Nq, float scale, float* lse) {
+                             int64_t osn, int Hq, int Nq, float scale, float* lse, const float* lse_shift) {
   asm volatile("griddepcontrol.wait;" ::: "memory");  // the decode kernel's partials are complete and visible
   const int64_t wid = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32, row = wid / (d / 32);
   const int lane = threadIdx.x % 32, c = int(wid % (d / 32)) * 32 + lane;
@@ -706,7 +721,32 @@ __global__ void merge_splits(const float* part, int64_t rows, int splits, int d,
   for (int sp = 0; sp < splits; ++sp) o += pr[sp * (d + 2) + c] * (sp < 32 ? __shfl_sync(0xffffffffu, w_lane, sp) : weight(sp));
   const int64_t s = row / (int64_t(Hq) * Nq), h = row / Nq % Hq, r = row % Nq;
   out[s * osb + h * osh + r * osn + c] = from_float<TOut>(o / lsum);
-  if (lse && c == 0) lse[row] = M * scale + logf(lsum);  // M in raw score units
+  if (lse && c == 0) lse[row] = M * scale + logf(lsum) + (lse_shift ? lse_shift[row] : 0.0f);  // M in raw score units
+}
+
+// The query side of the transforms (QueryTransform), a thread per row (decode has few): the row
+// rotated in fp32 as rotate_row defines it, stored rounded to bf16 for the decode kernel's
+// quantization; from the rotated fp32 row, the sink keys' exact scores and smooth_k's LSE shift,
+// accumulated in fp64 as the CPU oracle's dot_f64.
+template <class TIn>
+__global__ void transform_queries(const TIn* q, int64_t qsb, int64_t qsh, int64_t qsn, int Hq, int Nq, int G, int d,
+                                  int64_t rows, QueryTransform qt, float scale, uint16_t* qout, float* sink, float* shift) {
+  const int64_t row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (row >= rows) return;
+  const int64_t s = row / (int64_t(Hq) * Nq), h = row / Nq % Hq, r = row % Nq, hk = h / G, Hkv = Hq / G;
+  float x[128];
+  const TIn* src = q + s * qsb + h * qsh + r * qsn;
+  for (int i = 0; i < d; ++i) x[i] = to_float(src[i]);
+  if (qt.rotate) rotate_row(x, d);
+  for (int i = 0; i < d; ++i) qout[row * d + i] = to_bf16(x[i]).bits;
+  auto dot = [&](const float* k) {
+    double acc = 0;
+    for (int i = 0; i < d; ++i) acc += double(x[i]) * k[i];
+    return float(acc);
+  };
+  if (qt.sink)
+    for (int n = 0; n < qt.sink_keys; ++n) sink[row * qt.sink_keys + n] = dot(qt.sink + ((s * Hkv + hk) * qt.sink_keys + n) * d);
+  if (qt.kmean) shift[row] = dot(qt.kmean + (s * Hkv + hk) * d) * scale;
 }
 
 // kCtas CTAs an SM (Smem sizes the stages for it): a block-synchronous kernel measured faster at two
@@ -751,7 +791,7 @@ void launch(const Params& p, dim3 grid, int d, int vbits, int nr, int ctas, cuda
 }  // namespace
 
 void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorView& q, const TensorView& out, float* lse,
-                        float scale, int splits, int* nonfinite, cudaStream_t stream) {
+                        float scale, int splits, int* nonfinite, cudaStream_t stream, const QueryTransform& qt) {
   const int64_t S = kv.S, Hkv = kv.Hkv, d = kv.d, Hq = q.shape[1], Nq = q.shape[2];
   if (d != 64 && d != 128) throw Error("the CUDA decode supports head dims 64 and 128 (got " + std::to_string(d) + ")");
   if (q.device != Device::cuda || out.device != Device::cuda) throw Error("decode: q and out must be CUDA tensors");
@@ -774,7 +814,6 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   // Rows per CTA: 8 (one N tile of the mma) when the GQA group's rows fit, else 16 and more chunks.
   const int nr = p.G * p.Nq <= 8 ? 1 : 2;
   p.chunks = (p.G * p.Nq + 8 * nr - 1) / (8 * nr);
-  p.scale = float(double(scale) * 1.4426950408889634);  // base 2 in the kernel, the product rounded once
   p.rule = policy.scale_rule;
   int dev = 0, sms = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
@@ -791,8 +830,30 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   p.qsb = q.stride[0];
   p.qsh = q.stride[1];
   p.qsn = q.stride[2];
+  float* lse_shift = nullptr;
+  if (qt.on) {
+    // The rotation multiplies every score by its block size: the scale divides it out (exactly).
+    if (qt.rotate) scale /= float(rotation_block(int(d)));
+    uint16_t* qx = buf.alloc<uint16_t>(size_t(rows * d) * sizeof(uint16_t));
+    float* sink = qt.sink ? buf.alloc<float>(size_t(rows * qt.sink_keys) * sizeof(float)) : nullptr;
+    lse_shift = qt.kmean ? buf.alloc<float>(size_t(rows) * sizeof(float)) : nullptr;
+    const unsigned blocks = unsigned((rows + 127) / 128);
+    with_typed(q, [&](auto* typed) {
+      transform_queries<<<blocks, 128, 0, stream>>>(typed, q.stride[0], q.stride[1], q.stride[2], int(Hq), int(Nq), p.G,
+                                                    int(d), rows, qt, scale, qx, sink, lse_shift);
+    });
+    check(cudaGetLastError(), "decode query transform");
+    p.q = qx;
+    p.qdt = DType::bf16;
+    p.qsn = d;
+    p.qsh = Nq * d;
+    p.qsb = Hq * Nq * d;
+    p.sink = sink;
+    p.sink_keys = qt.sink ? qt.sink_keys : 0;
+  }
   p.nonfinite = nonfinite;
   for (int sl = 0; sl < 2; ++sl) p.kelem[sl] = format_info(fmt[sl]).elem;
+  p.scale = float(double(scale) * 1.4426950408889634);  // base 2 in the kernel, the product rounded once
   p.part = buf.alloc<float>(size_t(rows * p.splits * (d + 2)) * sizeof(float));
   const dim3 grid(unsigned(p.splits), unsigned(Hkv * p.chunks), unsigned(S));
   launch(p, grid, int(d), vbits, nr, plan.ctas_per_sm, stream);
@@ -812,17 +873,17 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   with_typed(out, [&](auto* typed) {
     check(cudaLaunchKernelEx(&cfg, merge_splits<std::remove_pointer_t<decltype(typed)>>, static_cast<const float*>(p.part),
                              rows, p.splits, int(d), typed, out.stride[0], out.stride[1], out.stride[2], int(Hq), int(Nq),
-                             scale, lse),
+                             scale, lse, static_cast<const float*>(lse_shift)),
           "merge kernel");
   });
 }
 
 void decode_paged(const PagedKV& kv, const Policy& policy, const TensorView& q, const TensorView& out, float* lse,
-                  float scale, int splits, cudaStream_t stream) {
+                  float scale, int splits, cudaStream_t stream, const QueryTransform& qt) {
   Buffers buf(stream);
   int* bad = buf.alloc<int>(sizeof(int));
   check(cudaMemsetAsync(bad, 0, sizeof(int), stream), "cudaMemset");
-  decode_paged_async(kv, policy, q, out, lse, scale, splits, bad, stream);
+  decode_paged_async(kv, policy, q, out, lse, scale, splits, bad, stream, qt);
   int bad_host = 0;
   check(cudaMemcpyAsync(&bad_host, bad, sizeof bad_host, cudaMemcpyDeviceToHost, stream), "decode");
   check(cudaStreamSynchronize(stream), "decode");

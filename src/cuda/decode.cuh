@@ -27,14 +27,25 @@ struct PagedKV {
 // V's bits in the records for a pv mode (bf16 16, mxfp8 8, mxfp4 4).
 inline int v_bits(PV pv) { return pv == PV::bf16 ? 16 : pv == PV::mxfp8 ? 8 : 4; }
 
+// The accuracy transforms on decode's side (include/dmattn/kv_cache.hpp): with any transform on,
+// each query row is rotated (rotate) and rounded to bf16 before quantization, the sink keys' scores
+// are computed exactly from the rotated fp32 row, and smooth_k's LSE shift q.mean(K) x scale is added.
+struct QueryTransform {
+  bool on = false, rotate = false;
+  const float* kmean = nullptr;  // [S][Hkv][d] device floats (smooth_k) or null
+  const float* sink = nullptr;   // [S][Hkv][sink_keys][d] device floats or null
+  int sink_keys = 0;
+};
+
 // q, out: [S, Hq, Nq, d] CUDA views (unit stride on d); lse [S*Hq*Nq] device floats or null. splits
 // 0 = automatic. Enqueues the work on `stream` (q's quantization, the decode, the split merge) and
 // sets *nonfinite (device memory) to 1 if q holds NaN/Inf; throws dmattn::Error on bad arguments.
+// The scale is the caller's softmax scale; with qt.rotate the rotation's block size is divided out here.
 void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorView& q, const TensorView& out, float* lse,
-                        float scale, int splits, int* nonfinite, cudaStream_t stream);
+                        float scale, int splits, int* nonfinite, cudaStream_t stream, const QueryTransform& qt = {});
 
 // The same, synchronous: returns when the results are written; NaN/Inf in q throws.
 void decode_paged(const PagedKV& kv, const Policy& policy, const TensorView& q, const TensorView& out, float* lse,
-                  float scale, int splits, cudaStream_t stream);
+                  float scale, int splits, cudaStream_t stream, const QueryTransform& qt = {});
 
 }  // namespace dmattn::cuda

@@ -162,7 +162,30 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
   Buffers buf(stream);
   const PagedKV kv{m.rec, m.slot, buf.upload(table.data(), table.size()), buf.upload(length.data(), length.size()),
                    S, max_pages, int(Hkv), int(d), m.vbits};
-  decode_paged(kv, cache.policy(), q, out, lse, scale, splits, stream);
+  // The transforms' per-sequence state (K's mean, the sink rows) goes up with each call: a few KB.
+  const Policy& pol = cache.policy();
+  QueryTransform qt;
+  qt.on = !pol.transforms().empty();
+  qt.rotate = pol.rotate;
+  std::vector<float> kmean, sink;
+  for (int sq : seqs) {
+    if (pol.smooth_k) {
+      const std::vector<float>& mu = cache.key_mean(sq);
+      kmean.insert(kmean.end(), mu.begin(), mu.end());
+      if (mu.empty()) kmean.resize(kmean.size() + size_t(Hkv * d), 0.0f);  // no tokens yet: decode refuses it anyway
+    }
+    if (pol.sink_keys > 0) {
+      const std::vector<float>& rows = cache.sink_rows(sq);
+      sink.insert(sink.end(), rows.begin(), rows.end());
+      if (rows.empty()) sink.resize(sink.size() + size_t(Hkv * pol.sink_keys * d), 0.0f);
+    }
+  }
+  if (!kmean.empty()) qt.kmean = buf.upload(kmean.data(), kmean.size());
+  if (!sink.empty()) {
+    qt.sink = buf.upload(sink.data(), sink.size());
+    qt.sink_keys = pol.sink_keys;
+  }
+  decode_paged(kv, pol, q, out, lse, scale, splits, stream, qt);
 }
 
 }  // namespace dmattn::cuda

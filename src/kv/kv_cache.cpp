@@ -4,11 +4,13 @@
 #include <cmath>
 #include <string>
 
+#include "cpu/tiles.hpp"
 #include "dmattn/attention.hpp"
 #include "dmattn/error.hpp"
 #include "dmattn/mx_codec.hpp"
 #include "dmattn/numeric.hpp"
 #include "dmattn/quantize.hpp"
+#include "dmattn/rotation.hpp"
 
 namespace dmattn {
 namespace {
@@ -26,8 +28,8 @@ KVCache::KVCache(int64_t kv_heads, int64_t head_dim, const Policy& policy)
     if (!fi.has_codes || fi.block != 32)
       throw Error("KVCache: stores MX 32-block formats (mxfp8-*, mxfp6-*, mxfp4), not " + std::string(fi.name));
   }
-  if (!policy.transforms().empty())
-    throw Error("KVCache: the accuracy transforms (" + policy.transforms() + ") are not supported in the cache yet");
+  if (policy.sink_keys > kMaxSinkKeys)
+    throw Error("KVCache: sink_keys at most " + std::to_string(kMaxSinkKeys) + " (the cache retains them in fp32)");
   if (policy.pv == PV::fp8)
     throw Error("KVCache: pv=fp8 is not supported (its per-channel V scales depend on every token; use mxfp8 or mxfp4)");
   policy.validate();
@@ -43,10 +45,12 @@ const KVCache::Sequence& KVCache::seq(int id) const { return const_cast<KVCache*
 int KVCache::new_sequence() {
   for (size_t i = 0; i < seqs_.size(); ++i)
     if (!seqs_[i].live) {
-      seqs_[i] = Sequence{{}, 0, true, {}};
+      seqs_[i] = Sequence{};
+      seqs_[i].live = true;
       return int(i);
     }
-  seqs_.push_back(Sequence{{}, 0, true, {}});
+  seqs_.emplace_back();
+  seqs_.back().live = true;
   return int(seqs_.size() - 1);
 }
 
@@ -63,6 +67,8 @@ void KVCache::free_sequence(int id) {
 
 int64_t KVCache::length(int id) const { return seq(id).length; }
 const std::vector<int32_t>& KVCache::page_table(int id) const { return seq(id).table; }
+const std::vector<float>& KVCache::key_mean(int id) const { return seq(id).kmean; }
+const std::vector<float>& KVCache::sink_rows(int id) const { return seq(id).sink; }
 
 size_t KVCache::bytes(int id) const {
   size_t n = 0;
@@ -71,7 +77,8 @@ size_t KVCache::bytes(int id) const {
     n += pg.codes.size() + pg.scales.size() + pg.v.size() * sizeof(uint16_t) + pg.v8.size() + pg.vs.size() +
          pg.kept.size() * sizeof(float);
   }
-  return n + seq(id).v_tail.size() * sizeof(float);
+  const Sequence& s = seq(id);
+  return n + (s.v_tail.size() + s.kmean.size() + s.sink.size()) * sizeof(float);
 }
 
 // The decode alignment of docs/DESIGN.md: page j is high while it is one of the diag_tiles pages ending at
@@ -153,6 +160,30 @@ void KVCache::encode_values(Sequence& s, Page& pg, int64_t off, int64_t take, co
   if (end % kB == 0) s.v_tail.clear();
 }
 
+void KVCache::transform_keys(Sequence& s, std::vector<float>& k, int64_t n) const {
+  if (policy_.transforms().empty()) return;
+  const int d = int(d_);
+  if (policy_.rotate)
+    for (int64_t r = 0; r < heads_ * n; ++r) rotate_row(k.data() + r * d, d);
+  if (policy_.smooth_k) {
+    if (s.kmean.empty())  // the first append fixes the mean
+      for (int64_t h = 0; h < heads_; ++h) {
+        const std::vector<float> mu = cpu::channel_mean(k.data() + h * n * d, n, d);
+        s.kmean.insert(s.kmean.end(), mu.begin(), mu.end());
+      }
+    for (int64_t h = 0; h < heads_; ++h)
+      for (int64_t r = 0; r < n; ++r)
+        for (int i = 0; i < d; ++i) k[size_t((h * n + r) * d + i)] -= s.kmean[size_t(h * d + i)];
+  }
+  for (float& x : k) x = round_bf16(x);
+  if (policy_.sink_keys > 0) {
+    if (s.sink.empty()) s.sink.assign(size_t(heads_ * policy_.sink_keys * d), 0.0f);
+    for (int64_t t = s.length; t < std::min<int64_t>(policy_.sink_keys, s.length + n); ++t)
+      for (int64_t h = 0; h < heads_; ++h)
+        std::copy_n(k.data() + (h * n + t - s.length) * d, d, s.sink.data() + (h * policy_.sink_keys + t) * d);
+  }
+}
+
 void KVCache::append(int id, const TensorView& k, const TensorView& v) {
   Sequence& s = seq(id);
   for (const TensorView* t : {&k, &v}) {
@@ -171,6 +202,8 @@ void KVCache::append(int id, const TensorView& k, const TensorView& v) {
     }
   for (size_t i = 0; i < kall.size(); ++i)
     if (!std::isfinite(kall[i]) || !std::isfinite(vall[i])) throw Error("KVCache::append: k or v holds a non-finite value");
+  if (n == 0) return;
+  transform_keys(s, kall, n);
   for (int64_t t0 = 0; t0 < n;) {
     const int64_t pos = s.length, block = pos / T, off = pos % T, take = std::min(n - t0, T - off);
     if (off == 0) {  // a new page, in the format its block has as the newest one

@@ -114,6 +114,41 @@ TEST(GpuDecode, MatchesCpuDecode) {
     }
 }
 
+// The accuracy transforms (rotate, smooth_k, sink keys) over the cache: the query pre-pass (rotation,
+// bf16 rounding, exact sink scores, LSE shift) and the kernel's sink scores against the CPU decode,
+// sink keys spanning two pages included, with ragged lengths and GQA.
+TEST(GpuDecode, TransformsMatchCpuDecode) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
+  std::vector<Policy> pols;
+  for (int mask = 1; mask < 8; ++mask) {
+    Policy p{e4, f4, 1, mask >> 2};
+    p.rotate = mask & 1;
+    p.smooth_k = mask & 2;
+    p.sink_keys = mask & 4 ? 4 : 0;
+    pols.push_back(p);
+  }
+  Policy wide = with_pv(pols.back(), PV::mxfp4);
+  wide.sink_keys = 160;
+  pols.push_back(wide);
+  for (int64_t d : {64, 128})
+    for (const Policy& pol : pols) {
+      const int64_t Hkv = 2, Hq = 8, lens[3] = {3, 300, 1301};
+      KVCache cache(Hkv, d, pol);
+      std::vector<int> ids;
+      for (int i = 0; i < 3; ++i) {
+        const QKV x = llm_like_qkv({1, Hq, Hkv, lens[i], lens[i], d}, uint64_t(40 * d + i));
+        ids.push_back(cache.new_sequence());
+        append_all(cache, ids.back(), x, 0, lens[i] - 1);
+        append_all(cache, ids.back(), x, lens[i] - 1, 1);
+      }
+      for (int64_t Nq : {1, 3}) {
+        const QKV qs = llm_like_qkv({3, Hq, Hkv, Nq, Nq, d}, uint64_t(d + Nq + 100));
+        check_decode(cache, ids, qs.q, 2, 1e-5, ("transforms d=" + std::to_string(d) + " Nq=" + std::to_string(Nq)).c_str());
+      }
+    }
+}
+
 // The instances of three and four CTAs an SM (8-row CTAs; V in MXFP4 fits four, MXFP8 three: fewer
 // stages a warp), which the automatic plan picks only for grids that fill the GPU: forced here, against
 // the CPU decode (DMATTN_DECODE_CTAS; a forced count above what the instance fits runs the largest).
