@@ -79,6 +79,8 @@ Problem validate(const TensorView& q, const TensorView& k, const TensorView& v, 
   p.check_finite = o.check_finite;
   p.q_pos0 = o.q_offset.value_or(p.Nk - p.Nq);
   p.k_pos0 = o.k_offset.value_or(0);
+  p.window_left = o.window_left < 0 ? -1 : o.window_left;
+  p.window_right = o.window_right < 0 ? -1 : o.window_right;
   if (p.k_pos0 % kTile != 0)
     throw Error("k_offset must be a multiple of 128 (whole key tiles), got " + std::to_string(p.k_pos0));
   return p;
@@ -97,6 +99,8 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v, co
 #if defined(DMATTN_HAVE_CUDA)
     if (!on_gpu) throw Error("the CUDA backend needs tensors on the GPU (attention_on_device stages host tensors)");
     if (opts.exact) throw Error("the exact fp64 reference runs on the CPU only");
+    if (p.window_left >= 0 || p.window_right >= 0)
+      throw Error("sliding windows run on the CPU backend; the CUDA kernels do not take them yet");
     cuda::dma_attention(p);
     return;
 #else

@@ -21,11 +21,20 @@ struct Problem {
   void* stream = nullptr;  // cudaStream_t for the CUDA backend
   bool check_finite = true;  // throw on NaN/Inf inputs (CUDA: reads flags back, a host sync)
   int64_t q_pos0 = 0, k_pos0 = 0;  // absolute positions of query row 0 and key 0 (k_pos0 % 128 == 0)
+  int64_t window_left = -1, window_right = -1;  // sliding window; -1: unbounded
 
   int64_t group() const { return Hq / Hkv; }
   int64_t position(int64_t r) const { return q_pos0 + r; }  // default q_pos0 = Nk - Nq: bottom-right
-  // One past the last key (local index) that row r sees.
-  int64_t key_end(int64_t r) const { return causal ? std::clamp<int64_t>(position(r) + 1 - k_pos0, 0, Nk) : Nk; }
+  // The mask, stated once: row r sees the local keys [key_begin(r), key_end(r)) (causal and the
+  // sliding window; key_begin <= key_end).
+  int64_t key_end(int64_t r) const {
+    int64_t end = causal ? position(r) + 1 - k_pos0 : Nk;
+    if (window_right >= 0) end = std::min(end, position(r) + window_right + 1 - k_pos0);
+    return std::clamp<int64_t>(end, 0, Nk);
+  }
+  int64_t key_begin(int64_t r) const {
+    return window_left < 0 ? 0 : std::clamp<int64_t>(position(r) - window_left - k_pos0, 0, key_end(r));
+  }
   int64_t key_tile0() const { return k_pos0 / kTile; }  // absolute tile of local key tile 0
   // Absolute query tile of row r (floor division: positions can be negative when Nq > Nk).
   int64_t query_tile(int64_t r) const { return hd::floor_div(position(r), kTile); }

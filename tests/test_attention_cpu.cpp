@@ -44,7 +44,8 @@ AttentionOptions opts(Policy p, bool causal = false) {
 }
 
 // Naive fp64 attention written independently of the library.
-std::vector<double> naive(const QKV& x, bool causal, double scale) {
+// window: keys n with p - left <= n <= p + right (negative: unbounded), p the row's position.
+std::vector<double> naive(const QKV& x, bool causal, double scale, int64_t left = -1, int64_t right = -1) {
   const Shape qs = x.q.shape(), ks = x.k.shape();
   const std::vector<float> q = x.q.to_floats(), k = x.k.to_floats(), v = x.v.to_floats();
   const int64_t B = qs[0], Hq = qs[1], Nq = qs[2], d = qs[3], Hkv = ks[1], Nk = ks[2];
@@ -55,9 +56,12 @@ std::vector<double> naive(const QKV& x, bool causal, double scale) {
       for (int64_t r = 0; r < Nq; ++r) {
         std::vector<double> s;
         const float* qr = &q[size_t(((b * Hq + h) * Nq + r) * d)];
-        const int64_t end = causal ? std::min(Nk, std::max<int64_t>(0, r + Nk - Nq + 1)) : Nk;
+        const int64_t pos = r + Nk - Nq;
+        int64_t end = causal ? std::min(Nk, std::max<int64_t>(0, pos + 1)) : Nk;
+        if (right >= 0) end = std::min(end, std::max<int64_t>(0, pos + right + 1));
+        const int64_t begin = left >= 0 ? std::min(end, std::max<int64_t>(0, pos - left)) : 0;
         double m = -1e300;
-        for (int64_t n = 0; n < end; ++n) {
+        for (int64_t n = begin; n < end; ++n) {
           const float* kr = &k[size_t(((b * Hkv + hk) * Nk + n) * d)];
           double dot = 0;
           for (int64_t i = 0; i < d; ++i) dot += double(qr[i]) * kr[i];
@@ -66,9 +70,9 @@ std::vector<double> naive(const QKV& x, bool causal, double scale) {
         }
         double l = 0;
         for (double& e : s) l += (e = std::exp(e - m));
-        for (int64_t n = 0; n < end; ++n) {
+        for (int64_t n = begin; n < end; ++n) {
           const float* vr = &v[size_t(((b * Hkv + hk) * Nk + n) * d)];
-          for (int64_t i = 0; i < d; ++i) o[size_t(((b * Hq + h) * Nq + r) * d + i)] += s[size_t(n)] / l * vr[i];
+          for (int64_t i = 0; i < d; ++i) o[size_t(((b * Hq + h) * Nq + r) * d + i)] += s[size_t(n - begin)] / l * vr[i];
         }
       }
     }
@@ -218,6 +222,45 @@ TEST(AttentionCpu, CausalRowsIgnoreMaskedKeys) {
           const bool same = std::memcmp(&before.out[o], &after.out[o], 64 * sizeof(float)) == 0;
           EXPECT_EQ(same, !sees) << "pv " << int(pv) << " row " << r;
         }
+    }
+  }
+}
+
+// Sliding windows: the exact reference equals the naive fp64 one, DMA stays within its causal
+// error, and a key outside a row's window does not touch that row (windows that start mid-tile,
+// one-sided and two-sided, causal and not).
+TEST(AttentionCpu, SlidingWindowSeesOnlyItsKeys) {
+  struct Case {
+    int64_t nq, nk, left, right;
+    bool causal;
+  };
+  for (const Case c : {Case{700, 700, 200, -1, true}, Case{300, 700, 0, -1, true}, Case{256, 256, 511, -1, true},
+                       Case{200, 400, 90, 37, false}, Case{200, 400, -1, 10, false}}) {
+    QKV x = random_qkv({1, 4, 2, c.nq, c.nk, 64}, uint64_t(c.nk + c.left));
+    AttentionOptions e = opts(Policy{}, c.causal);
+    e.exact = true;
+    e.window_left = c.left;
+    e.window_right = c.right;
+    const std::vector<double> want = naive(x, c.causal, 1.0 / 8.0, c.left, c.right);
+    const Result ex = run(x, e);
+    std::vector<float> wantf(want.begin(), want.end());
+    EXPECT_LT(rel_l2(ex.out, wantf), 1e-6) << c.left;
+    AttentionOptions o = opts(Policy{}, c.causal);
+    o.window_left = c.left;
+    o.window_right = c.right;
+    const Result dma = run(x, o);
+    EXPECT_LT(rel_l2(dma.out, wantf), 0.2) << c.left;  // MXFP4 tiles on Gaussian inputs: ~0.1-0.15
+    // Key n perturbed: exactly the rows whose window holds it change.
+    const int64_t n = c.nk / 2 + 3;
+    std::vector<float> k = x.k.to_floats();
+    for (int64_t i = 0; i < 64; ++i) k[size_t(n * 64 + i)] += 30.0f;
+    x.k = HostTensor::from_floats(k, x.k.shape());
+    const Result after = run(x, o);
+    for (int64_t r = 0; r < c.nq; ++r) {
+      const int64_t pos = r + c.nk - c.nq;
+      const bool sees = (!c.causal || n <= pos) && (c.left < 0 || n >= pos - c.left) && (c.right < 0 || n <= pos + c.right);
+      const size_t off = size_t(r * 64);  // head 0 reads KV head 0
+      EXPECT_EQ(std::memcmp(&dma.out[off], &after.out[off], 64 * sizeof(float)) != 0, sees) << "row " << r;
     }
   }
 }

@@ -4,8 +4,9 @@
 //  - Q [B,Hq,Nq,d], K and V [B,Hkv,Nk,d], Hq a multiple of Hkv (query head h reads KV head
 //    h / (Hq/Hkv)); out [B,Hq,Nq,d]; optional lse [B,Hq,Nq] fp32 (natural log of the sum of
 //    exp(scaled scores)).
-//  - Query row r sits at position p = r + Nk - Nq. Causal: it sees keys n <= p. A row that sees no
-//    key outputs zeros and lse = -inf.
+//  - Query row r sits at position p = r + Nk - Nq. Causal: it sees keys n <= p. A sliding window
+//    (left, right) keeps keys with p - left <= n <= p + right (a negative side is unbounded). A row
+//    that sees no key outputs zeros and lse = -inf. The window does not change the policy's tiles.
 //  - Tile (qtile = floor(p/128), ktile = n/128) uses policy.high when policy.is_high() says so,
 //    else policy.low. Each row of Q and K is quantized once per format (32-blocks along d; NVFP4:
 //    16-blocks, with one tensor scale per (batch, head) slice).
@@ -63,6 +64,9 @@ struct AttentionOptions {
   // block of a longer sequence, e.g. one shard pair of ring attention: the causal mask and the
   // policy's tiles then use these positions. k_offset must be a multiple of 128 (whole key tiles).
   std::optional<int64_t> q_offset, k_offset;
+  // Sliding window (flash-attn's window_size): a query at position p sees keys in [p - left,
+  // p + right]; -1 leaves that side unbounded. Key tiles wholly outside it are skipped. CPU backend.
+  int64_t window_left = -1, window_right = -1;
 };
 
 // Throws dmattn::Error on invalid input (shapes, head dim, NaN/Inf, unavailable backend).

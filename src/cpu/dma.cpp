@@ -140,8 +140,8 @@ void dma_attention(const Problem& p) {
         for (int64_t ri = 0; ri < rows; ++ri) tiles = std::max(tiles, (p.key_end(r0 + ri) + T - 1) / T);
         for (int64_t j = 0; j < tiles; ++j) {
           for (int64_t ri = 0; ri < rows; ++ri) {
-            const int64_t r = r0 + ri, kend = p.key_end(r);
-            if (j * T >= kend) continue;
+            const int64_t r = r0 + ri, kend = p.key_end(r), kbegin = p.key_begin(r);
+            if (j * T >= kend || (j + 1) * T <= kbegin) continue;  // outside the mask: skipped
             const int slot = pol.is_high(p.query_tile(r), p.key_tile0() + j) ? slots.high() : slots.low();
             const int nvalid = int(std::min<int64_t>(T, kend - j * T));
             ScoreFix fix;
@@ -151,7 +151,7 @@ void dma_attention(const Problem& p) {
               fix.exact_s = exact.data() + ri * exact_keys + j * T;
             }
             online_tile(qe[slot].data() + ri * d, qs[slot].data() + ri * keys[slot].nblk, keys[slot], j, values, j,
-                        nvalid, d, scale, pol.pv, rule, m[size_t(ri)], l[size_t(ri)], acc.data() + ri * d, fix);
+                        nvalid, d, scale, pol.pv, rule, m[size_t(ri)], l[size_t(ri)], acc.data() + ri * d, fix, int(std::max<int64_t>(0, kbegin - j * T)));
           }
         }
         for (int64_t ri = 0; ri < rows; ++ri) {
@@ -159,7 +159,7 @@ void dma_attention(const Problem& p) {
           const float li = l[size_t(ri)];
           // Finite inputs can still overflow fp32 scores (|q.k| > 3.4e38): say so, never emit NaN.
           // Unchecked inputs (check_finite off) may hold NaN/Inf: their rows come out NaN.
-          const bool broken = p.key_end(r0 + ri) > 0 && !(std::isfinite(m[size_t(ri)]) && std::isfinite(li));
+          const bool broken = p.key_end(r0 + ri) > p.key_begin(r0 + ri) && !(std::isfinite(m[size_t(ri)]) && std::isfinite(li));
           if (broken && p.check_finite)
             throw Error("attention scores overflow fp32 at head " + std::to_string(h) + ", row " +
                         std::to_string(r0 + ri) + ": inputs too large for the fp32 score accumulator");

@@ -29,9 +29,9 @@ void exact_attention(const Problem& p) {
         std::vector<float> qf(static_cast<size_t>(d)), of(static_cast<size_t>(d));
         std::vector<double> s(size_t(tiles * T)), o(static_cast<size_t>(d), 0.0);
         load_row(p.q, b, h, r, qf.data());
-        const int64_t end = p.key_end(r);
+        const int64_t begin = p.key_begin(r), end = p.key_end(r);
         double m = -std::numeric_limits<double>::infinity();
-        for (int64_t j = 0; j * T < end; ++j) {
+        for (int64_t j = begin / T; j * T < end; ++j) {
           double* sj = s.data() + j * T;
           for (int n = 0; n < T; ++n) sj[n] = 0.0;
           const double* kt = KT.data() + j * d * T;
@@ -39,21 +39,21 @@ void exact_attention(const Problem& p) {
             const double qi = qf[size_t(i)];
             for (int n = 0; n < T; ++n) sj[n] += qi * kt[i * T + n];
           }
-          for (int64_t n = j * T; n < std::min(end, (j + 1) * T); ++n) {
+          for (int64_t n = std::max(begin, j * T); n < std::min(end, (j + 1) * T); ++n) {
             s[size_t(n)] *= double(p.scale);
             m = std::max(m, s[size_t(n)]);
           }
         }
         double l = 0.0;
-        for (int64_t n = 0; n < end; ++n) {
+        for (int64_t n = begin; n < end; ++n) {
           const double e = std::exp(s[size_t(n)] - m);
           l += e;
           const double* vr = V.data() + n * d;
           for (int64_t i = 0; i < d; ++i) o[size_t(i)] += e * vr[i];
         }
-        for (int64_t i = 0; i < d; ++i) of[size_t(i)] = end > 0 ? float(o[size_t(i)] / l) : 0.0f;
+        for (int64_t i = 0; i < d; ++i) of[size_t(i)] = end > begin ? float(o[size_t(i)] / l) : 0.0f;
         store_row(p.out, b, h, r, of.data());
-        if (float* lse = p.lse_at(b, h, r)) *lse = end > 0 ? float(m + std::log(l)) : -std::numeric_limits<float>::infinity();
+        if (float* lse = p.lse_at(b, h, r)) *lse = end > begin ? float(m + std::log(l)) : -std::numeric_limits<float>::infinity();
       });
     }
   }

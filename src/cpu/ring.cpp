@@ -45,6 +45,7 @@ void ring_attention_simulated(const TensorView& q, const TensorView& k, const Te
     if (f == Format::nvfp4) throw Error("ring: nvfp4's tensor scale needs an all-reduce over the shards (not built)");
   if (!p.policy.transforms().empty())
     throw Error("ring: the accuracy transforms (" + p.policy.transforms() + ") need statistics across shards (not built)");
+  if (p.window_left >= 0 || p.window_right >= 0) throw Error("ring: sliding windows are not built into the ring schedule");
   if (p.policy.pv == PV::fp8) throw Error("ring: pv=fp8's per-channel V scales need an all-reduce over the shards (not built)");
   const int d = int(p.d);
   const int R = plan.ranks;

@@ -148,14 +148,14 @@ ValueRows prepare_values(const std::vector<float>& vf, int64_t nk, int d, PV pv,
 
 void online_tile(const float* qe, const float* qs, const KeyTiles& K, int64_t ktile, const ValueRows& V,
                  int64_t vtile, int nvalid, int d, float scale, PV pv, ScaleRule rule, float& m, float& l, float* acc,
-                 const ScoreFix& fix) {
+                 const ScoreFix& fix, int first) {
   float s[T], pr[T];
   score_row(qe, qs, K, ktile, d, s);
   if (fix.add)
     for (int n = 0; n < T; ++n) s[n] += fix.add[n];
   for (int n = 0; n < std::min(fix.exact, T); ++n) s[n] = fix.exact_s[n];
   float mt = -std::numeric_limits<float>::infinity();
-  for (int n = 0; n < nvalid; ++n) {
+  for (int n = first; n < nvalid; ++n) {
     s[n] *= scale;
     mt = std::max(mt, s[n]);
   }
@@ -163,7 +163,7 @@ void online_tile(const float* qe, const float* qs, const KeyTiles& K, int64_t kt
   const float alpha = std::exp(m - mnew);
   float psum = 0.0f;
   for (int n = 0; n < T; ++n) {
-    pr[n] = n < nvalid ? std::exp(s[n] - mnew) : 0.0f;
+    pr[n] = n >= first && n < nvalid ? std::exp(s[n] - mnew) : 0.0f;
     psum += pr[n];
   }
   l = l * alpha + psum;

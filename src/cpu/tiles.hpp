@@ -50,11 +50,11 @@ struct ScoreFix {
 };
 
 // One query row (elements qe[d], block scales qs in K's format) against key tile `ktile` of K and
-// value tile `vtile` of V, nvalid keys visible: the online-softmax update of the row's running max
+// value tile `vtile` of V, keys [first, nvalid) of the tile visible: the online-softmax update of the row's running max
 // m, sum l and unnormalised output acc[d] (tiles must come in ascending key order).
 void online_tile(const float* qe, const float* qs, const KeyTiles& K, int64_t ktile, const ValueRows& V,
                  int64_t vtile, int nvalid, int d, float scale, PV pv, ScaleRule rule, float& m, float& l, float* acc,
-                 const ScoreFix& fix = {});
+                 const ScoreFix& fix = {}, int first = 0);
 
 // One row's unnormalised partial result over some of its keys (split-KV, ring steps): running
 // max m, sum l and P.V acc[d]; m = -inf while it has seen no key.
