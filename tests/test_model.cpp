@@ -10,7 +10,7 @@
 
 #include "dmattn/attention.hpp"
 #include "model/eval.hpp"
-#include "model/llama.hpp"
+#include "model/transformer.hpp"
 #include "model/tokenizer.hpp"
 
 using namespace dmattn;
@@ -23,7 +23,7 @@ const std::string kModel = std::string(DMATTN_SOURCE_DIR) + "/.cache/models/Smol
 struct Loaded {
   Gguf g;
   Tokenizer tok;
-  Llama llama;
+  Transformer llama;
   explicit Loaded(Gguf gg) : g(std::move(gg)), tok(g), llama(g) {}
 };
 
@@ -95,9 +95,10 @@ TEST(Model, TruncatedPassGivesTheFullPassLayerInputs) {
   HostTensor q_full, k_full, v_full;
   const AttentionFn exact = exact_attention_fn();
   auto recorder = [&](bool keep_full) {
-    return [&, keep_full](int l, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o) {
+    return [&, keep_full](int l, int64_t window, const TensorView& q, const TensorView& k, const TensorView& v,
+                          const TensorView& o) {
       calls.push_back(l);
-      exact(l, q, k, v, o);
+      exact(l, window, q, k, v, o);
       if (keep_full && l == layer) q_full = HostTensor::copy_of(q), k_full = HostTensor::copy_of(k), v_full = HostTensor::copy_of(v);
     };
   };
@@ -113,4 +114,84 @@ TEST(Model, TruncatedPassGivesTheFullPassLayerInputs) {
   EXPECT_TRUE(same(c.q, q_full));
   EXPECT_TRUE(same(c.k, k_full));
   EXPECT_TRUE(same(c.v, v_full));
+}
+
+// The second model family: Gemma-3-270M (scripts/fetch_model.sh gemma3): SentencePiece tokenizer,
+// Q4_K/Q6_K/Q5_0 weights, the Gemma 3 forward pass with its sliding-window layers.
+namespace {
+const std::string kGemma = std::string(DMATTN_SOURCE_DIR) + "/.cache/models/gemma-3-270m-q4_k_m.gguf";
+const Loaded* loaded_gemma() {
+  static const Loaded* m = std::filesystem::exists(kGemma) ? new Loaded(Gguf::load(kGemma)) : nullptr;
+  return m;
+}
+#define NEED_GEMMA()                                         \
+  const Loaded* G = loaded_gemma();                          \
+  if (!G) GTEST_SKIP() << "model not fetched (bash scripts/fetch_model.sh gemma3)"
+}  // namespace
+
+TEST(Gemma, ConfigHasLocalAndGlobalLayers) {
+  NEED_GEMMA();
+  const ModelConfig& c = G->llama.config();
+  EXPECT_EQ(c.arch, Arch::gemma3);
+  EXPECT_EQ(c.head_dim, 256);
+  EXPECT_EQ(c.n_kv, 1);
+  EXPECT_EQ(c.window(0), 511);   // local: 512 positions, the query's own included
+  EXPECT_EQ(c.window(5), -1);    // every sixth layer is global
+  EXPECT_EQ(c.window(17), -1);
+}
+
+TEST(Gemma, TokenizerRoundTripsWithSentencePiecePieces) {
+  NEED_GEMMA();
+  const std::string text = "Hello world! It's 2026,\n\nand    the year's 365 days\tare long. Ünïcödé ✓";
+  const std::vector<int> ids = G->tok.encode(text);
+  EXPECT_EQ(G->tok.decode(ids), text);
+  EXPECT_LT(ids.size(), text.size() / 2);
+  // Whole words are single pieces with their leading space; newline runs are user-defined pieces.
+  EXPECT_EQ(G->tok.encode(" the"), (std::vector<int>{506}));
+  EXPECT_EQ(G->tok.encode("\n\n"), (std::vector<int>{108}));
+  EXPECT_TRUE(G->tok.add_bos());
+  const std::string lic = text_sample();
+  EXPECT_EQ(G->tok.decode(G->tok.encode(lic)), lic);
+}
+
+// A base model of 270M parameters: it counts on, and tells the stock story.
+TEST(Gemma, GreedyContinuationIsCoherent) {
+  NEED_GEMMA();
+  auto continue_greedy = [&](const std::string& prompt, int steps) {
+    std::vector<int> ids = G->tok.encode(prompt);
+    ids.insert(ids.begin(), G->tok.bos());
+    std::string out;
+    for (int step = 0; step < steps; ++step) {
+      const std::vector<float> h = G->llama.hidden(ids, exact_attention_fn());
+      const std::vector<float> z = G->llama.logits(&h[(ids.size() - 1) * size_t(G->llama.config().dim)]);
+      const int next = int(std::max_element(z.begin(), z.end()) - z.begin());
+      ids.push_back(next);
+      out += G->tok.decode({next});
+    }
+    std::printf("continuation: \"%s%s\"\n", prompt.c_str(), out.c_str());
+    return out;
+  };
+  EXPECT_EQ(continue_greedy("1, 2, 3, 4, 5,", 6).rfind(" 6, 7,", 0), 0u);
+  EXPECT_NE(continue_greedy("Once upon a time, there was a", 3).find("little"), std::string::npos);
+}
+
+// Perplexity in a 270M model's range over 1024 tokens (longer than the local layers' window), and
+// the window matters: the same pass with every layer global scores differently.
+TEST(Gemma, PerplexityOnRealTextIsInRangeAndTheWindowIsApplied) {
+  NEED_GEMMA();
+  std::vector<int> ids = G->tok.encode(text_sample());
+  ids.resize(1023);
+  ids.insert(ids.begin(), G->tok.bos());
+  const auto [nll, n] = G->llama.nll(ids, exact_attention_fn(), 512);
+  const double ppl = std::exp(nll / double(n));
+  const AttentionFn exact = exact_attention_fn();
+  const auto [nll_global, n2] = G->llama.nll(
+      ids, [&](int l, int64_t, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o) {
+        exact(l, -1, q, k, v, o);
+      }, 512);
+  std::printf("Gemma-3-270M perplexity (Apache-2.0 text, tokens 512..1023): %.3f; every layer global: %.3f\n", ppl,
+              std::exp(nll_global / double(n2)));
+  EXPECT_GT(ppl, 1.5);
+  EXPECT_LT(ppl, 40.0);
+  EXPECT_NE(nll, nll_global);
 }

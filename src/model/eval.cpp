@@ -114,9 +114,11 @@ EvalConfig config_by_name(const std::string& name) {
 
 namespace {
 AttentionFn policy_fn(const EvalConfig& c, int threads) {
-  return [c, threads](int, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out) {
+  return [c, threads](int, int64_t window, const TensorView& q, const TensorView& k, const TensorView& v,
+                      const TensorView& out) {
     AttentionOptions o;
     o.causal = true;
+    o.window_left = window;
     o.exact = c.exact;
     o.policy = c.policy;
     o.threads = threads;
@@ -126,10 +128,17 @@ AttentionFn policy_fn(const EvalConfig& c, int threads) {
 }
 }  // namespace
 
-std::vector<EvalResult> evaluate(const Llama& model, const std::vector<int>& tokens,
+std::vector<EvalResult> evaluate(const Transformer& model, const std::vector<int>& tokens,
                                  const std::vector<EvalConfig>& configs, const EvalOptions& opts) {
   if (opts.ctx < 16) throw Error("eval: context too short");
-  int64_t windows = int64_t(tokens.size()) / opts.ctx;
+  const int64_t text_per_window = opts.bos >= 0 ? opts.ctx - 1 : opts.ctx;
+  auto window = [&](int64_t wi) {
+    std::vector<int> w;
+    if (opts.bos >= 0) w.push_back(opts.bos);
+    w.insert(w.end(), tokens.begin() + wi * text_per_window, tokens.begin() + (wi + 1) * text_per_window);
+    return w;
+  };
+  int64_t windows = int64_t(tokens.size()) / text_per_window;
   if (opts.max_windows > 0) windows = std::min(windows, opts.max_windows);
   if (windows == 0) throw Error("eval: the text has fewer tokens (" + std::to_string(tokens.size()) + ") than one window (" + std::to_string(opts.ctx) + ")");
   const int L = model.config().n_layer;
@@ -141,16 +150,17 @@ std::vector<EvalResult> evaluate(const Llama& model, const std::vector<int>& tok
   // Per-layer errors on the first window: every policy on the same exact-pass Q/K/V.
   {
     std::vector<double> err2(configs.size() * size_t(L), 0.0), ref2(size_t(L), 0.0);
-    const std::vector<int> w(tokens.begin(), tokens.begin() + opts.ctx);
+    const std::vector<int> w = window(0);
     const AttentionFn exact = policy_fn({"exact", {}, true}, opts.threads);
-    model.hidden(w, [&](int layer, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out) {
-      exact(layer, q, k, v, out);
+    model.hidden(w, [&](int layer, int64_t window, const TensorView& q, const TensorView& k, const TensorView& v,
+                        const TensorView& out) {
+      exact(layer, window, q, k, v, out);
       HostTensor tmp(DType::f32, out.shape);
       const std::vector<float> r = HostTensor::copy_of(out).to_floats();
       for (double x : r) ref2[size_t(layer)] += x * x;
       for (size_t c = 0; c < configs.size(); ++c) {
         if (configs[c].exact) continue;
-        policy_fn(configs[c], opts.threads)(layer, q, k, v, tmp.view());
+        policy_fn(configs[c], opts.threads)(layer, window, q, k, v, tmp.view());
         const std::vector<float> t = tmp.to_floats();
         double e = 0;
         for (size_t i = 0; i < t.size(); ++i) e += (double(t[i]) - r[i]) * (double(t[i]) - r[i]);
@@ -167,7 +177,7 @@ std::vector<EvalResult> evaluate(const Llama& model, const std::vector<int>& tok
     int64_t n = 0;
     for (int64_t wi = 0; wi < windows; ++wi) {
       if (opts.progress) opts.progress(c, wi, windows);
-      const std::vector<int> w(tokens.begin() + wi * opts.ctx, tokens.begin() + (wi + 1) * opts.ctx);
+      const std::vector<int> w = window(wi);
       const auto [s, k] = model.nll(w, policy_fn(configs[c], opts.threads), opts.ctx / 2);
       nll += s;
       n += k;
@@ -180,15 +190,15 @@ std::vector<EvalResult> evaluate(const Llama& model, const std::vector<int>& tok
   return res;
 }
 
-LayerQKV capture_layer(const Llama& model, const std::vector<int>& tokens, int layer) {
+LayerQKV capture_layer(const Transformer& model, const std::vector<int>& tokens, int layer) {
   if (layer < 0 || layer >= model.config().n_layer) throw Error("capture_layer: no layer " + std::to_string(layer));
   LayerQKV out;
   const AttentionFn exact = exact_attention_fn();
   // Layers after `layer` do not change its inputs: the forward pass stops there.
   model.hidden(
       tokens,
-      [&](int l, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o) {
-        exact(l, q, k, v, o);
+      [&](int l, int64_t window, const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& o) {
+        exact(l, window, q, k, v, o);
         if (l != layer) return;
         out.q = HostTensor::copy_of(q);
         out.k = HostTensor::copy_of(k);

@@ -7,7 +7,7 @@
 #include <vector>
 
 #include "dmattn/attention.hpp"
-#include "model/llama.hpp"
+#include "model/transformer.hpp"
 
 namespace dmattn::model {
 
@@ -47,13 +47,14 @@ struct EvalOptions {
   int ctx = 2048;
   int64_t max_windows = 0;  // 0 = every full window of the text
   int threads = 0;
+  int bos = -1;  // >= 0: every window starts with this token, then ctx - 1 tokens of text (models that expect BOS)
   // Called as work proceeds: (config index, window index, windows).
   std::function<void(size_t, int64_t, int64_t)> progress;
   // Called with each config's result as soon as it is complete, in order (the exact config first).
   std::function<void(const EvalResult&)> on_result;
 };
 
-std::vector<EvalResult> evaluate(const Llama& model, const std::vector<int>& tokens,
+std::vector<EvalResult> evaluate(const Transformer& model, const std::vector<int>& tokens,
                                  const std::vector<EvalConfig>& configs, const EvalOptions& opts);
 
 // The model scripts/fetch_model.sh installs, relative to the repository root.
@@ -67,6 +68,6 @@ std::string read_text_files(const std::vector<std::string>& files);  // concaten
 struct LayerQKV {
   HostTensor q, k, v;
 };
-LayerQKV capture_layer(const Llama& model, const std::vector<int>& tokens, int layer);
+LayerQKV capture_layer(const Transformer& model, const std::vector<int>& tokens, int layer);
 
 }  // namespace dmattn::model

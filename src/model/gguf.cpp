@@ -81,16 +81,41 @@ GgufValue read_value(Reader& r, uint32_t type, const std::string& what, int dept
   return v;
 }
 
-uint64_t block_size(uint32_t type) { return type == 0 || type == 1 ? 1 : 32; }
+uint64_t block_size(uint32_t type) {
+  switch (GgmlType(type)) {
+    case GgmlType::f32:
+    case GgmlType::f16: return 1;
+    case GgmlType::q4_k:
+    case GgmlType::q6_k: return 256;
+    default: return 32;
+  }
+}
 uint64_t block_bytes(uint32_t type) {
   switch (GgmlType(type)) {
     case GgmlType::f32: return 4;
     case GgmlType::f16: return 2;
     case GgmlType::q4_0: return 18;
     case GgmlType::q4_1: return 20;
+    case GgmlType::q5_0: return 22;
     case GgmlType::q8_0: return 34;
+    case GgmlType::q4_k: return 144;
+    case GgmlType::q6_k: return 210;
   }
-  throw Error("unsupported ggml tensor type " + std::to_string(type) + " (supported: F32, F16, Q4_0, Q4_1, Q8_0)");
+  throw Error("unsupported ggml tensor type " + std::to_string(type) +
+              " (supported: F32, F16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q6_K)");
+}
+
+// Q4_K's 6-bit scale and min of sub-block j (0..7) from its 12 packed bytes: sub-blocks 0..3 hold
+// theirs in the low 6 bits of bytes j and j + 4; 4..7 take 4 bits from byte j + 4 (low nibble for
+// the scale, high for the min) and their top 2 bits from the spare high bits of bytes j - 4 and j.
+void q4k_scale_min(const uint8_t* sc, int j, int& scale, int& min) {
+  if (j < 4) {
+    scale = sc[j] & 63;
+    min = sc[j + 4] & 63;
+  } else {
+    scale = (sc[j + 4] & 0xF) | ((sc[j - 4] >> 6) << 4);
+    min = (sc[j + 4] >> 4) | ((sc[j] >> 6) << 4);
+  }
 }
 
 float half(const uint8_t* p) {
@@ -136,6 +161,56 @@ void ggml_dequantize(uint32_t type, const uint8_t* src, int64_t numel, float* ds
           dst[j] = float(src[4 + j] & 0xF) * d + m;
           dst[j + 16] = float(src[4 + j] >> 4) * d + m;
         }
+      }
+      return;
+    case GgmlType::q5_0:  // d (f16), 32 high bits (u32), 16 bytes of low nibbles as Q4_0; value (q - 16) * d
+      for (int64_t b = 0; b < numel / 32; ++b, src += 22, dst += 32) {
+        const float d = half(src);
+        uint32_t qh;
+        std::memcpy(&qh, src + 2, 4);
+        for (int j = 0; j < 16; ++j) {
+          dst[j] = float(int((src[6 + j] & 0xF) | ((qh >> j) & 1) << 4) - 16) * d;
+          dst[j + 16] = float(int((src[6 + j] >> 4) | ((qh >> (j + 16)) & 1) << 4) - 16) * d;
+        }
+      }
+      return;
+    case GgmlType::q4_k:  // super-blocks of 256: d, dmin (f16), 12 bytes of 6-bit scales and mins, 128 bytes of nibbles
+      for (int64_t b = 0; b < numel / 256; ++b, src += 144, dst += 256) {
+        const float d = half(src), dmin = half(src + 2);
+        const uint8_t *sc = src + 4, *q = src + 16;
+        // Each 32 bytes of nibbles hold two sub-blocks of 32: low nibbles the first, high the second.
+        for (int pair = 0; pair < 4; ++pair) {
+          int s0, m0, s1, m1;
+          q4k_scale_min(sc, 2 * pair, s0, m0);
+          q4k_scale_min(sc, 2 * pair + 1, s1, m1);
+          for (int l = 0; l < 32; ++l) {
+            dst[64 * pair + l] = d * float(s0) * float(q[32 * pair + l] & 0xF) - dmin * float(m0);
+            dst[64 * pair + 32 + l] = d * float(s1) * float(q[32 * pair + l] >> 4) - dmin * float(m1);
+          }
+        }
+      }
+      return;
+    case GgmlType::q6_k:  // super-blocks of 256: 128 bytes of low nibbles, 64 of 2-bit highs, 16 int8 scales, d (f16)
+      for (int64_t b = 0; b < numel / 256; ++b, src += 210, dst += 256) {
+        const uint8_t *ql = src, *qh = src + 128;
+        const int8_t* sc = reinterpret_cast<const int8_t*>(src + 192);
+        const float d = half(src + 208);
+        // Two halves of 128: in each, byte l of 32 carries four 2-bit highs for elements l, l + 32,
+        // l + 64, l + 96; element l (and l + 64) takes the low (high) nibble of ql[l], l + 32 (and
+        // l + 96) those of ql[l + 32]; a scale per 16 elements; value (q - 32) * d * scale.
+        for (int part = 0; part < 2; ++part, ql += 64, qh += 32, sc += 8)
+          for (int l = 0; l < 32; ++l) {
+            const int is = l / 16;
+            const int q1 = int((ql[l] & 0xF) | ((qh[l] >> 0) & 3) << 4) - 32;
+            const int q2 = int((ql[l + 32] & 0xF) | ((qh[l] >> 2) & 3) << 4) - 32;
+            const int q3 = int((ql[l] >> 4) | ((qh[l] >> 4) & 3) << 4) - 32;
+            const int q4 = int((ql[l + 32] >> 4) | ((qh[l] >> 6) & 3) << 4) - 32;
+            float* y = dst + 128 * part;
+            y[l] = d * float(sc[is]) * float(q1);
+            y[l + 32] = d * float(sc[is + 2]) * float(q2);
+            y[l + 64] = d * float(sc[is + 4]) * float(q3);
+            y[l + 96] = d * float(sc[is + 6]) * float(q4);
+          }
       }
       return;
     case GgmlType::q8_0:  // d (f16), 32 int8; value q * d

@@ -1,5 +1,5 @@
-// GGUF files (v2/v3): header, metadata, tensor index, and dequantisation of F32, F16, Q4_0, Q4_1
-// and Q8_0 tensors. The whole file is read into memory; every offset, length and count is
+// GGUF files (v2/v3): header, metadata, tensor index, and dequantisation of F32, F16, Q4_0, Q4_1,
+// Q5_0, Q8_0, Q4_K and Q6_K tensors. The whole file is read into memory; every offset, length and count is
 // checked against it, so a malformed file gives a dmattn::Error, never a crash or a huge allocation.
 #pragma once
 #include <cstdint>
@@ -9,7 +9,7 @@
 
 namespace dmattn::model {
 
-enum class GgmlType : uint32_t { f32 = 0, f16 = 1, q4_0 = 2, q4_1 = 3, q8_0 = 8 };
+enum class GgmlType : uint32_t { f32 = 0, f16 = 1, q4_0 = 2, q4_1 = 3, q5_0 = 6, q8_0 = 8, q4_k = 12, q6_k = 14 };
 
 struct GgufValue {
   enum Kind { integer, real, boolean, string, array } kind = integer;

@@ -23,7 +23,7 @@ namespace {
 QKV real_qkv(const std::string& path, int64_t n, int layer, std::string& what) {
   const model::Gguf g = model::Gguf::load(path);
   const model::Tokenizer tok(g);
-  const model::Llama llama(g);
+  const model::Transformer llama(g);
   std::vector<int> ids = tok.encode(model::read_text_files({"/usr/share/common-licenses/GPL-3", "/usr/share/common-licenses/GPL-2"}));
   if (int64_t(ids.size()) < n) throw Error("the text has only " + std::to_string(ids.size()) + " tokens");
   ids.resize(size_t(n));

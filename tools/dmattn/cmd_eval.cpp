@@ -88,7 +88,7 @@ void add_eval(CLI::App& app) {
     if (a->model.empty()) a->model = default_model_path();
     const model::Gguf g = model::Gguf::load(a->model);
     const model::Tokenizer tok(g);
-    const model::Llama llama(g, a->threads);
+    const model::Transformer llama(g, a->threads);
     if (a->ctx > llama.config().ctx)
       throw Error("--ctx " + std::to_string(a->ctx) + " exceeds the model's context (" + std::to_string(llama.config().ctx) + ")");
     std::vector<std::string> files = a->texts;
@@ -98,7 +98,8 @@ void add_eval(CLI::App& app) {
     o.ctx = a->ctx;
     o.max_windows = a->windows;
     o.threads = a->threads;
-    int64_t windows = int64_t(tokens.size()) / a->ctx;
+    o.bos = tok.add_bos() ? tok.bos() : -1;
+    int64_t windows = int64_t(tokens.size()) / (o.bos >= 0 ? a->ctx - 1 : a->ctx);
     if (a->windows > 0) windows = std::min(windows, a->windows);
     const bool tty = isatty(fileno(stderr));
     using clock = std::chrono::steady_clock;
@@ -122,8 +123,9 @@ void add_eval(CLI::App& app) {
                      configs[c].name.c_str(), (long long)w + 1, (long long)n, eta.c_str(), tty ? "     " : "\n");
       std::fflush(stderr);
     };
-    std::printf("dmattn eval: %s, %zu tokens of text, %lld windows of %d (second half scored), %zu configs\n",
-                a->model.c_str(), tokens.size(), (long long)windows, a->ctx, configs.size());
+    std::printf("dmattn eval: %s, %zu tokens of text, %lld windows of %d%s (second half scored), %zu configs\n",
+                a->model.c_str(), tokens.size(), (long long)windows, a->ctx, o.bos >= 0 ? " (BOS first)" : "",
+                configs.size());
     std::printf("\n%-28s %10s %9s %16s %8s\n", "config", "ppl", "vs exact", "mean layer relL2", "time_s");
     std::fflush(stdout);
     // Rows are printed (and written to the CSV) as each config completes: a long run interrupted
