@@ -5,8 +5,14 @@ same process, a matrix of shapes; then the policies given on the command line at
 
 Usage: python3 bench/bench_python.py [POLICY ...]   (POLICY: name=key:value,key:value, e.g.
        rot=rotate:1,smooth_k:1,scale_rule:ceil; values 0/1 are booleans, digits ints)
+Environment: SHAPES=0 skips the shape matrix; ROUNDS=n times the policies n times, interleaved,
+and reports each one's median over the rounds (differences of a few percent need that);
+DECODE=1 adds decode through dmattn.KVCache (B=8, 8k tokens, Hq 32 / Hkv 8, d 128, one new query)
+for each policy's cache-side transforms, against SDPA over a bf16 cache.
 Prints one table a section: ms (median of CUDA-event timings) and the ratio to the best SDPA backend.
 """
+import os
+import statistics
 import sys
 
 import torch
@@ -55,34 +61,81 @@ def parse(spec):
     kw = {}
     for item in filter(None, body.split(",")):
         key, _, val = item.partition(":")
-        kw[key] = bool(int(val)) if val in ("0", "1") and key != "sink_keys" else int(val) if val.isdigit() else val
+        kw[key] = bool(int(val)) if key in ("smooth_k", "smooth_q", "rotate") else int(val) if val.isdigit() else val
     return name, kw
+
+
+def prefill_matrix():
+    print("\n| B x N, Hq/Hkv, d | cuDNN ms | flash ms | dmattn ms | vs best SDPA | unchecked ms |")
+    print("|---|---|---|---|---|---|")
+    for B, N, Hq, Hkv, d in SHAPES:
+        q, k, v = inputs(B, N, Hq, Hkv, d)
+        cud, fla = sdpa_ms(q, k, v, SDPBackend.CUDNN_ATTENTION), sdpa_ms(q, k, v, SDPBackend.FLASH_ATTENTION)
+        ms = timeit(lambda: dmattn.attention(q, k, v, causal=True))
+        unchecked = timeit(lambda: dmattn.attention(q, k, v, causal=True, check_finite=False))
+        best = min(x for x in (cud, fla) if x == x)
+        print(f"| {B} x {N}, {Hq}/{Hkv}, {d} | {cud:.3f} | {fla:.3f} | {ms:.3f} | {best / ms:.2f}x | {unchecked:.3f} |",
+              flush=True)
+        del q, k, v
+
+
+def prefill_policies(policies, rounds):
+    q, k, v = inputs(1, 16384, 32, 8, 128)
+    best = min(sdpa_ms(q, k, v, SDPBackend.CUDNN_ATTENTION), sdpa_ms(q, k, v, SDPBackend.FLASH_ATTENTION))
+    times = {name: [] for name, _ in policies}
+    for _ in range(rounds):
+        for name, kw in policies:
+            times[name].append(timeit(lambda: dmattn.attention(q, k, v, causal=True, **kw)))
+    print(f"\n| policy (1 x 16384, 32/8, 128; median of {rounds} rounds) | ms | vs best SDPA | vs first |")
+    print("|---|---|---|---|")
+    base = None
+    for name, kw in policies:
+        ms = statistics.median(times[name])
+        base = base or ms
+        print(f"| {name} {kw or ''} | {ms:.3f} | {best / ms:.2f}x | {ms / base - 1:+.1%} |", flush=True)
+
+
+def decode_policies(policies, rounds):
+    B, L, Hq, Hkv, d = 8, 8192, 32, 8, 128
+    g = torch.Generator(device="cuda").manual_seed(1)
+    k = torch.randn(B, Hkv, L, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(B, Hkv, L, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(B, Hq, 1, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    best = min(timeit(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)) for _ in range(2))
+    kh, vh = k.float().cpu().numpy(), v.float().cpu().numpy()
+    caches = {}
+    for name, kw in policies:
+        pol = dmattn.Policy(**{f: x for f, x in kw.items() if f != "smooth_q"})
+        cache = dmattn.KVCache(Hkv, d, pol)
+        ids = [cache.new_sequence() for _ in range(B)]
+        for i in ids:
+            cache.append(i, kh[i:i + 1], vh[i:i + 1])
+        caches[name] = (cache, ids)
+    times = {name: [] for name, _ in policies}
+    for _ in range(rounds):
+        for name, _ in policies:
+            cache, ids = caches[name]
+            times[name].append(timeit(lambda: dmattn.decode(cache, ids, q)))
+    print(f"\n| decode policy (B={B}, {L} tokens, {Hq}/{Hkv}, {d}, Nq=1; median of {rounds} rounds) "
+          "| µs | vs SDPA bf16 cache | vs first |")
+    print("|---|---|---|---|")
+    base = None
+    for name, kw in policies:
+        us = 1000 * statistics.median(times[name])
+        base = base or us
+        print(f"| {name} {kw or ''} | {us:.1f} | {1000 * best / us:.2f}x | {us / base - 1:+.1%} |", flush=True)
 
 
 def main():
     policies = [("default", {})] + [parse(s) for s in sys.argv[1:]]
+    rounds = int(os.environ.get("ROUNDS", "1"))
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}")
-    print("\n| B x N, Hq/Hkv, d | cuDNN ms | flash ms | dmattn ms | vs best SDPA | unchecked ms |")
-    print("|---|---|---|---|---|---|")
     with torch.inference_mode():
-        for B, N, Hq, Hkv, d in SHAPES:
-            q, k, v = inputs(B, N, Hq, Hkv, d)
-            cud, fla = sdpa_ms(q, k, v, SDPBackend.CUDNN_ATTENTION), sdpa_ms(q, k, v, SDPBackend.FLASH_ATTENTION)
-            ms = timeit(lambda: dmattn.attention(q, k, v, causal=True))
-            unchecked = timeit(lambda: dmattn.attention(q, k, v, causal=True, check_finite=False))
-            best = min(x for x in (cud, fla) if x == x)
-            print(f"| {B} x {N}, {Hq}/{Hkv}, {d} | {cud:.3f} | {fla:.3f} | {ms:.3f} | {best / ms:.2f}x | {unchecked:.3f} |",
-                  flush=True)
-            del q, k, v
-        q, k, v = inputs(1, 16384, 32, 8, 128)
-        best = min(sdpa_ms(q, k, v, SDPBackend.CUDNN_ATTENTION), sdpa_ms(q, k, v, SDPBackend.FLASH_ATTENTION))
-        print("\n| policy (1 x 16384, 32/8, 128) | ms | vs best SDPA | vs default |")
-        print("|---|---|---|---|")
-        base = None
-        for name, kw in policies:
-            ms = timeit(lambda: dmattn.attention(q, k, v, causal=True, **kw))
-            base = base or ms
-            print(f"| {name} {kw or ''} | {ms:.3f} | {best / ms:.2f}x | {ms / base - 1:+.1%} |", flush=True)
+        if os.environ.get("SHAPES", "1") != "0":
+            prefill_matrix()
+        prefill_policies(policies, rounds)
+        if os.environ.get("DECODE", "0") == "1":
+            decode_policies(policies, rounds)
 
 
 if __name__ == "__main__":
