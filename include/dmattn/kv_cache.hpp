@@ -54,12 +54,14 @@ class KVCache {
 
   int64_t length(int seq) const;
   const std::vector<int32_t>& page_table(int seq) const;  // logical page -> physical page
-  // smooth_k: the sequence's K mean [kv_heads][d] (rotated when rotate is on; empty before the first
-  // append or without smooth_k).
-  const std::vector<float>& key_mean(int seq) const;
-  // sink_keys: the sequence's first min(sink_keys, length) keys as quantized (transformed, rounded to
-  // bf16), [kv_heads][sink_keys][d], zeros past its length; empty without sink_keys.
-  const std::vector<float>& sink_rows(int seq) const;
+  // The transforms' state of a sequence, kept with its first page (Page::state): smooth_k's K mean
+  // [kv_heads][d] (rotated when rotate is on) and the first min(sink_keys, length) keys as quantized
+  // (transformed, rounded to bf16) [kv_heads][sink_keys][d], zeros past its length. Empty where the
+  // policy has no such transform or the sequence no token yet.
+  std::vector<float> key_mean(int seq) const;
+  std::vector<float> sink_rows(int seq) const;
+  // Rows of Page::state a head: 1 for smooth_k's mean, then sink_keys.
+  int state_rows() const { return (policy_.smooth_k ? 1 : 0) + policy_.sink_keys; }
   // Bytes this sequence holds: K codes and scales, V (bf16, or MXFP8 codes and scales), retained
   // fp32 K of window pages, (pv = mxfp8) the retained fp32 V of the open 32-key block, and the
   // transforms' K mean and sink rows.
@@ -77,6 +79,7 @@ class KVCache {
                                     // codes, two channels a byte (low nibble first)
     std::vector<uint8_t> vs;        // pv != bf16: [heads][128 / 32][d] E8M0 scales of 32-key blocks
     std::vector<float> kept;        // [heads][128][d] original K while re-encoding is ahead; else empty
+    std::vector<float> state;       // a sequence's first page: [heads][state_rows()][d], the transforms' state
     uint64_t version = 0;           // bumped whenever codes, scales or V change (device copies sync by it)
   };
   const Page& page(int32_t id) const { return pages_[size_t(id)]; }
@@ -96,11 +99,10 @@ class KVCache {
     int64_t length = 0;
     bool live = false;
     std::vector<float> v_tail;  // pv = mxfp8: originals of the open 32-key block, [heads][32][d]
-    std::vector<float> kmean;   // smooth_k: [heads][d], fixed by the first append
-    std::vector<float> sink;    // sink_keys: [heads][sink_keys][d]
   };
-  // K rows [heads][n][d] as they enter quantization: rotated, centred, rounded (the transforms).
-  void transform_keys(Sequence& s, std::vector<float>& k, int64_t n) const;
+  // K rows [heads][n][d] of tokens from position `pos` as they enter quantization: rotated, centred,
+  // rounded (the transforms); `state` (the first page's) takes the mean (first append) and sink rows.
+  void transform_keys(std::vector<float>& k, int64_t n, int64_t pos, std::vector<float>& state) const;
   void encode_values(Sequence& s, Page& pg, int64_t off, int64_t take, const float* v, int64_t n) const;
   bool high_block(int64_t block, int64_t last_block) const;
   void encode_rows(Page& pg, int64_t h, int64_t row0, int64_t rows, const float* k) const;

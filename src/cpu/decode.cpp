@@ -103,8 +103,9 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
     const int64_t splits = std::min<int64_t>(std::max(opts.splits, 1), np);
     // The transforms' per-sequence state: K's mean (smooth_k) and the sink keys' rows.
     const int seq = seqs[size_t(si)];
-    const float* kmean = pol.smooth_k ? cache.key_mean(seq).data() + hk * d : nullptr;
-    const float* sink = pol.sink_keys > 0 ? cache.sink_rows(seq).data() + hk * pol.sink_keys * d : nullptr;
+    const std::vector<float> kmeans = cache.key_mean(seq), sinks = cache.sink_rows(seq);
+    const float* kmean = pol.smooth_k ? kmeans.data() + hk * d : nullptr;
+    const float* sink = pol.sink_keys > 0 ? sinks.data() + hk * pol.sink_keys * d : nullptr;
     std::vector<float> qf(static_cast<size_t>(d)), qorig, exact(size_t(std::max(pol.sink_keys, 0))), qe[2], qs[2];
     const Format fmt[2] = {pol.high, pol.low};
     for (int s = 0; s < 2; ++s) {

@@ -724,29 +724,66 @@ __global__ void merge_splits(const float* part, int64_t rows, int splits, int d,
   if (lse && c == 0) lse[row] = M * scale + logf(lsum) + (lse_shift ? lse_shift[row] : 0.0f);  // M in raw score units
 }
 
-// The query side of the transforms (QueryTransform), a thread per row (decode has few): the row
-// rotated in fp32 as rotate_row defines it, stored rounded to bf16 for the decode kernel's
-// quantization; from the rotated fp32 row, the sink keys' exact scores and smooth_k's LSE shift,
-// accumulated in fp64 as the CPU oracle's dot_f64.
-template <class TIn>
-__global__ void transform_queries(const TIn* q, int64_t qsb, int64_t qsh, int64_t qsn, int Hq, int Nq, int G, int d,
-                                  int64_t rows, QueryTransform qt, float scale, uint16_t* qout, float* sink, float* shift) {
-  const int64_t row = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+// The query side of the transforms (QueryTransform), a warp per row, lane l holding channels
+// E*l .. E*l + E - 1 (E = D/32): the row rotated in fp32 as rotate_row defines it (signs, then the
+// butterfly stage by stage: stages h < E inside a lane, the others between lanes h/E apart, the
+// lower channel of a pair taking a + b and the upper a - b, so every value is rotate_row's), stored
+// rounded to bf16 for the decode kernel's quantization; from the rotated fp32 row, the sink keys'
+// exact scores and smooth_k's LSE shift, products and sums in fp64 (one rounding to fp32 at the end).
+template <int D, class TIn>
+__global__ void transform_queries(const TIn* q, int64_t qsb, int64_t qsh, int64_t qsn, int Hq, int Nq, int G,
+                                  int64_t rows, QueryTransform qt, PagedKV kv, float scale, uint16_t* qout, float* sink,
+                                  float* shift) {
+  constexpr int E = D / 32;
+  const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x % 32;
   if (row >= rows) return;
-  const int64_t s = row / (int64_t(Hq) * Nq), h = row / Nq % Hq, r = row % Nq, hk = h / G, Hkv = Hq / G;
-  float x[128];
-  const TIn* src = q + s * qsb + h * qsh + r * qsn;
-  for (int i = 0; i < d; ++i) x[i] = to_float(src[i]);
-  if (qt.rotate) rotate_row(x, d);
-  for (int i = 0; i < d; ++i) qout[row * d + i] = to_bf16(x[i]).bits;
+  const int64_t s = row / (int64_t(Hq) * Nq), h = row / Nq % Hq, r = row % Nq, hk = h / G;
+  const TIn* src = q + s * qsb + h * qsh + r * qsn + E * lane;
+  float x[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) x[e] = to_float(src[e]);
+  if (qt.rotate) {
+#pragma unroll
+    for (int e = 0; e < E; ++e) x[e] *= rotation_sign(E * lane + e);
+#pragma unroll
+    for (int hh = 1; hh < E; hh *= 2)
+#pragma unroll
+      for (int e = 0; e < E; ++e)
+        if (!(e & hh)) {
+          const float a = x[e], b = x[e + hh];
+          x[e] = a + b;
+          x[e + hh] = a - b;
+        }
+#pragma unroll
+    for (int hl = 1; hl < 32; hl *= 2)  // stage h = E * hl: partner lane ^ hl
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const float other = __shfl_xor_sync(0xffffffffu, x[e], hl);
+        x[e] = lane & hl ? other - x[e] : x[e] + other;
+      }
+  }
+#pragma unroll
+  for (int e = 0; e < E; ++e) qout[row * D + E * lane + e] = to_bf16(x[e]).bits;
+  // This sequence's state: its first page's, head hk's rows.
+  const float* st = qt.state + (int64_t(kv.table[s * kv.max_pages]) * kv.Hkv + hk) * qt.rows * D;
   auto dot = [&](const float* k) {
     double acc = 0;
-    for (int i = 0; i < d; ++i) acc += double(x[i]) * k[i];
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc += double(x[e]) * k[E * lane + e];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, o);
     return float(acc);
   };
-  if (qt.sink)
-    for (int n = 0; n < qt.sink_keys; ++n) sink[row * qt.sink_keys + n] = dot(qt.sink + ((s * Hkv + hk) * qt.sink_keys + n) * d);
-  if (qt.kmean) shift[row] = dot(qt.kmean + (s * Hkv + hk) * d) * scale;
+  if (qt.smooth_k) {
+    const float v = dot(st) * scale;
+    if (lane == 0) shift[row] = v;
+  }
+  const float* sk = st + (qt.smooth_k ? D : 0);
+  for (int n = 0; n < qt.sink_keys; ++n) {
+    const float v = dot(sk + n * D);
+    if (lane == 0) sink[row * qt.sink_keys + n] = v;
+  }
 }
 
 // kCtas CTAs an SM (Smem sizes the stages for it): a block-synchronous kernel measured faster at two
@@ -835,12 +872,16 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
     // The rotation multiplies every score by its block size: the scale divides it out (exactly).
     if (qt.rotate) scale /= float(rotation_block(int(d)));
     uint16_t* qx = buf.alloc<uint16_t>(size_t(rows * d) * sizeof(uint16_t));
-    float* sink = qt.sink ? buf.alloc<float>(size_t(rows * qt.sink_keys) * sizeof(float)) : nullptr;
-    lse_shift = qt.kmean ? buf.alloc<float>(size_t(rows) * sizeof(float)) : nullptr;
-    const unsigned blocks = unsigned((rows + 127) / 128);
+    float* sink = qt.sink_keys > 0 ? buf.alloc<float>(size_t(rows * qt.sink_keys) * sizeof(float)) : nullptr;
+    lse_shift = qt.smooth_k ? buf.alloc<float>(size_t(rows) * sizeof(float)) : nullptr;
+    if ((qt.smooth_k || qt.sink_keys > 0) && !qt.state) throw Error("decode: the transforms' state is missing");
+    const unsigned blocks = unsigned((rows + 3) / 4);  // four warps a block, a warp a row
     with_typed(q, [&](auto* typed) {
-      transform_queries<<<blocks, 128, 0, stream>>>(typed, q.stride[0], q.stride[1], q.stride[2], int(Hq), int(Nq), p.G,
-                                                    int(d), rows, qt, scale, qx, sink, lse_shift);
+      auto go = [&](auto dc) {
+        transform_queries<decltype(dc)::value><<<blocks, 128, 0, stream>>>(
+            typed, q.stride[0], q.stride[1], q.stride[2], int(Hq), int(Nq), p.G, rows, qt, kv, scale, qx, sink, lse_shift);
+      };
+      d == 64 ? go(std::integral_constant<int, 64>{}) : go(std::integral_constant<int, 128>{});
     });
     check(cudaGetLastError(), "decode query transform");
     p.q = qx;
@@ -849,7 +890,7 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
     p.qsh = Nq * d;
     p.qsb = Hq * Nq * d;
     p.sink = sink;
-    p.sink_keys = qt.sink ? qt.sink_keys : 0;
+    p.sink_keys = qt.sink_keys;
   }
   p.nonfinite = nonfinite;
   for (int sl = 0; sl < 2; ++sl) p.kelem[sl] = format_info(fmt[sl]).elem;

@@ -31,10 +31,12 @@ inline int v_bits(PV pv) { return pv == PV::bf16 ? 16 : pv == PV::mxfp8 ? 8 : 4;
 // each query row is rotated (rotate) and rounded to bf16 before quantization, the sink keys' scores
 // are computed exactly from the rotated fp32 row, and smooth_k's LSE shift q.mean(K) x scale is added.
 struct QueryTransform {
-  bool on = false, rotate = false;
-  const float* kmean = nullptr;  // [S][Hkv][d] device floats (smooth_k) or null
-  const float* sink = nullptr;   // [S][Hkv][sink_keys][d] device floats or null
+  bool on = false, rotate = false, smooth_k = false;
   int sink_keys = 0;
+  // The sequences' state (KVCache::Page::state) by physical page: page p's at state + p * Hkv * rows * d,
+  // [Hkv][rows][d] floats (smooth_k's mean, then the sink rows), read at each sequence's first page.
+  const float* state = nullptr;
+  int rows = 0;
 };
 
 // q, out: [S, Hq, Nq, d] CUDA views (unit stride on d); lse [S*Hq*Nq] device floats or null. splits

@@ -73,6 +73,8 @@ struct Mirror {
   int64_t page_bytes = 0;  // Hkv x 4 records
   uint8_t* rec = nullptr;
   uint8_t* slot = nullptr;
+  float* state = nullptr;    // [pages][Hkv][rows][d]: the transforms' state of first pages (Page::state)
+  int64_t state_floats = 0;  // a page's share: Hkv x rows x d
   std::vector<uint8_t> staged;     // the changed pages' records, packed for upload
   std::vector<uint64_t> synced;    // page version on the device (0: never uploaded)
   std::vector<uint8_t> slot_host;
@@ -80,6 +82,7 @@ struct Mirror {
   ~Mirror() {
     cudaFree(rec);
     cudaFree(slot);
+    cudaFree(state);
   }
 
   // Pools for at least n pages; existing pages move along (the old pools are freed after the copy).
@@ -98,6 +101,11 @@ struct Mirror {
     };
     grow(rec, page_bytes);
     grow(slot, 1);
+    if (state_floats > 0) {
+      uint8_t* p = reinterpret_cast<uint8_t*>(state);
+      grow(p, state_floats * int64_t(sizeof(float)));
+      state = reinterpret_cast<float*>(p);
+    }
     capacity = cap;
   }
 
@@ -117,6 +125,9 @@ struct Mirror {
       uint8_t* dst = staged.data() + i * size_t(page_bytes);
       pack_page(pg, Hkv, d, vbits, dst);
       check(cudaMemcpyAsync(rec + id * page_bytes, dst, size_t(page_bytes), cudaMemcpyHostToDevice, stream), "KV cache upload");
+      if (!pg.state.empty())
+        check(cudaMemcpyAsync(state + id * state_floats, pg.state.data(), pg.state.size() * sizeof(float),
+                              cudaMemcpyHostToDevice, stream), "KV cache upload");
       slot_host[size_t(id)] = pg.format == cache.policy().high ? 0 : 1;
       synced[size_t(id)] = pg.version;
     }
@@ -144,6 +155,7 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
     m->Hkv = Hkv;
     m->vbits = v_bits(cache.policy().pv);
     m->page_bytes = Hkv * (T / kRecordKeys) * record_bytes(int(d), m->vbits);
+    m->state_floats = Hkv * cache.state_rows() * d;
     state = m;
   }
   Mirror& m = *static_cast<Mirror*>(state.get());
@@ -162,29 +174,14 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
   Buffers buf(stream);
   const PagedKV kv{m.rec, m.slot, buf.upload(table.data(), table.size()), buf.upload(length.data(), length.size()),
                    S, max_pages, int(Hkv), int(d), m.vbits};
-  // The transforms' per-sequence state (K's mean, the sink rows) goes up with each call: a few KB.
   const Policy& pol = cache.policy();
   QueryTransform qt;
   qt.on = !pol.transforms().empty();
   qt.rotate = pol.rotate;
-  std::vector<float> kmean, sink;
-  for (int sq : seqs) {
-    if (pol.smooth_k) {
-      const std::vector<float>& mu = cache.key_mean(sq);
-      kmean.insert(kmean.end(), mu.begin(), mu.end());
-      if (mu.empty()) kmean.resize(kmean.size() + size_t(Hkv * d), 0.0f);  // no tokens yet: decode refuses it anyway
-    }
-    if (pol.sink_keys > 0) {
-      const std::vector<float>& rows = cache.sink_rows(sq);
-      sink.insert(sink.end(), rows.begin(), rows.end());
-      if (rows.empty()) sink.resize(sink.size() + size_t(Hkv * pol.sink_keys * d), 0.0f);
-    }
-  }
-  if (!kmean.empty()) qt.kmean = buf.upload(kmean.data(), kmean.size());
-  if (!sink.empty()) {
-    qt.sink = buf.upload(sink.data(), sink.size());
-    qt.sink_keys = pol.sink_keys;
-  }
+  qt.smooth_k = pol.smooth_k;
+  qt.sink_keys = pol.sink_keys;
+  qt.state = m.state;
+  qt.rows = cache.state_rows();
   decode_paged(kv, pol, q, out, lse, scale, splits, stream, qt);
 }
 

@@ -67,18 +67,34 @@ void KVCache::free_sequence(int id) {
 
 int64_t KVCache::length(int id) const { return seq(id).length; }
 const std::vector<int32_t>& KVCache::page_table(int id) const { return seq(id).table; }
-const std::vector<float>& KVCache::key_mean(int id) const { return seq(id).kmean; }
-const std::vector<float>& KVCache::sink_rows(int id) const { return seq(id).sink; }
+std::vector<float> KVCache::key_mean(int id) const {
+  const Sequence& s = seq(id);
+  if (!policy_.smooth_k || s.table.empty()) return {};
+  const std::vector<float>& st = pages_[size_t(s.table[0])].state;
+  std::vector<float> mean;
+  for (int64_t h = 0; h < heads_; ++h) mean.insert(mean.end(), st.begin() + h * state_rows() * d_, st.begin() + (h * state_rows() + 1) * d_);
+  return mean;
+}
+
+std::vector<float> KVCache::sink_rows(int id) const {
+  const Sequence& s = seq(id);
+  if (policy_.sink_keys == 0 || s.table.empty()) return {};
+  const std::vector<float>& st = pages_[size_t(s.table[0])].state;
+  const int64_t first = policy_.smooth_k ? 1 : 0;
+  std::vector<float> rows;
+  for (int64_t h = 0; h < heads_; ++h)
+    rows.insert(rows.end(), st.begin() + (h * state_rows() + first) * d_, st.begin() + (h + 1) * state_rows() * d_);
+  return rows;
+}
 
 size_t KVCache::bytes(int id) const {
   size_t n = 0;
   for (int32_t p : seq(id).table) {
     const Page& pg = pages_[size_t(p)];
     n += pg.codes.size() + pg.scales.size() + pg.v.size() * sizeof(uint16_t) + pg.v8.size() + pg.vs.size() +
-         pg.kept.size() * sizeof(float);
+         (pg.kept.size() + pg.state.size()) * sizeof(float);
   }
-  const Sequence& s = seq(id);
-  return n + (s.v_tail.size() + s.kmean.size() + s.sink.size()) * sizeof(float);
+  return n + seq(id).v_tail.size() * sizeof(float);
 }
 
 // The decode alignment of docs/DESIGN.md: page j is high while it is one of the diag_tiles pages ending at
@@ -160,28 +176,27 @@ void KVCache::encode_values(Sequence& s, Page& pg, int64_t off, int64_t take, co
   if (end % kB == 0) s.v_tail.clear();
 }
 
-void KVCache::transform_keys(Sequence& s, std::vector<float>& k, int64_t n) const {
+void KVCache::transform_keys(std::vector<float>& k, int64_t n, int64_t pos, std::vector<float>& state) const {
   if (policy_.transforms().empty()) return;
-  const int d = int(d_);
+  const int d = int(d_), R = state_rows();
+  if (R > 0 && state.empty()) state.assign(size_t(heads_ * R * d), 0.0f);
   if (policy_.rotate)
     for (int64_t r = 0; r < heads_ * n; ++r) rotate_row(k.data() + r * d, d);
   if (policy_.smooth_k) {
-    if (s.kmean.empty())  // the first append fixes the mean
+    if (pos == 0)  // the first append fixes the mean: row 0 of each head's state
       for (int64_t h = 0; h < heads_; ++h) {
         const std::vector<float> mu = cpu::channel_mean(k.data() + h * n * d, n, d);
-        s.kmean.insert(s.kmean.end(), mu.begin(), mu.end());
+        std::copy(mu.begin(), mu.end(), state.begin() + h * R * d);
       }
     for (int64_t h = 0; h < heads_; ++h)
       for (int64_t r = 0; r < n; ++r)
-        for (int i = 0; i < d; ++i) k[size_t((h * n + r) * d + i)] -= s.kmean[size_t(h * d + i)];
+        for (int i = 0; i < d; ++i) k[size_t((h * n + r) * d + i)] -= state[size_t(h * R * d + i)];
   }
   for (float& x : k) x = round_bf16(x);
-  if (policy_.sink_keys > 0) {
-    if (s.sink.empty()) s.sink.assign(size_t(heads_ * policy_.sink_keys * d), 0.0f);
-    for (int64_t t = s.length; t < std::min<int64_t>(policy_.sink_keys, s.length + n); ++t)
-      for (int64_t h = 0; h < heads_; ++h)
-        std::copy_n(k.data() + (h * n + t - s.length) * d, d, s.sink.data() + (h * policy_.sink_keys + t) * d);
-  }
+  const int64_t first = policy_.smooth_k ? 1 : 0;  // the sink rows follow the mean
+  for (int64_t t = pos; t < std::min<int64_t>(policy_.sink_keys, pos + n); ++t)
+    for (int64_t h = 0; h < heads_; ++h)
+      std::copy_n(k.data() + (h * n + t - pos) * d, d, state.begin() + (h * R + first + t) * d);
 }
 
 void KVCache::append(int id, const TensorView& k, const TensorView& v) {
@@ -203,7 +218,9 @@ void KVCache::append(int id, const TensorView& k, const TensorView& v) {
   for (size_t i = 0; i < kall.size(); ++i)
     if (!std::isfinite(kall[i]) || !std::isfinite(vall[i])) throw Error("KVCache::append: k or v holds a non-finite value");
   if (n == 0) return;
-  transform_keys(s, kall, n);
+  // The transforms' state lives with the first page (created below for a new sequence).
+  std::vector<float> state = s.table.empty() ? std::vector<float>{} : pages_[size_t(s.table[0])].state;
+  transform_keys(kall, n, s.length, state);
   for (int64_t t0 = 0; t0 < n;) {
     const int64_t pos = s.length, block = pos / T, off = pos % T, take = std::min(n - t0, T - off);
     if (off == 0) {  // a new page, in the format its block has as the newest one
@@ -243,6 +260,11 @@ void KVCache::append(int id, const TensorView& k, const TensorView& v) {
     s.length += take;
     t0 += take;
     settle(s);
+  }
+  Page& first = pages_[size_t(s.table[0])];
+  if (first.state != state) {
+    first.state = std::move(state);
+    ++first.version;
   }
 }
 
