@@ -384,6 +384,9 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
   // (ncu).
   constexpr int kJobs = (kRows * NB + kWarps - 1) / kWarps;
   const bool q32 = p.qdt == DType::f32;
+  // Launched after the transforms' query pre-pass as its programmatic dependent, the kernel has issued
+  // its first page copies by now; q and the sink scores are the pre-pass's output. (A no-op otherwise.)
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   uint32_t qraw[kJobs];  // f32 bits, or a 16-bit value's in the low half
 #pragma unroll
   for (int i = 0; i < kJobs; ++i) {
@@ -735,6 +738,7 @@ __global__ void transform_queries(const TIn* q, int64_t qsb, int64_t qsh, int64_
                                   int64_t rows, QueryTransform qt, PagedKV kv, float scale, uint16_t* qout, float* sink,
                                   float* shift) {
   constexpr int E = D / 32;
+  asm volatile("griddepcontrol.launch_dependents;");  // the decode kernel may start its page copies
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;
@@ -789,26 +793,37 @@ __global__ void transform_queries(const TIn* q, int64_t qsb, int64_t qsh, int64_
 // kCtas CTAs an SM (Smem sizes the stages for it): a block-synchronous kernel measured faster at two
 // CTAs than at one CTA with twice the stages, and three faster than two
 // for MXFP4 V where the grid fills the GPU (bench/RESULTS.md).
+// dependent: launched as the previous kernel's programmatic dependent (the query pre-pass).
 template <int D, int kVB, int kNR, int kCtas>
-void launch(const Params& p, dim3 grid, cudaStream_t stream) {
+void launch(const Params& p, dim3 grid, cudaStream_t stream, bool dependent) {
   constexpr int bytes = Smem<D, kVB, kNR, kCtas>::kBytes;
   allow_dynamic_smem<decode_kernel<D, kVB, kNR, kCtas>>(bytes);
-  decode_kernel<D, kVB, kNR, kCtas><<<grid, kThreads, bytes, stream>>>(p);
+  cudaLaunchAttribute pdl{};
+  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  pdl.val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = grid;
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = bytes;
+  cfg.stream = stream;
+  cfg.attrs = &pdl;
+  cfg.numAttrs = dependent ? 1 : 0;
+  check(cudaLaunchKernelEx(&cfg, decode_kernel<D, kVB, kNR, kCtas>, p), "decode kernel");
 }
 
 // One dispatch point for the kernel's instances: head dim x V's bits (16, 8, 4) x rows per CTA (8 or
 // 16) x CTAs an SM (three only where three_fit).
-void launch(const Params& p, dim3 grid, int d, int vbits, int nr, int ctas, cudaStream_t stream) {
+void launch(const Params& p, dim3 grid, int d, int vbits, int nr, int ctas, cudaStream_t stream, bool dependent) {
   auto go = [&](auto dc, auto vc) {
     constexpr int D = decltype(dc)::value, kVB = decltype(vc)::value;
     if (nr == 1) {
       if constexpr (max_ctas(kVB, 1) >= 4)
-        if (ctas == 4) return launch<D, kVB, 1, 4>(p, grid, stream);
+        if (ctas == 4) return launch<D, kVB, 1, 4>(p, grid, stream, dependent);
       if constexpr (max_ctas(kVB, 1) >= 3)
-        if (ctas == 3) return launch<D, kVB, 1, 3>(p, grid, stream);
-      launch<D, kVB, 1, 2>(p, grid, stream);
+        if (ctas == 3) return launch<D, kVB, 1, 3>(p, grid, stream, dependent);
+      launch<D, kVB, 1, 2>(p, grid, stream, dependent);
     } else {
-      launch<D, kVB, 2, 2>(p, grid, stream);
+      launch<D, kVB, 2, 2>(p, grid, stream, dependent);
     }
   };
   auto with_v = [&](auto dc) {
@@ -871,9 +886,13 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   if (qt.on) {
     // The rotation multiplies every score by its block size: the scale divides it out (exactly).
     if (qt.rotate) scale /= float(rotation_block(int(d)));
-    uint16_t* qx = buf.alloc<uint16_t>(size_t(rows * d) * sizeof(uint16_t));
-    float* sink = qt.sink_keys > 0 ? buf.alloc<float>(size_t(rows * qt.sink_keys) * sizeof(float)) : nullptr;
-    lse_shift = qt.smooth_k ? buf.alloc<float>(size_t(rows) * sizeof(float)) : nullptr;
+    // One scratch allocation: the transformed q (bf16), the sink scores, the LSE shifts.
+    const size_t qx_bytes = (size_t(rows * d) * sizeof(uint16_t) + 15) / 16 * 16;
+    const size_t sink_floats = size_t(rows * qt.sink_keys), shift_floats = qt.smooth_k ? size_t(rows) : 0;
+    uint8_t* scratch = buf.alloc<uint8_t>(qx_bytes + (sink_floats + shift_floats) * sizeof(float));
+    uint16_t* qx = reinterpret_cast<uint16_t*>(scratch);
+    float* sink = sink_floats ? reinterpret_cast<float*>(scratch + qx_bytes) : nullptr;
+    lse_shift = shift_floats ? reinterpret_cast<float*>(scratch + qx_bytes) + sink_floats : nullptr;
     if ((qt.smooth_k || qt.sink_keys > 0) && !qt.state) throw Error("decode: the transforms' state is missing");
     const unsigned blocks = unsigned((rows + 3) / 4);  // four warps a block, a warp a row
     with_typed(q, [&](auto* typed) {
@@ -897,7 +916,7 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   p.scale = float(double(scale) * 1.4426950408889634);  // base 2 in the kernel, the product rounded once
   p.part = buf.alloc<float>(size_t(rows * p.splits * (d + 2)) * sizeof(float));
   const dim3 grid(unsigned(p.splits), unsigned(Hkv * p.chunks), unsigned(S));
-  launch(p, grid, int(d), vbits, nr, plan.ctas_per_sm, stream);
+  launch(p, grid, int(d), vbits, nr, plan.ctas_per_sm, stream, qt.on);
   check(cudaGetLastError(), "decode kernel");
   const unsigned mblocks = unsigned((rows * (d / 32) + 7) / 8);  // 8 warps a block, a warp per 32 columns of a row
   // Launched as the decode kernel's programmatic dependent: its CTAs are placed while the decode
