@@ -6,6 +6,8 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <memory>
 #include <sstream>
 
 #include "dmattn/attention.hpp"
@@ -27,10 +29,15 @@ struct Loaded {
   explicit Loaded(Gguf gg) : g(std::move(gg)), tok(g), llama(g) {}
 };
 
-const Loaded* loaded_model() {
-  static const Loaded* m = std::filesystem::exists(kModel) ? new Loaded(Gguf::load(kModel)) : nullptr;
-  return m;
+// Each model file loaded once for the whole test binary; null when it has not been fetched.
+const Loaded* load_once(const std::string& path) {
+  static std::map<std::string, std::unique_ptr<Loaded>> models;
+  auto it = models.find(path);
+  if (it == models.end())
+    it = models.emplace(path, std::filesystem::exists(path) ? std::make_unique<Loaded>(Gguf::load(path)) : nullptr).first;
+  return it->second.get();
 }
+const Loaded* loaded_model() { return load_once(kModel); }
 
 #define NEED_MODEL()                                                                                   \
   const Loaded* M = loaded_model();                                                                         \
@@ -43,14 +50,18 @@ std::string text_sample() {
   return s.str();
 }
 
+// decode(encode(text)) is the text, in fewer tokens than half its bytes.
+void expect_round_trip(const Tokenizer& tok, const std::string& text) {
+  const std::vector<int> ids = tok.encode(text);
+  EXPECT_EQ(tok.decode(ids), text);
+  EXPECT_LT(ids.size(), text.size() / 2);
+}
+
 }  // namespace
 
 TEST(Model, TokenizerRoundTripsAndSplitsDigits) {
   NEED_MODEL();
-  const std::string text = "Hello world! It's 2026, and    the year's 365 days\nare\t\tlong.";
-  const std::vector<int> ids = M->tok.encode(text);
-  EXPECT_EQ(M->tok.decode(ids), text);
-  EXPECT_LT(ids.size(), text.size() / 2);
+  expect_round_trip(M->tok, "Hello world! It's 2026, and    the year's 365 days\nare\t\tlong.");
   EXPECT_EQ(M->tok.pretokenize("abc 123"), (std::vector<std::string>{"abc", " ", "1", "2", "3"}));
   EXPECT_EQ(M->tok.pretokenize("a  b\n"), (std::vector<std::string>{"a", " ", " b", "\n"}));
   const std::string lic = text_sample();
@@ -120,10 +131,7 @@ TEST(Model, TruncatedPassGivesTheFullPassLayerInputs) {
 // Q4_K/Q6_K/Q5_0 weights, the Gemma 3 forward pass with its sliding-window layers.
 namespace {
 const std::string kGemma = std::string(DMATTN_SOURCE_DIR) + "/.cache/models/gemma-3-270m-q4_k_m.gguf";
-const Loaded* loaded_gemma() {
-  static const Loaded* m = std::filesystem::exists(kGemma) ? new Loaded(Gguf::load(kGemma)) : nullptr;
-  return m;
-}
+const Loaded* loaded_gemma() { return load_once(kGemma); }
 #define NEED_GEMMA()                                         \
   const Loaded* G = loaded_gemma();                          \
   if (!G) GTEST_SKIP() << "model not fetched (bash scripts/fetch_model.sh gemma3)"
@@ -142,10 +150,7 @@ TEST(Gemma, ConfigHasLocalAndGlobalLayers) {
 
 TEST(Gemma, TokenizerRoundTripsWithSentencePiecePieces) {
   NEED_GEMMA();
-  const std::string text = "Hello world! It's 2026,\n\nand    the year's 365 days\tare long. Ünïcödé ✓";
-  const std::vector<int> ids = G->tok.encode(text);
-  EXPECT_EQ(G->tok.decode(ids), text);
-  EXPECT_LT(ids.size(), text.size() / 2);
+  expect_round_trip(G->tok, "Hello world! It's 2026,\n\nand    the year's 365 days\tare long. Ünïcödé ✓");
   // Whole words are single pieces with their leading space; newline runs are user-defined pieces.
   EXPECT_EQ(G->tok.encode(" the"), (std::vector<int>{506}));
   EXPECT_EQ(G->tok.encode("\n\n"), (std::vector<int>{108}));

@@ -26,6 +26,7 @@
 #include "cuda/buffers.hpp"
 #include "cuda/fp8.cuh"
 #include "cuda/mma.cuh"
+#include "cuda/rotate_lanes.cuh"
 #include "cuda/splits.hpp"
 #include "cuda/tma.cuh"
 #include "dmattn/error.hpp"
@@ -728,9 +729,7 @@ __global__ void merge_splits(const float* part, int64_t rows, int splits, int d,
 }
 
 // The query side of the transforms (QueryTransform), a warp per row, lane l holding channels
-// E*l .. E*l + E - 1 (E = D/32): the row rotated in fp32 as rotate_row defines it (signs, then the
-// butterfly stage by stage: stages h < E inside a lane, the others between lanes h/E apart, the
-// lower channel of a pair taking a + b and the upper a - b, so every value is rotate_row's), stored
+// E*l .. E*l + E - 1 (E = D/32): the row rotated in fp32 (rotate_lanes: rotate_row's values), stored
 // rounded to bf16 for the decode kernel's quantization; from the rotated fp32 row, the sink keys'
 // exact scores and smooth_k's LSE shift, products and sums in fp64 (one rounding to fp32 at the end).
 template <int D, class TIn>
@@ -747,26 +746,7 @@ __global__ void transform_queries(const TIn* q, int64_t qsb, int64_t qsh, int64_
   float x[E];
 #pragma unroll
   for (int e = 0; e < E; ++e) x[e] = to_float(src[e]);
-  if (qt.rotate) {
-#pragma unroll
-    for (int e = 0; e < E; ++e) x[e] *= rotation_sign(E * lane + e);
-#pragma unroll
-    for (int hh = 1; hh < E; hh *= 2)
-#pragma unroll
-      for (int e = 0; e < E; ++e)
-        if (!(e & hh)) {
-          const float a = x[e], b = x[e + hh];
-          x[e] = a + b;
-          x[e + hh] = a - b;
-        }
-#pragma unroll
-    for (int hl = 1; hl < 32; hl *= 2)  // stage h = E * hl: partner lane ^ hl
-#pragma unroll
-      for (int e = 0; e < E; ++e) {
-        const float other = __shfl_xor_sync(0xffffffffu, x[e], hl);
-        x[e] = lane & hl ? other - x[e] : x[e] + other;
-      }
-  }
+  if (qt.rotate) rotate_lanes(x);
 #pragma unroll
   for (int e = 0; e < E; ++e) qout[row * D + E * lane + e] = to_bf16(x[e]).bits;
   // This sequence's state: its first page's, head hk's rows.

@@ -7,6 +7,7 @@
 
 #include "cuda/buffers.hpp"
 #include "cuda/mma.cuh"
+#include "cuda/rotate_lanes.cuh"
 #include "cuda/transform.hpp"
 #include "dmattn/error.hpp"
 #include "dmattn/numeric.hpp"
@@ -42,24 +43,7 @@ __device__ __forceinline__ void load_row(const TensorView& v, int64_t b, int64_t
 #pragma unroll
     for (int e = 0; e < E; ++e) r[e] = to_float(row[(lane * E + e) * v.stride[3]]);
   }
-  if (!rotate) return;
-#pragma unroll
-  for (int e = 0; e < E; ++e) r[e] *= rotation_sign(lane * E + e);
-#pragma unroll
-  for (int h = 1; h < E; h *= 2)  // partners in this lane's registers
-#pragma unroll
-    for (int e = 0; e < E; ++e)
-      if (!(e & h)) {
-        const float a = r[e], c = r[e + h];
-        r[e] = a + c;
-        r[e + h] = a - c;
-      }
-#pragma unroll
-  for (int l = 1; l < 32; l *= 2) {  // partners in other lanes (channel distance l E)
-    const float sign = lane & l ? -1.0f : 1.0f;  // the upper of a pair takes other - r: one exact FMA
-#pragma unroll
-    for (int e = 0; e < E; ++e) r[e] = fmaf(r[e], sign, __shfl_xor_sync(0xffffffffu, r[e], l));
-  }
+  if (rotate) rotate_lanes(r);
 }
 
 // This lane's E channels as bf16 into a row of d (E 16-bit values, one store).
