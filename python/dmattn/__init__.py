@@ -81,7 +81,8 @@ def _policy(policy, fields, who):
 
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False,
               layout: str = "bhnd", policy: Policy | None = None, q_offset: int | None = None,
-              k_offset: int | None = None, check_finite: bool = True, **policy_fields):
+              k_offset: int | None = None, check_finite: bool = True, window: tuple[int, int] = (-1, -1),
+              **policy_fields):
     """DMA attention of q, k, v; returns an array of q's kind, dtype and device (and the LSE).
 
     Args:
@@ -113,6 +114,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
       q_offset, k_offset: absolute positions of the first query and the first key, to attend a
         block of a longer sequence (mask and tiles use them; k_offset a multiple of 128). Default:
         the queries are the last Nq of the Nk positions.
+      window: sliding window (left, right), flash-attn's window_size: a query at position p sees the
+        keys at p - left .. p + right; -1 leaves a side unbounded (default: no window). CPU backend.
       check_finite: raise on NaN/Inf inputs (default). On CUDA this reads flags back from the GPU,
         so the call waits for its quantize pass (not for its attention kernel: the result is
         stream-ordered like any torch op's either way); False skips the check (and that wait), and
@@ -145,12 +148,13 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
             on_device = torch.cuda.device(q.device)
         with on_device:
             attention_into(q.detach(), k.detach(), v.detach(), out, lse, causal, scale, policy, layout, stream,
-                           q_offset, k_offset, check_finite)
+                           q_offset, k_offset, check_finite, (int(window[0]), int(window[1])))
     else:
         import numpy as np
         out = np.empty(q.shape, dtype=q.dtype)
         lse = np.empty((B, Hq, Nq), dtype=np.float32) if return_lse else None
-        attention_into(q, k, v, out, lse, causal, scale, policy, layout, stream, q_offset, k_offset, check_finite)
+        attention_into(q, k, v, out, lse, causal, scale, policy, layout, stream, q_offset, k_offset, check_finite,
+                       (int(window[0]), int(window[1])))
     return (out, lse) if return_lse else out
 
 

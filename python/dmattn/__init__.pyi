@@ -48,7 +48,8 @@ POLICY_FIELDS: tuple[str, ...]
 def attention(q: Any, k: Any, v: Any, *, causal: bool = False, scale: float | None = None,
               return_lse: bool = False, layout: Literal["bhnd", "bnhd"] = "bhnd",
               policy: Policy | None = None, q_offset: int | None = None, k_offset: int | None = None,
-              check_finite: bool = True, high: Format = ..., low: Format = ..., diag_tiles: int = ...,
+              check_finite: bool = True, window: tuple[int, int] = (-1, -1), high: Format = ...,
+              low: Format = ..., diag_tiles: int = ...,
               sink_tiles: int = ..., scale_rule: Literal["ocp", "ceil"] = ...,
               pv: Literal["bf16", "mxfp8", "mxfp4", "fp8"] = ..., smooth_k: bool = ..., smooth_q: bool = ...,
               rotate: bool = ..., sink_keys: int = ...) -> Any: ...

@@ -4,6 +4,7 @@
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 #include <nanobind/stl/optional.h>
+#include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/vector.h>
@@ -77,7 +78,7 @@ float* lse_of(const std::optional<nb::ndarray<>>& lse, const TensorView& q) {
 void attention_into(const In& q, const In& k, const In& v, const nb::ndarray<>& out,
                     std::optional<nb::ndarray<>> lse, bool causal, std::optional<float> scale, const Policy& policy,
                     const std::string& layout, uintptr_t stream, std::optional<int64_t> q_offset,
-                    std::optional<int64_t> k_offset, bool check_finite) {
+                    std::optional<int64_t> k_offset, bool check_finite, std::pair<int64_t, int64_t> window) {
   const TensorView tq = view_of(q, "q", layout), tk = view_of(k, "k", layout), tv = view_of(v, "v", layout),
                    to = view_of(out, "out", layout);
   float* lse_ptr = lse_of(lse, tq);
@@ -89,6 +90,8 @@ void attention_into(const In& q, const In& k, const In& v, const nb::ndarray<>& 
   o.q_offset = q_offset;
   o.k_offset = k_offset;
   o.check_finite = check_finite;
+  o.window_left = window.first;
+  o.window_right = window.second;
   nb::gil_scoped_release unlocked;  // compute without holding the GIL
   attention(tq, tk, tv, to, lse_ptr, o);
 }
@@ -245,7 +248,8 @@ NB_MODULE(_dmattn, m) {
   m.def("attention_into", &attention_into, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"),
         nb::arg("lse").none(), nb::arg("causal"), nb::arg("scale").none(), nb::arg("policy"), nb::arg("layout"),
         nb::arg("stream"), nb::arg("q_offset").none() = nb::none(), nb::arg("k_offset").none() = nb::none(),
-        nb::arg("check_finite") = true, "DMA attention of q, k, v into out (and lse), all of one device.");
+        nb::arg("check_finite") = true, nb::arg("window") = std::pair<int64_t, int64_t>{-1, -1},
+        "DMA attention of q, k, v into out (and lse), all of one device.");
   m.def("quantize_rows", &quantize_rows, nb::arg("x"), nb::arg("format"), nb::arg("scale_rule"),
         "float32 [rows, cols] -> (codes, scales, tensor_scale), the CPU codec.");
   m.def("dequantize_rows", &dequantize_rows, nb::arg("codes"), nb::arg("scales"), nb::arg("format"), nb::arg("cols"),

@@ -231,3 +231,23 @@ def test_policy_keywords_are_stated_once_and_the_stubs_follow():
     sig = inspect.signature(dmattn.attention)
     stub_rest = {a.arg for a in funcs["attention"].args.kwonlyargs} - set(dmattn.POLICY_FIELDS)
     assert stub_rest == {n for n, prm in sig.parameters.items() if prm.kind == prm.KEYWORD_ONLY}
+
+
+@pytest.mark.parametrize("window", [(100, -1), (0, -1), (50, 20)])
+def test_sliding_window_equals_a_masked_reference(window):
+    q, k, v = qkv(seed=9, Nq=300, Nk=300)
+    left, right = window
+    causal = right < 0
+    got = dmattn.attention(q, k, v, causal=causal, window=window, high="bf16", low="bf16")
+    # fp64 reference with the window as an explicit mask (GQA: head h reads KV head h // 2).
+    s = np.einsum("bhqd,bhkd->bhqk", q.astype(np.float64), np.repeat(k, 2, axis=1).astype(np.float64)) / 8.0
+    p, n = np.arange(300)[:, None], np.arange(300)[None, :]
+    keep = (n >= p - left) & ((n <= p) if causal else (n <= p + right))
+    s = np.where(keep, s, -np.inf)
+    w = np.exp(s - s.max(-1, keepdims=True))
+    want = np.einsum("bhqk,bhkd->bhqd", w / w.sum(-1, keepdims=True), np.repeat(v, 2, axis=1).astype(np.float64))
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2  # bf16 tiles and P
+    # A window wider than the sequence is no window (bit for bit); this one does change the result.
+    plain = dmattn.attention(q, k, v, causal=causal, high="bf16", low="bf16")
+    assert np.array_equal(dmattn.attention(q, k, v, causal=causal, window=(1000, 1000), high="bf16", low="bf16"), plain)
+    assert not np.allclose(plain, got)
