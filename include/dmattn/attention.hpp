@@ -9,7 +9,8 @@
 //    that sees no key outputs zeros and lse = -inf. The window does not change the policy's tiles.
 //  - Tile (qtile = floor(p/128), ktile = n/128) uses policy.high when policy.is_high() says so,
 //    else policy.low. Each row of Q and K is quantized once per format (32-blocks along d; NVFP4:
-//    16-blocks, with one tensor scale per (batch, head) slice).
+//    16-blocks with E4M3 scales, under one fp32 second scale per row, nvfp4_tensor_scale of the
+//    row's amax: each token uses the E4M3 scales' whole range).
 //  - Score S = sum over blocks c, in order, of (sq[c]*sk[c]) * dot_c, each dot in fp32; s = S*scale.
 //  - Online softmax over key tiles in ascending order, per row: m' = max(m, max s), alpha =
 //    exp(m - m'), p = exp(s - m'), l = l*alpha + sum p (fp32, unrounded p), acc = acc*alpha + P.V.

@@ -95,11 +95,6 @@ void dma_attention(const Problem& p) {
           for (float& v : x) v = round_bf16(v);
       });
 
-      // NVFP4's tensor scale of Q is per (batch, query head), over the rows as quantized.
-      std::vector<float> q_tensor_scale(size_t(G), 1.0f);
-      if (slots.fmt[0] == Format::nvfp4 || slots.fmt[slots.low()] == Format::nvfp4)
-        for (int64_t g = 0; g < G; ++g) q_tensor_scale[size_t(g)] = nvfp4_tensor_scale(abs_max(qt[size_t(g)].data(), p.Nq * d));
-
       parallel_for(G * row_chunks, p.threads, [&](int64_t item) {
         const int64_t g = item / row_chunks, h = hk * G + g, chunk = item % row_chunks;
         const int64_t r0 = chunk * T, rows = std::min<int64_t>(T, p.Nq - r0);
@@ -115,7 +110,9 @@ void dma_attention(const Problem& p) {
         for (int64_t ri = 0; ri < rows; ++ri) {
           if (pol.smooth_k) lse_shift[size_t(ri)] = dot_f64(qorig + ri * d, kmean.data(), d) * scale;
           for (int s = 0; s < slots.count; ++s)
-            quantize_row_values(qrows + ri * d, d, slots.fmt[s], rule, q_tensor_scale[size_t(g)], qe[s].data() + ri * d,
+            quantize_row_values(qrows + ri * d, d, slots.fmt[s], rule,
+                                slots.fmt[s] == Format::nvfp4 ? nvfp4_tensor_scale(abs_max(qrows + ri * d, d)) : 1.0f,
+                                qe[s].data() + ri * d,
                                 qs[s].data() + ri * keys[s].nblk);
         }
         // smooth_q: each query tile's mu.k for every key (zero past Nk), added to its rows' scores.

@@ -96,11 +96,13 @@ KeyTiles prepare_keys(const std::vector<float>& kf, int64_t nk, int d, Format f,
   const int64_t tiles = (nk + T - 1) / T;
   K.kt.assign(size_t(tiles * d * T), 0.0f);
   K.st.assign(size_t(tiles * K.nblk * T), 0.0f);
-  const float ts = f == Format::nvfp4 ? nvfp4_tensor_scale(abs_max(kf.data(), nk * d)) : 1.0f;
   parallel_for(tiles, threads, [&](int64_t j) {
     std::vector<float> e(static_cast<size_t>(d)), s(size_t(K.nblk));
     for (int64_t n = j * T; n < std::min<int64_t>(nk, (j + 1) * T); ++n) {
-      quantize_row_values(kf.data() + n * d, d, f, rule, ts, e.data(), s.data());
+      const float* row = kf.data() + n * d;
+      // NVFP4 tiles scale each key by its own fp32 second scale (the row's amax mapped onto E4M3 x E2M1).
+      const float ts = f == Format::nvfp4 ? nvfp4_tensor_scale(abs_max(row, d)) : 1.0f;
+      quantize_row_values(row, d, f, rule, ts, e.data(), s.data());
       const int64_t col = n % T;
       for (int k = 0; k < d; ++k) K.kt[size_t((j * d + k) * T + col)] = e[size_t(k)];
       for (int c = 0; c < K.nblk; ++c) K.st[size_t((j * K.nblk + c) * T + col)] = s[size_t(c)];

@@ -35,7 +35,7 @@ struct ValueRows {
   std::vector<float> s;
 };
 
-// Keys [nk, d] (row-major floats) in format f, as KeyTiles; NVFP4's tensor scale from all of them.
+// Keys [nk, d] (row-major floats) in format f, as KeyTiles; NVFP4 with each key's own second scale.
 KeyTiles prepare_keys(const std::vector<float>& kf, int64_t nk, int d, Format f, ScaleRule rule, int threads);
 // Values [nk, d] for P.V in precision pv.
 ValueRows prepare_values(const std::vector<float>& vf, int64_t nk, int d, PV pv, ScaleRule rule, int threads);

@@ -204,11 +204,10 @@ void dma_attention(const Problem& p) {
   const Format fmt[2] = {p.policy.high, p.policy.low};
   const int64_t q_rows = p.B * p.Hq * p.Nq, k_rows = p.B * p.Hkv * p.Nk, nb = d / 32;
   // Every scratch buffer is carved from one allocation (Carve). NVFP4 slots hold bf16 values (the
-  // E4M3 block scales folded in: no block-scale buffers) and the per-head tensor scales.
+  // E4M3 block scales folded in: no block-scale buffers) and Q's per-row second scales (K's go to krs).
   struct SlotScratch {
     uint8_t *q8, *qs, *k8, *ks;
-    float *kts, *qten, *kten;
-    uint32_t* amax;
+    float *kts, *qten;
   } sl[2]{};
   uint8_t* zero = nullptr;
   void* vt = nullptr;
@@ -230,9 +229,7 @@ void dma_attention(const Problem& p) {
       x.k8 = c.take<uint8_t>(size_t(k_rows * d) * bytes);
       x.kts = c.take<float>(size_t(k_tiles) * sizeof(float));  // per key tile (PrefillParams::kts)
       if (nv) {
-        x.qten = c.take<float>(size_t(p.B * p.Hq) * sizeof(float));
-        x.kten = c.take<float>(size_t(p.B * p.Hkv) * sizeof(float));
-        x.amax = c.take<uint32_t>(size_t(p.B * (p.Hq + p.Hkv)) * sizeof(uint32_t));
+        x.qten = c.take<float>(size_t(q_rows) * sizeof(float));
       } else {
         x.qs = c.take<uint8_t>(size_t(q_rows * nb));
         x.ks = c.take<uint8_t>(size_t(k_pad_rows * nb));  // padded rows (see QuantTarget)
@@ -281,8 +278,8 @@ void dma_attention(const Problem& p) {
 
   PrefillParams pp{};
   // MX slots go through quantize_rows (both in one pass where both are MX) and fold_key_tiles; NVFP4
-  // slots through quantize_rows_nvfp4 (their tensor scales need a pass over each head first), as bf16
-  // values with the block scales folded in, and each K tile's one scale the tensor scale.
+  // slots through quantize_rows_nvfp4, as bf16 values with the block scales folded in and each row's
+  // second scale beside them (K's in krs, its tiles marked "a scale a key").
   QuantTarget qt[2], kt[2];
   Nvfp4Target qn[2], kn[2];
   KeyFold folds[2];
@@ -290,20 +287,20 @@ void dma_attention(const Problem& p) {
   for (int s = 0; s < nslots; ++s) {
     const SlotScratch& x = sl[s];
     const bool nv = fmt[s] == Format::nvfp4;
-    float* krs = reinterpret_cast<float*>(zero + 16) + s * slot_words;  // (zeros for NVFP4: never read)
+    float* krs = reinterpret_cast<float*>(zero + 16) + s * slot_words;  // K's row scales (NVFP4: second scales)
     int* ksplit = reinterpret_cast<int*>(krs + k_pad_rows);
     pp.q8[s] = x.q8;
     pp.qs[s] = x.qs;
     pp.krs[s] = krs;
-    // per key tile: its one key scale, 0 or -1 (fold_key_tiles), or for NVFP4 K's tensor scale
+    // per key tile: its one key scale, 0 or -1 (fold_key_tiles); 0 for NVFP4 (each key its own)
     pp.kts[s] = x.kts;
     pp.k8[s] = x.k8;
     pp.ks[s] = x.ks;
     pp.elem[s] = format_info(fmt[s]).elem;
     pp.nv[s] = nv;
     if (nv) {
-      qn[s] = {reinterpret_cast<uint16_t*>(x.q8), nullptr, p.Nq, x.qten, nullptr, x.amax};
-      kn[s] = {reinterpret_cast<uint16_t*>(x.k8), nullptr, ldv, x.kten, x.kts, x.amax + p.B * p.Hq};
+      qn[s] = {reinterpret_cast<uint16_t*>(x.q8), nullptr, p.Nq, x.qten, nullptr};
+      kn[s] = {reinterpret_cast<uint16_t*>(x.k8), nullptr, ldv, krs, x.kts};  // keys' scales into krs, tiles 0
       pp.qten[s] = x.qten;
     } else {
       qt[s] = {fmt[s], x.q8, x.qs, true, true};

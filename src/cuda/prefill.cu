@@ -143,7 +143,8 @@ __device__ __forceinline__ void scores_per_block(float (&s)[BN / 2], wg::Desc sq
 // NVFP4 tiles: Q and K arrive as bf16 values with their E4M3 block scales folded in (an E2M1 value
 // times an E4M3 scale has at most 6 significant bits: exact in bf16), so all of d runs as one bf16
 // wgmma chain, 16 elements a wgmma, in 128-byte swizzle atoms of 64 elements ([atom][rows][128 B]);
-// the tensor scales multiply S once, as the row and tile factors of the folded path. Issued and
+// the rows' second scales multiply S once, Q's as the row factor of the folded path and K's as its
+// per-key factor (the tile marked "a scale a key"). Issued and
 // committed here, awaited by the caller.
 template <int D>
 __device__ __forceinline__ void issue_chain_bf16(float (&s)[BN / 2], wg::Desc sq, wg::Desc sk) {
@@ -210,8 +211,8 @@ __device__ __forceinline__ void store_pair(fp16* dst, float lo, float hi) { *rei
 // swizzled shared memory (every load issued before any store), block scales as floats, and
 // q_folded[slot][wgi] cleared where a row keeps several scales. Rows outside [0, Nq) are zeros with
 // scale 0. Each warpgroup loads its own rows, so warpgroup 1's run under warpgroup 0's first tile.
-// kNv: slot by slot, an NVFP4 slot's rows as bf16 (2D bytes) in 128-byte atoms, with Q's tensor scale
-// (per b, h) as the row's one scale. (The MX instances keep their own loop, both slots' loads issued
+// kNv: slot by slot, an NVFP4 slot's rows as bf16 (2D bytes) in 128-byte atoms, with the row's second
+// scale as its one scale. (The MX instances keep their own loop, both slots' loads issued
 // before any store: the general one would change their SASS, which was measured as it stands.)
 template <int D, bool kF8V, bool kNv>
 __device__ __forceinline__ void load_q(const PrefillParams& p, int b, int h, int64_t pos0, int64_t off, int wgi,
@@ -263,7 +264,7 @@ __device__ __forceinline__ void load_q(const PrefillParams& p, int b, int h, int
   const int64_t qrow = pos0 + r - off;
   const bool ok = s < p.nslots && qrow >= 0 && qrow < p.Nq;
   const bool nv = kNv && s < p.nslots && p.nv[s];
-  const float ts = nv && ok ? p.qten[s][int64_t(b) * p.Hq + h] : 0.0f;
+  const float ts = nv && ok ? p.qten[s][row0 + qrow] : 0.0f;
   bool uniform = true;
   float first = 0.0f;
 #pragma unroll

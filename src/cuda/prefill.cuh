@@ -18,9 +18,9 @@ struct PrefillParams {
   const uint8_t* qs[2];           // [B*Hq*Nq, d/32] E8M0
   Elem elem[2];                   // each slot's element type (E5M2 bytes for e5m2, else E4M3 bytes)
   int nslots;                     // 1 when high == low
-  // NVFP4 slots: 16-blocks with E4M3 block scales under one fp32 tensor scale per (b, head). q8 and k8
-  // then hold bf16 values, each E2M1 value times its block's scale (exact); qten [B*Hq] the Q tensor
-  // scales; kts each tile's K tensor scale (qs, ks and krs unused).
+  // NVFP4 slots: 16-blocks with E4M3 block scales under one fp32 second scale per row. q8 and k8 then
+  // hold bf16 values, each E2M1 value times its block's scale (exact); qten [B*Hq*Nq] Q's second
+  // scales; krs K's, with kts 0 (a scale a key); qs and ks unused.
   bool nv[2];
   const float* qten[2];
   const uint8_t* k8[2];  // [B*Hkv*Nk, d]

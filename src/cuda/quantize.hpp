@@ -61,22 +61,20 @@ inline Elem mma_elem(Format f) { return f == Format::mxfp8_e5m2 ? Elem::e5m2 : E
 void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first, const QuantTarget& second,
                    cudaStream_t stream, int* nonfinite = nullptr, const RowTransform& transform = {});
 
-// NVFP4 in the prefill's tensor-core form (docs/DESIGN.md): per (b, h) slice one fp32 tensor scale from the
-// slice's amax (nvfp4_tensor_scale), per 16-block an E4M3 scale, each element's E2M1 value times its
+// NVFP4 in the prefill's tensor-core form (docs/DESIGN.md): per row one fp32 second scale from the
+// row's amax (nvfp4_tensor_scale), per 16-block an E4M3 scale, each element's E2M1 value times its
 // block's scale as bf16 (at most 6 significant bits: exact), from the CPU codec's own encoder (the
-// same header). Two launches: the slices' amax, then the blocks (one thread a block). values: [rows, d]
-// bf16, 16-byte aligned; tensor_scale: [B*H]; optional: scales, the E4M3 codes as
-// [B*H][row_pad][d/16] (row_pad >= N), and tile_scale [B*H][row_pad/128] (row_pad a multiple of 128)
-// set to the slice's tensor scale: the prefill kernel's one K scale a tile. amax: [B*H] scratch. Sets
-// *nonfinite = 1 on NaN/Inf (the slice's tensor scale is then meaningless, as the CPU's quantize throws
-// there). Asynchronous on `stream`. x: a CUDA tensor view with unit stride on d, d a multiple of 16.
+// same header). One launch. values: [rows, d] bf16, 16-byte aligned; row_scale: [B*H][row_pad] the
+// rows' second scales (row_pad >= N); optional: scales, the E4M3 codes as [B*H][row_pad][d/16], and
+// tile_scale [B*H][row_pad/128] (row_pad a multiple of 128) set to 0: the prefill kernel's "one scale
+// a key" (its per-key scales then come from row_scale). Sets *nonfinite = 1 on NaN/Inf. Asynchronous
+// on `stream`. x: a CUDA tensor view with unit stride on d, d/16 a power of two up to 32.
 struct Nvfp4Target {
   uint16_t* values = nullptr;
   uint8_t* scales = nullptr;
   int64_t row_pad = 0;
-  float* tensor_scale = nullptr;
+  float* row_scale = nullptr;
   float* tile_scale = nullptr;
-  uint32_t* amax = nullptr;
 };
 void quantize_rows_nvfp4(const TensorView& x, const Nvfp4Target& t, cudaStream_t stream, int* nonfinite = nullptr);
 

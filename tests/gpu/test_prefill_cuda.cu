@@ -213,14 +213,15 @@ TEST(GpuPrefill, PositionOffsetsMatchCpuOracle) {
   for (size_t i = 0; i < std::size(cases); ++i) check_case(cases[i], dtypes[i % 3], seed + i);
 }
 
-// NVFP4 tiles (16-blocks, E4M3 block scales, a tensor scale per (b, head)): one bf16 wgmma chain over
-// values with their block scales folded in (exact), the tensor scales applied once. Where every tile is
-// NVFP4 the scores agree with the oracle's to a few ulps (fp32 sums in another order, the tensor
-// scales' roundings moved) and the outputs to kExact; mixed with MX tiles, to those tiles' bound. Q scaled per head (2^4 apart) and K per key
-// (2^6) make the tensor and block scales differ, and the softmax peaked: there an ulp can flip one bf16
+// NVFP4 tiles (16-blocks, E4M3 block scales, a second scale per row): one bf16 wgmma chain over
+// values with their block scales folded in (exact), the rows' second scales applied once (Q's a row,
+// K's a key). Where every tile is NVFP4 the scores agree with the oracle's to a few ulps (fp32 sums in
+// another order, the second scales' roundings moved) and the outputs to kExact; mixed with MX tiles,
+// to those tiles' bound. Q scaled per head (2^4 apart) and K per key (2^6) make the second and block
+// scales differ, and the softmax peaked: there an ulp can flip one bf16
 // rounding of P, which moves that row by up to 2^-9 (H200: one row at 2.2e-3; rel. L2 over
 // a case 1.1e-6 … 7.7e-5 on five seeds), hence 3e-4 rather than 1e-5 (still 7x below kTol).
-// NVFP4 cases: heads and keys of different magnitudes (so the tensor and block scales both matter),
+// NVFP4 cases: heads and keys of different magnitudes (so the second and block scales both matter),
 // fresh inputs in each of f32, f16, bf16 by turn.
 constexpr double kNvExact = 3e-4;  // all-NVFP4: same codes, but an ulp of S can flip P's bf16 rounding
 void check_nvfp4_cases(const std::pair<Case, double>* cases, size_t n) {

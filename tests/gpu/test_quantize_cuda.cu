@@ -422,10 +422,11 @@ TEST(GpuQuantize, KeyTileFoldingKeepsValues) {
   }
 }
 
-// NVFP4 (quantize_rows_nvfp4) against the CPU codec on each (b, h) slice, bit for bit: the E4M3 block
-// scales in the padded row layout, each value (E2M1 times its block scale, bf16), the slices' tensor
-// scales, the tiles' scales; strided rows of each dtype, one slice all zeros (tensor scale 1), outputs
-// poisoned.
+// NVFP4 (quantize_rows_nvfp4) against the CPU codec on each row, bit for bit: each row is NVFP4 under
+// its own second scale (the codec's tensor scale of that row alone): the E4M3 block scales in the
+// padded row layout, each value (E2M1 times its block scale, bf16), the rows' second scales, the tiles
+// marked "a scale a key" (0); strided rows of each dtype, rows of magnitudes 2^-14 .. 2^14, one slice
+// all zeros (second scale 1), outputs poisoned.
 TEST(GpuQuantize, Nvfp4MatchesCpuCodecBitForBit) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const int64_t B = 2, H = 3, N = 200, d = 64, dpad = 80, pad = 256, BH = B * H;
@@ -444,24 +445,22 @@ TEST(GpuQuantize, Nvfp4MatchesCpuCodecBitForBit) {
     uint16_t* codes;
     uint8_t* scales;
     float *ts, *tiles;
-    uint32_t* amax;
     int* flag;
     CUDA_OK(cudaMalloc(&codes, size_t(BH * N * d) * 2));
     CUDA_OK(cudaMalloc(&scales, size_t(BH * pad * d / 16)));
-    CUDA_OK(cudaMalloc(&ts, size_t(BH) * 4));
+    CUDA_OK(cudaMalloc(&ts, size_t(BH * pad) * 4));
     CUDA_OK(cudaMalloc(&tiles, size_t(BH * pad / 128) * 4));
-    CUDA_OK(cudaMalloc(&amax, size_t(BH) * 4));
     CUDA_OK(cudaMalloc(&flag, 4));
     CUDA_OK(cudaMemset(codes, 0xA5, size_t(BH * N * d) * 2));  // poison
     CUDA_OK(cudaMemset(scales, 0xA5, size_t(BH * pad * d / 16)));
-    CUDA_OK(cudaMemset(ts, 0xA5, size_t(BH) * 4));
+    CUDA_OK(cudaMemset(ts, 0xA5, size_t(BH * pad) * 4));
     CUDA_OK(cudaMemset(tiles, 0xA5, size_t(BH * pad / 128) * 4));
     CUDA_OK(cudaMemset(flag, 0, 4));
-    cuda::quantize_rows_nvfp4(view, {codes, scales, pad, ts, tiles, amax}, nullptr, flag);
+    cuda::quantize_rows_nvfp4(view, {codes, scales, pad, ts, tiles}, nullptr, flag);
     CUDA_OK(cudaDeviceSynchronize());
     std::vector<uint16_t> gc(size_t(BH * N * d));
     std::vector<uint8_t> gs(size_t(BH * pad * d / 16));
-    std::vector<float> gts(static_cast<size_t>(BH)), gtiles(size_t(BH * pad / 128));
+    std::vector<float> gts(size_t(BH * pad)), gtiles(size_t(BH * pad / 128));
     int gflag = -1;
     CUDA_OK(cudaMemcpy(gc.data(), codes, gc.size() * 2, cudaMemcpyDeviceToHost));
     CUDA_OK(cudaMemcpy(gs.data(), scales, gs.size(), cudaMemcpyDeviceToHost));
@@ -470,35 +469,33 @@ TEST(GpuQuantize, Nvfp4MatchesCpuCodecBitForBit) {
     CUDA_OK(cudaMemcpy(&gflag, flag, 4, cudaMemcpyDeviceToHost));
     EXPECT_EQ(gflag, 0) << dtype_name(dt);
     for (int64_t s = 0; s < BH; ++s) {
-      std::vector<float> slice(size_t(N * d));
-      for (int64_t n = 0; n < N; ++n)
-        for (int64_t i = 0; i < d; ++i) slice[size_t(n * d + i)] = rounded[size_t((s * N + n) * dpad + i)];
-      const Quantized want = quantize(slice.data(), N, d, Format::nvfp4, ScaleRule::ocp);
-      EXPECT_EQ(gts[size_t(s)], want.tensor_scale) << dtype_name(dt) << " slice " << s;
-      if (s == 4) EXPECT_EQ(gts[size_t(s)], 1.0f) << "an all-zero slice";
       for (int64_t n = 0; n < N; ++n) {
+        const float* row = rounded.data() + (s * N + n) * dpad;
+        const Quantized want = quantize(row, 1, d, Format::nvfp4, ScaleRule::ocp);
+        ASSERT_EQ(gts[size_t(s * pad + n)], want.tensor_scale) << dtype_name(dt) << " slice " << s << " row " << n;
+        if (s == 4) ASSERT_EQ(gts[size_t(s * pad + n)], 1.0f) << "an all-zero row";
         for (int64_t i = 0; i < d; ++i) {
-          const uint8_t code = element_code(want.codes.data() + n * want.code_cols(), i, true);
-          const float value = decode_elem(Elem::e2m1, code) * decode_elem(Elem::e4m3, want.scales[size_t(n * (d / 16) + i / 16)]);
+          const uint8_t code = element_code(want.codes.data(), i, true);
+          const float value = decode_elem(Elem::e2m1, code) * decode_elem(Elem::e4m3, want.scales[size_t(i / 16)]);
           const uint16_t got = gc[size_t((s * N + n) * d + i)];
           ASSERT_EQ(to_float(bf16{got}), value) << dtype_name(dt) << " slice " << s << " row " << n << " col " << i;
           ASSERT_EQ(got >> 15, code >> 3) << "sign, " << dtype_name(dt) << " slice " << s << " row " << n << " col " << i;
         }
         for (int64_t c = 0; c < d / 16; ++c)
-          ASSERT_EQ(gs[size_t((s * pad + n) * (d / 16) + c)], want.scales[size_t(n * (d / 16) + c)])
+          ASSERT_EQ(gs[size_t((s * pad + n) * (d / 16) + c)], want.scales[size_t(c)])
               << dtype_name(dt) << " slice " << s << " row " << n << " block " << c;
       }
-      for (int64_t tile = 0; tile < (N + 127) / 128; ++tile) EXPECT_EQ(gtiles[size_t(s * (pad / 128) + tile)], want.tensor_scale);
+      for (int64_t tile = 0; tile < (N + 127) / 128; ++tile) EXPECT_EQ(gtiles[size_t(s * (pad / 128) + tile)], 0.0f);
     }
     // A NaN raises the flag.
     const float nan = std::nanf("");
     const HostTensor one = HostTensor::from_floats({nan}, {1, 1, 1, 1}, dt);
     CUDA_OK(cudaMemcpy(static_cast<uint8_t*>(dx) + dtype_size(dt) * 7, one.bytes(), dtype_size(dt), cudaMemcpyHostToDevice));
-    cuda::quantize_rows_nvfp4(view, {codes, scales, pad, ts, tiles, amax}, nullptr, flag);
+    cuda::quantize_rows_nvfp4(view, {codes, scales, pad, ts, tiles}, nullptr, flag);
     CUDA_OK(cudaMemcpy(&gflag, flag, 4, cudaMemcpyDeviceToHost));
     EXPECT_EQ(gflag, 1) << dtype_name(dt);
     for (void* p : {dx, static_cast<void*>(codes), static_cast<void*>(scales), static_cast<void*>(ts),
-                    static_cast<void*>(tiles), static_cast<void*>(amax), static_cast<void*>(flag)})
+                    static_cast<void*>(tiles), static_cast<void*>(flag)})
       cudaFree(p);
   }
 }
