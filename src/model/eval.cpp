@@ -151,7 +151,7 @@ std::vector<EvalResult> evaluate(const Transformer& model, const std::vector<int
   {
     std::vector<double> err2(configs.size() * size_t(L), 0.0), ref2(size_t(L), 0.0);
     const std::vector<int> w = window(0);
-    const AttentionFn exact = policy_fn({"exact", {}, true}, opts.threads);
+    const AttentionFn exact = policy_fn({"exact", {}, true, ""}, opts.threads);
     model.hidden(w, [&](int layer, int64_t window, const TensorView& q, const TensorView& k, const TensorView& v,
                         const TensorView& out) {
       exact(layer, window, q, k, v, out);
