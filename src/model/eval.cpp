@@ -132,7 +132,7 @@ std::vector<EvalResult> evaluate(const Transformer& model, const std::vector<int
                                  const std::vector<EvalConfig>& configs, const EvalOptions& opts) {
   if (opts.ctx < 16) throw Error("eval: context too short");
   const int64_t text_per_window = opts.bos >= 0 ? opts.ctx - 1 : opts.ctx;
-  auto window = [&](int64_t wi) {
+  auto window_tokens = [&](int64_t wi) {
     std::vector<int> w;
     if (opts.bos >= 0) w.push_back(opts.bos);
     w.insert(w.end(), tokens.begin() + wi * text_per_window, tokens.begin() + (wi + 1) * text_per_window);
@@ -150,7 +150,7 @@ std::vector<EvalResult> evaluate(const Transformer& model, const std::vector<int
   // Per-layer errors on the first window: every policy on the same exact-pass Q/K/V.
   {
     std::vector<double> err2(configs.size() * size_t(L), 0.0), ref2(size_t(L), 0.0);
-    const std::vector<int> w = window(0);
+    const std::vector<int> w = window_tokens(0);
     const AttentionFn exact = policy_fn({"exact", {}, true, ""}, opts.threads);
     model.hidden(w, [&](int layer, int64_t window, const TensorView& q, const TensorView& k, const TensorView& v,
                         const TensorView& out) {
@@ -177,7 +177,7 @@ std::vector<EvalResult> evaluate(const Transformer& model, const std::vector<int
     int64_t n = 0;
     for (int64_t wi = 0; wi < windows; ++wi) {
       if (opts.progress) opts.progress(c, wi, windows);
-      const std::vector<int> w = window(wi);
+      const std::vector<int> w = window_tokens(wi);
       const auto [s, k] = model.nll(w, policy_fn(configs[c], opts.threads), opts.ctx / 2);
       nll += s;
       n += k;
