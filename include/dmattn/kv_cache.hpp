@@ -104,7 +104,6 @@ class KVCache {
   // rounded (the transforms); `state` (the first page's) takes the mean (first append) and sink rows.
   void transform_keys(std::vector<float>& k, int64_t n, int64_t pos, std::vector<float>& state) const;
   void encode_values(Sequence& s, Page& pg, int64_t off, int64_t take, const float* v, int64_t n) const;
-  bool high_block(int64_t block, int64_t last_block) const;
   void encode_rows(Page& pg, int64_t h, int64_t row0, int64_t rows, const float* k) const;
   void settle(Sequence& s);  // re-encode pages that left the window
   Sequence& seq(int id);

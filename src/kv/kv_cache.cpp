@@ -97,12 +97,6 @@ size_t KVCache::bytes(int id) const {
   return n + seq(id).v_tail.size() * sizeof(float);
 }
 
-// The decode alignment of docs/DESIGN.md: page j is high while it is one of the diag_tiles pages ending at
-// the newest one, or a sink.
-bool KVCache::high_block(int64_t block, int64_t last_block) const {
-  return last_block - block < policy_.diag_tiles || block < policy_.sink_tiles;
-}
-
 // Quantizes rows [row0, row0 + rows) of head h from k ([rows][d] floats) in the page's format.
 void KVCache::encode_rows(Page& pg, int64_t h, int64_t row0, int64_t rows, const float* k) const {
   const Quantized q = quantize(k, rows, d_, pg.format, policy_.scale_rule);
@@ -116,7 +110,8 @@ void KVCache::settle(Sequence& s) {
   const int64_t last = (s.length - 1) / T;
   for (int64_t j = 0; j <= last; ++j) {
     Page& pg = pages_[size_t(s.table[size_t(j)])];
-    if (high_block(j, last) || pg.format == policy_.low) continue;
+    // The decode alignment: page j takes the format of tile (newest query tile, j).
+    if (policy_.is_high(last, j) || pg.format == policy_.low) continue;
     // Left the window: re-encode K in the low format, from the retained originals (or, for the
     // comparison, from the high format's values).
     const int64_t rows = std::min<int64_t>(T, s.length - j * T);
@@ -233,7 +228,7 @@ void KVCache::append(int id, const TensorView& k, const TensorView& v) {
         pages_.emplace_back();
       }
       Page& pg = pages_[size_t(id_page)];
-      pg.format = high_block(block, block) ? policy_.high : policy_.low;
+      pg.format = policy_.is_high(block, block) ? policy_.high : policy_.low;
       pg.codes.assign(size_t(heads_ * T * code_bytes(pg.format, d_)), 0);
       pg.scales.assign(size_t(heads_ * T * (d_ / 32)), 0);
       if (policy_.pv == PV::bf16) {
