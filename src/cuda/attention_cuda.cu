@@ -10,6 +10,7 @@
 
 #include "cuda/buffers.hpp"
 #include "cuda/fp8.cuh"
+#include "cuda/head_dims.hpp"
 #include "cuda/prefill.cuh"
 #include "cuda/quantize.hpp"
 #include "cuda/transform.hpp"
@@ -172,7 +173,7 @@ void require_supported(const Problem& p) {
   if ((p.policy.smooth_q || p.policy.sink_keys > 0) && (nv || p.policy.pv == PV::fp8))
     throw Error("the CUDA prefill applies smooth_q and sink_keys with MX tiles and pv=bf16 (this policy: " +
                 p.policy.describe() + "); the CPU backend computes every combination");
-  if (p.d != 64 && p.d != 128) throw Error("the CUDA backend supports head dims 64 and 128 (got " + std::to_string(p.d) + ")");
+  require_head_dim(p.d, "the CUDA backend");
   for (const TensorView* t : {&p.q, &p.k, &p.v, &p.out})
     if (t->stride[3] != 1) throw Error("the CUDA backend needs unit stride on the head dimension");
   const char* names[4] = {"Q", "K", "V", "out"};

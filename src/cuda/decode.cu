@@ -25,6 +25,7 @@
 
 #include "cuda/buffers.hpp"
 #include "cuda/fp8.cuh"
+#include "cuda/head_dims.hpp"
 #include "cuda/mma.cuh"
 #include "cuda/rotate_lanes.cuh"
 #include "cuda/splits.hpp"
@@ -814,10 +815,7 @@ void launch(const Params& p, dim3 grid, int d, int vbits, int nr, int ctas, cuda
     else
       go(dc, std::integral_constant<int, 4>{});
   };
-  if (d == 64)
-    with_v(std::integral_constant<int, 64>{});
-  else
-    with_v(std::integral_constant<int, 128>{});
+  with_head_dim(d, "the CUDA decode", with_v);
 }
 
 }  // namespace
@@ -825,7 +823,7 @@ void launch(const Params& p, dim3 grid, int d, int vbits, int nr, int ctas, cuda
 void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorView& q, const TensorView& out, float* lse,
                         float scale, int splits, int* nonfinite, cudaStream_t stream, const QueryTransform& qt) {
   const int64_t S = kv.S, Hkv = kv.Hkv, d = kv.d, Hq = q.shape[1], Nq = q.shape[2];
-  if (d != 64 && d != 128) throw Error("the CUDA decode supports head dims 64 and 128 (got " + std::to_string(d) + ")");
+  require_head_dim(d, "the CUDA decode");
   if (q.device != Device::cuda || out.device != Device::cuda) throw Error("decode: q and out must be CUDA tensors");
   if (q.stride[3] != 1 || out.stride[3] != 1) throw Error("the CUDA decode needs unit stride on the head dimension");
   if (q.shape[0] != S || q.shape[3] != d || Hq % Hkv != 0 || out.shape != q.shape)
@@ -880,7 +878,7 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
         transform_queries<decltype(dc)::value><<<blocks, 128, 0, stream>>>(
             typed, q.stride[0], q.stride[1], q.stride[2], int(Hq), int(Nq), p.G, rows, qt, kv, scale, qx, sink, lse_shift);
       };
-      d == 64 ? go(std::integral_constant<int, 64>{}) : go(std::integral_constant<int, 128>{});
+      with_head_dim(d, "the CUDA decode", go);
     });
     check(cudaGetLastError(), "decode query transform");
     p.q = qx;

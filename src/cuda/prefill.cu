@@ -23,6 +23,7 @@
 
 #include "cuda/buffers.hpp"
 #include "cuda/fp8.cuh"
+#include "cuda/head_dims.hpp"
 #include "cuda/mma.cuh"
 #include "cuda/prefill.cuh"
 #include "cuda/tma.cuh"
@@ -717,12 +718,8 @@ void launch_pv(const PrefillParams& p, DType out, int64_t blocks, int batch, cud
 }  // namespace
 
 void launch_prefill(const PrefillParams& p, int d, DType out_dtype, int64_t blocks, int batch, cudaStream_t stream) {
-  if (d == 64)
-    launch_pv<64>(p, out_dtype, blocks, batch, stream);
-  else if (d == 128)
-    launch_pv<128>(p, out_dtype, blocks, batch, stream);
-  else
-    throw Error("the CUDA prefill kernel supports head dims 64 and 128 (got " + std::to_string(d) + ")");
+  with_head_dim(d, "the CUDA prefill kernel",
+                [&](auto dc) { launch_pv<decltype(dc)::value>(p, out_dtype, blocks, batch, stream); });
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw Error(std::string("prefill kernel launch failed: ") + cudaGetErrorString(err));
 }

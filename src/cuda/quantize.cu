@@ -3,6 +3,7 @@
 #include <string>
 #include <type_traits>
 
+#include "cuda/head_dims.hpp"
 #include "cuda/mma.cuh"
 #include "cuda/quantize_block.cuh"
 #include "dmattn/error.hpp"
@@ -396,7 +397,7 @@ __global__ void __launch_bounds__(kTile) fold_key_tiles_kernel(const __grid_cons
 void fold_key_tiles(const KeyFold* folds, int count, int64_t BH, int64_t N, int64_t row_pad, int64_t d,
                     cudaStream_t stream) {
   if (row_pad % kTile != 0 || row_pad < N) throw Error("fold_key_tiles: row_pad must cover N in whole tiles");
-  if (d != 64 && d != 128) throw Error("fold_key_tiles: head dims 64 and 128 only (got " + std::to_string(d) + ")");
+  require_head_dim(d, "fold_key_tiles");
   if (count < 1 || count > 2) throw Error("fold_key_tiles: one or two K forms");
   if (BH == 0 || N == 0) return;
   if (BH > 65535) throw Error("fold_key_tiles: too many heads for the grid");
@@ -408,10 +409,10 @@ void fold_key_tiles(const KeyFold* folds, int count, int64_t BH, int64_t N, int6
     for (int i = 0; i < n; ++i) f.f[i] = folds[l + i];
     const dim3 grid(unsigned(row_pad / kTile), unsigned(BH), unsigned(n));
     auto go = [&](auto kernel) { kernel<<<grid, kTile, 0, stream>>>(f, N, row_pad); };
-    if (d == 64)
-      f.f[0].e5m2 ? go(fold_key_tiles_kernel<64, true>) : go(fold_key_tiles_kernel<64, false>);
-    else
-      f.f[0].e5m2 ? go(fold_key_tiles_kernel<128, true>) : go(fold_key_tiles_kernel<128, false>);
+    with_head_dim(d, "fold_key_tiles", [&](auto dc) {
+      constexpr int D = decltype(dc)::value;
+      f.f[0].e5m2 ? go(fold_key_tiles_kernel<D, true>) : go(fold_key_tiles_kernel<D, false>);
+    });
   }
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw Error(std::string("fold_key_tiles: launch failed: ") + cudaGetErrorString(err));
