@@ -16,8 +16,8 @@
 #include <cstdlib>
 #include <vector>
 
-#include "cuda/mma.cuh"
-#include "cuda/wgmma.cuh"
+#include "cuda/ptx/mma.cuh"
+#include "cuda/ptx/wgmma.cuh"
 #include "sm_bench.cuh"
 
 using namespace dmattn::cuda;

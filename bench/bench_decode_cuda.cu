@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/decode.cuh"
+#include "cuda/decode/decode.cuh"
 
 using namespace dmattn;
 using dmattn::cuda::PagedKV;

@@ -6,7 +6,7 @@
 #include <cstdio>
 #include <vector>
 
-#include "cuda/quantize.hpp"
+#include "cuda/prepass/quantize.hpp"
 
 using namespace dmattn;
 
@@ -55,7 +55,7 @@ int main() {
       iters);
   const float q1_ms = time_ms([&] { cuda::quantize_rows(v, ScaleRule::ocp, {Format::mxfp4, c4, s4}, {}, nullptr); }, iters);
   // The attention pre-pass's form of K: both formats as FP8 bytes, scales folded where exact, per-row
-  // scales and per-tile fold flags (src/cuda/attention_cuda.cu).
+  // scales and per-tile fold flags (src/cuda/prefill/attention.cu).
   uint8_t *f8, *f4;
   float *r8, *r4;
   int *u8, *u4;

@@ -12,7 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 
-#include "cuda/wgmma.cuh"
+#include "cuda/ptx/wgmma.cuh"
 #include "sm_bench.cuh"
 
 using namespace dmattn::cuda;

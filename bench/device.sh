@@ -76,7 +76,7 @@ else
     >"$OUT/configure.log" 2>&1 && cmake --build $B -j16 >"$OUT/build.log" 2>&1
   row[build]=$([ $? -eq 0 ] && echo ok || echo FAILED)
   grep -A2 "Function properties for .*prefill_kernel" "$OUT/build.log" | grep -E "spill|Used" | sort | uniq -c
-  cuobjdump -sass $B/CMakeFiles/dmattn.dir/src/cuda/prefill.cu.o 2>/dev/null | grep -oE "(HGMMA|QGMMA)\.[A-Za-z0-9.]*" | sort | uniq -c \
+  cuobjdump -sass $B/CMakeFiles/dmattn.dir/src/cuda/prefill/kernel.cu.o 2>/dev/null | grep -oE "(HGMMA|QGMMA)\.[A-Za-z0-9.]*" | sort | uniq -c \
     | tee "$OUT/sass_gmma.txt"
 fi
 

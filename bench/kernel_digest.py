@@ -3,13 +3,15 @@
 
 Two source trees that print the same lines run the same SASS, so a change meant to move nothing in
 the kernels is checked by diffing this output before and after. Needs nvcc only (no GPU, no
-cuobjdump): each source under src/cuda is compiled to a cubin and every .text.<kernel> section of
+cuobjdump): each source under src/cuda (and its folders) is compiled to a cubin and every .text.<kernel> section of
 that ELF file is hashed.
 
 usage: kernel_digest.py [--nvcc NVCC] [--source DIR]
 """
 import argparse
+import concurrent.futures
 import hashlib
+import os
 import pathlib
 import re
 import struct
@@ -36,25 +38,33 @@ def text_sections(cubin: bytes):
 
 
 # The anonymous namespace's mangled name carries a hash of the file path and contents; it is not code.
-ANONYMOUS = re.compile(r"_GLOBAL__N__[0-9a-f]+_\d+_\w+?_cu_[0-9a-f]+")
+# An anonymous namespace's mangled name carries a hash, the source's name and its length: dropped so
+# that a kernel keeps its name when its file moves.
+ANONYMOUS = re.compile(r"\d+_GLOBAL__N__[0-9a-f]+_\d+_\w+?_cu_[0-9a-f]+")
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nvcc", default="nvcc")
     ap.add_argument("--source", default=str(pathlib.Path(__file__).resolve().parent.parent))
+    ap.add_argument("--jobs", type=int, default=os.cpu_count())
     args = ap.parse_args()
     src = pathlib.Path(args.source)
     lines = []
     with tempfile.TemporaryDirectory() as tmp:
-        for cu in sorted((src / "src" / "cuda").glob("*.cu")):
-            cubin = pathlib.Path(tmp) / (cu.stem + ".cubin")
+        def compile_one(cu):
+            cubin = pathlib.Path(tmp) / (str(cu.relative_to(src)).replace("/", "_") + ".cubin")
             subprocess.run([args.nvcc, "-std=c++17", "--expt-relaxed-constexpr", "-DDMATTN_HAVE_CUDA=1",
                             f"-I{src / 'include'}", f"-I{src / 'src'}", "-O3", "-DNDEBUG",
                             "-gencode=arch=compute_90a,code=sm_90a", "-cubin", str(cu), "-o", str(cubin)],
                            check=True)
-            for name, code in text_sections(cubin.read_bytes()):
-                lines.append(f"{hashlib.sha256(code).hexdigest()[:16]}  {ANONYMOUS.sub('_GLOBAL__N_', name)}")
+            return cubin
+
+        sources = sorted((src / "src" / "cuda").rglob("*.cu"))
+        with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+            for cubin in pool.map(compile_one, sources):
+                for name, code in text_sections(cubin.read_bytes()):
+                    lines.append(f"{hashlib.sha256(code).hexdigest()[:16]}  {ANONYMOUS.sub('(anonymous)', name)}")
     for line in sorted(lines, key=lambda l: l.split()[1]):
         print(line)
     return 0

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Where ptxas put the prefill kernel's wgmma waits, per instance: compiles src/cuda/prefill.cu for
+"""Where ptxas put the prefill kernel's wgmma waits, per instance: compiles src/cuda/prefill/kernel.cu for
 sm_90a (no GPU needed) and prints, for each prefill_kernel instance, its main loop's sequence of wgmma
 issues, waits (WARPGROUP.DEPBAR), barriers and runs of MUFU (the softmax's exponentials).
 
@@ -35,7 +35,7 @@ def main():
         cubin = os.path.join(tmp, "prefill.cubin")
         subprocess.run([nvcc, "-DDMATTN_HAVE_CUDA=1", "-I" + os.path.join(ROOT, "include"), "-I" + os.path.join(ROOT, "src"),
                         "-O3", "-DNDEBUG", "-arch=sm_90a", "--expt-relaxed-constexpr", "-std=c++17", "-cubin",
-                        os.path.join(ROOT, "src/cuda/prefill.cu"), "-o", cubin], check=True)
+                        os.path.join(ROOT, "src/cuda/prefill/kernel.cu"), "-o", cubin], check=True)
         sass = subprocess.run([cuobjdump, "-sass", cubin], check=True, capture_output=True, text=True).stdout
     for func in re.split(r"\n\s*Function : ", sass)[1:]:
         name = func.split("\n", 1)[0].strip()

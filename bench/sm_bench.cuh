@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <vector>
 
-#include "cuda/buffers.hpp"
+#include "cuda/common/buffers.hpp"
 
 struct SmBench {
   int sms = 0;

@@ -7,7 +7,7 @@
 #include <cstdio>
 #include <limits>
 
-#include "cuda/splits.hpp"
+#include "cuda/decode/splits.hpp"
 #include "dmattn/attention.hpp"
 #include "dmattn/error.hpp"
 #include "dmattn/kv_cache.hpp"

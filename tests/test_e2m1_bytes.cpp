@@ -5,7 +5,7 @@
 
 #include <cmath>
 
-#include "cuda/e2m1_bytes.hpp"
+#include "cuda/ptx/e2m1_bytes.hpp"
 #include "dmattn/mx_codec.hpp"
 #include "dmattn/numeric.hpp"
 #include "dmattn/synthetic.hpp"

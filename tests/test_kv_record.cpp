@@ -1,13 +1,13 @@
 // The device KV cache's record layout (cuda/kv_record.hpp): the regions tile the record with 16-byte
 // aligned ends (a bulk copy's rule), and each chunk swizzle spreads the decode kernel's fragment loads
-// (decode.cu: k_words, k_split_words, the bf16 V ldmatrix) over distinct shared-memory banks. The
+// (src/cuda/decode/kernel.cu: k_words, k_split_words, the bf16 V ldmatrix) over distinct shared-memory banks. The
 // load patterns below are the kernel's address expressions; the GPU decode tests check the values.
 #include <gtest/gtest.h>
 
 #include <set>
 #include <vector>
 
-#include "cuda/kv_record.hpp"
+#include "cuda/decode/kv_record.hpp"
 
 using namespace dmattn::cuda;
 

@@ -9,8 +9,8 @@
 #include <cmath>
 #include <vector>
 
-#include "cuda/mma.cuh"
-#include "cuda/wgmma.cuh"
+#include "cuda/ptx/mma.cuh"
+#include "cuda/ptx/wgmma.cuh"
 #include "dmattn/mx_codec.hpp"
 #include "dmattn/numeric.hpp"
 #include "dmattn/synthetic.hpp"

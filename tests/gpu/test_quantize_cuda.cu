@@ -11,7 +11,7 @@
 #include <cstdio>
 #include <vector>
 
-#include "cuda/quantize.hpp"
+#include "cuda/prepass/quantize.hpp"
 #include "dmattn/error.hpp"
 #include "dmattn/mx_codec.hpp"
 #include "dmattn/quantize.hpp"

@@ -4,8 +4,8 @@
 #pragma once
 #include <type_traits>
 
-#include "cuda/fp8.cuh"
-#include "cuda/mma.cuh"
+#include "cuda/ptx/fp8.cuh"
+#include "cuda/ptx/mma.cuh"
 #include "dmattn/mx_codec.hpp"
 #include "dmattn/numeric.hpp"
 

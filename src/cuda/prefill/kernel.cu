@@ -21,13 +21,13 @@
 // accumulator that is added to O in fp32.
 #include <cmath>
 
-#include "cuda/buffers.hpp"
-#include "cuda/fp8.cuh"
-#include "cuda/head_dims.hpp"
-#include "cuda/mma.cuh"
-#include "cuda/prefill.cuh"
-#include "cuda/tma.cuh"
-#include "cuda/wgmma.cuh"
+#include "cuda/common/buffers.hpp"
+#include "cuda/ptx/fp8.cuh"
+#include "cuda/common/head_dims.hpp"
+#include "cuda/ptx/mma.cuh"
+#include "cuda/prefill/params.cuh"
+#include "cuda/ptx/tma.cuh"
+#include "cuda/ptx/wgmma.cuh"
 #include "dmattn/error.hpp"
 #include "dmattn/mx_codec.hpp"
 #include "dmattn/numeric.hpp"

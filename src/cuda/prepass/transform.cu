@@ -5,10 +5,10 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "cuda/buffers.hpp"
-#include "cuda/mma.cuh"
-#include "cuda/rotate_lanes.cuh"
-#include "cuda/transform.hpp"
+#include "cuda/common/buffers.hpp"
+#include "cuda/ptx/mma.cuh"
+#include "cuda/common/rotate_lanes.cuh"
+#include "cuda/prepass/transform.hpp"
 #include "dmattn/error.hpp"
 #include "dmattn/numeric.hpp"
 #include "dmattn/policy.hpp"

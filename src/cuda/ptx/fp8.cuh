@@ -3,7 +3,7 @@
 #pragma once
 #include <cstdint>
 
-#include "cuda/e2m1_bytes.hpp"  // prmt and the E2M1 widenings (host-testable)
+#include "cuda/ptx/e2m1_bytes.hpp"  // prmt and the E2M1 widenings (host-testable)
 
 namespace dmattn::cuda {
 

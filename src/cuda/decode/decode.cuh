@@ -5,7 +5,7 @@
 
 #include <cstdint>
 
-#include "cuda/kv_record.hpp"
+#include "cuda/decode/kv_record.hpp"
 #include "dmattn/policy.hpp"
 #include "dmattn/tensor.hpp"
 

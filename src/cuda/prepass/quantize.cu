@@ -1,11 +1,11 @@
-#include "cuda/quantize.hpp"
+#include "cuda/prepass/quantize.hpp"
 
 #include <string>
 #include <type_traits>
 
-#include "cuda/head_dims.hpp"
-#include "cuda/mma.cuh"
-#include "cuda/quantize_block.cuh"
+#include "cuda/common/head_dims.hpp"
+#include "cuda/ptx/mma.cuh"
+#include "cuda/prepass/quantize_block.cuh"
 #include "dmattn/error.hpp"
 #include "dmattn/mx_codec.hpp"
 #include "dmattn/numeric.hpp"

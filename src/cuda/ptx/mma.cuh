@@ -10,7 +10,7 @@
 #pragma once
 #include <cstdint>
 
-#include "cuda/fp8.cuh"
+#include "cuda/ptx/fp8.cuh"
 
 namespace dmattn::cuda {
 

@@ -8,12 +8,12 @@
 #include <type_traits>
 #include <vector>
 
-#include "cuda/buffers.hpp"
-#include "cuda/fp8.cuh"
-#include "cuda/head_dims.hpp"
-#include "cuda/prefill.cuh"
-#include "cuda/quantize.hpp"
-#include "cuda/transform.hpp"
+#include "cuda/common/buffers.hpp"
+#include "cuda/ptx/fp8.cuh"
+#include "cuda/common/head_dims.hpp"
+#include "cuda/prefill/params.cuh"
+#include "cuda/prepass/quantize.hpp"
+#include "cuda/prepass/transform.hpp"
 #include "dmattn/rotation.hpp"
 #include "dmattn/error.hpp"
 #include "dmattn/mx_codec.hpp"

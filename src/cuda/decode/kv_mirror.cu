@@ -10,9 +10,9 @@
 #include <memory>
 #include <vector>
 
-#include "cuda/buffers.hpp"
-#include "cuda/decode.cuh"
-#include "cuda/e2m1_bytes.hpp"
+#include "cuda/common/buffers.hpp"
+#include "cuda/decode/decode.cuh"
+#include "cuda/ptx/e2m1_bytes.hpp"
 #include "dmattn/error.hpp"
 #include "dmattn/kv_cache.hpp"
 #include "dmattn/quantize.hpp"

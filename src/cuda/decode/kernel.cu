@@ -15,7 +15,7 @@
 // splits by LSE. At Nq = 1 the work per byte is tiny: the page bytes (K at 4.25 or 8.25 bits, V at
 // 16, 8.25 or 4.25) set the time, so the kernel's job is to keep enough of them in flight with few
 // instructions per byte.
-#include "cuda/decode.cuh"
+#include "cuda/decode/decode.cuh"
 
 #include <algorithm>
 #include <cmath>
@@ -23,13 +23,13 @@
 #include <string>
 #include <type_traits>
 
-#include "cuda/buffers.hpp"
-#include "cuda/fp8.cuh"
-#include "cuda/head_dims.hpp"
-#include "cuda/mma.cuh"
-#include "cuda/rotate_lanes.cuh"
-#include "cuda/splits.hpp"
-#include "cuda/tma.cuh"
+#include "cuda/common/buffers.hpp"
+#include "cuda/ptx/fp8.cuh"
+#include "cuda/common/head_dims.hpp"
+#include "cuda/ptx/mma.cuh"
+#include "cuda/common/rotate_lanes.cuh"
+#include "cuda/decode/splits.hpp"
+#include "cuda/ptx/tma.cuh"
 #include "dmattn/error.hpp"
 #include "dmattn/format.hpp"
 #include "dmattn/mx_codec.hpp"

@@ -1,4 +1,4 @@
-// The DMA prefill kernel's parameters. Inputs are prepared by attention_cuda.cu: Q and K rows in the
+// The DMA prefill kernel's parameters. Inputs are prepared by prefill/attention.cu: Q and K rows in the
 // tensor-core form of each format (FP8 bytes + E8M0 scales, one set per slot: 0 = high, 1 = low;
 // scales folded into the codes where exact), V transposed: bf16, or E4M3 with per-channel scales (pv = fp8).
 #pragma once

@@ -4,8 +4,8 @@
 #include <string>
 #include <type_traits>
 
-#include "cuda/buffers.hpp"
-#include "cuda/quantize.hpp"
+#include "cuda/common/buffers.hpp"
+#include "cuda/prepass/quantize.hpp"
 #include "dmattn/error.hpp"
 #include "dmattn/mx_codec.hpp"
 #include "dmattn/numeric.hpp"

@@ -5,7 +5,7 @@
 
 #include <string>
 
-#include "cuda/tma.cuh"
+#include "cuda/ptx/tma.cuh"
 #include "dmattn/error.hpp"
 
 namespace dmattn::cuda {
