@@ -22,10 +22,14 @@
 #include <cmath>
 
 #include "cuda/common/buffers.hpp"
-#include "cuda/ptx/fp8.cuh"
 #include "cuda/common/head_dims.hpp"
-#include "cuda/ptx/mma.cuh"
+#include "cuda/prefill/load_q.cuh"
 #include "cuda/prefill/params.cuh"
+#include "cuda/prefill/pv.cuh"
+#include "cuda/prefill/scores.cuh"
+#include "cuda/prefill/smem.cuh"
+#include "cuda/ptx/fp8.cuh"
+#include "cuda/ptx/mma.cuh"
 #include "cuda/ptx/tma.cuh"
 #include "cuda/ptx/wgmma.cuh"
 #include "dmattn/error.hpp"
@@ -33,174 +37,8 @@
 #include "dmattn/numeric.hpp"
 
 namespace dmattn::cuda {
+namespace prefill {
 namespace {
-
-constexpr int BM = kPrefillRows, BN = kTile;
-constexpr int kConsumers = 256, kThreads = kConsumers + 128;  // 2 consumer warpgroups x 64 rows + a producer
-constexpr float kLog2e = 1.4426950408889634f;
-
-// Shared memory (every tile 1024-byte aligned, as the swizzle needs):
-//   Q: [2 slots][BM rows][D bytes] swizzled, then Q scales as floats [2][BM][D/32];
-//   per stage: V^T as two [D][64 keys] bf16 halves (128-byte rows), or with kF8V (pv = fp8) as one
-//   [D][128 keys] E4M3 tile, K [BN][D bytes], the keys' row scales [BN] floats (folded tiles) and
-//   block scales [BN][D/32] E8M0 bytes (per-block tiles); then the stages' full/empty barriers and
-//   the Q-fold flags. (kSplit: every stage's V^T first, then every stage's K with its scales.)
-// kNv (some slot is NVFP4: instances of their own, so the MX ones keep their layout and code): an
-// NVFP4 slot's Q and its K tiles are bf16 (issue_chain_bf16), twice the bytes, as [D/64 atoms][rows]
-// [128 B]; every Q slot and K tile gets that room. Where 3 stages do not fit (d = 128, bf16 V), K and
-// V go in rings of 2 stages each (kSplit), with barriers of their own: a tile's K is released once its
-// S has retired, its V once its P.V has, so each copy starts as soon as its own buffer frees. One ring of
-// 2 stages cost the MX kernel 27% at N = 16384 (bench/RESULTS.md).
-template <int D, bool kF8V, bool kNv = false, bool kFix = false>
-struct Smem {
-  static constexpr int kNb = D / 32;
-  static constexpr int kQK = BN * D;              // one FP8 K tile or Q slot
-  static constexpr int kOp = kNv ? 2 * kQK : kQK;  // the room a Q slot or K tile takes
-  static constexpr int kVHalf = D * 128, kVt = kF8V ? kVHalf : 2 * kVHalf;
-  static constexpr int kQ = 2 * kOp, kQs = 2 * BM * kNb * 4;
-  // K + BN floats and BN * kNb bytes (<= 1024 for D <= 128); kFix: then smooth_q's BN floats.
-  static constexpr int kKStage = kOp + 1024 + (kFix ? 1024 : 0);
-  static constexpr int kDs = kOp + 1024;  // offset of the ds floats in a K stage (kFix)
-  static constexpr int kStage = kVt + kKStage;
-  static constexpr uint32_t kTxK = kQK + BN * 4 + BN * kNb;  // bytes an MX tile's K copies bring
-  static constexpr uint32_t kTxKBf16 = 2 * kQK + BN * 4;     // an NVFP4 tile's (no block scales)
-  static_assert(BN * 4 + BN * kNb <= 1024);
-  static constexpr bool kSplit = kQ + kQs + 3 * kStage + 64 > 227 * 1024;
-  static constexpr int kStages = kSplit ? 2 : 3;  // of the one ring, or of each of the split rings
-  // Stage st's V^T at kVt0 + st * kVStride, its K at kK0 + st * kKStride.
-  static constexpr int kVt0 = kQ + kQs, kVStride = kSplit ? kVt : kStage;
-  static constexpr int kK0 = kVt0 + (kSplit ? kStages * kVt : kVt), kKStride = kSplit ? kKStage : kStage;
-  // uint64_t full[kStages], empty[kStages] (the tile's copies, or kSplit its K's); kSplit: vfull, vempty
-  static constexpr int kBars = kQ + kQs + kStages * kStage;
-  static constexpr int kFlags = kBars + (kSplit ? 4 : 2) * kStages * 8;  // int q_folded[2][2]
-  static constexpr int kBytes = kFlags + 16;
-  static_assert(kQ % 1024 == 0 && kQs % 1024 == 0 && kStage % 1024 == 0);
-  static_assert(kBytes <= 227 * 1024, "more shared memory than an sm_90 CTA can have");
-};
-
-// The accumulator register i of a m64nN tile holds column 8*(i/4) + 2t + (i%2) of row half (i/2)%2.
-__device__ __forceinline__ int acc_col(int i, int t) { return 8 * (i / 4) + 2 * t + (i % 2); }
-
-// Multiplies S by the keys' row scales (smem, adjacent pairs); the rows' factors are applied later,
-// inside the softmax's exponent (one FFMA).
-__device__ __forceinline__ void scale_by_keys(float (&s)[BN / 2], const float* sks, int t) {
-#pragma unroll
-  for (int nt = 0; nt < BN / 8; ++nt) {
-    const float2 k = *reinterpret_cast<const float2*>(sks + acc_col(4 * nt, t));
-    s[4 * nt] *= k.x;
-    s[4 * nt + 1] *= k.y;
-    s[4 * nt + 2] *= k.x;
-    s[4 * nt + 3] *= k.y;
-  }
-}
-
-// S for this warpgroup's 64 rows x the tile's 128 keys (docs/DESIGN.md):
-//  - folded tile: all of d as one wgmma chain (issued and committed here, awaited by the caller),
-//    then the key scales (scale_by_keys) and the row scales (in the softmax) once;
-//  - otherwise one wgmma per (64-key half, 32-wide block) into a fresh accumulator, promoted with
-//    the block scales sq * sk on the CUDA cores (this retires every wgmma in flight).
-// Precision (GpuMma.WgmmaFp8DotPrecision): Hopper's FP8 wgmma keeps about 13 bits of its sum, so
-// E4M3/FP6 blocks, and chains over blocks of different magnitude, differ from the oracle's fp32 sums
-// by up to ~1e-4 of sum|p|; one block of E2M1 values is exact. Measured against the oracle: <= 1e-3
-// rel. L2 (bench/RESULTS.md). A ping-pong variant of the per-block path (two accumulators in
-// flight) ran 3x slower than this serial one on the H200.
-// sq, sk: descriptors of the warpgroup's Q slot and the stage's K tile.
-template <int D, bool kE5M2>
-__device__ __forceinline__ void issue_chain(float (&s)[BN / 2], wg::Desc sq, wg::Desc sk) {
-  wg::fence();  // in the wgmmas' basic block: ptxas serialises every wgmma when it must insert one itself
-#pragma unroll
-  for (int c = 0; c < D / 32; ++c) wg::mma_fp8<BN, kE5M2>(s, (sq + c * 32).u64(), (sk + c * 32).u64(), c > 0);
-  wg::commit();
-}
-
-template <int D, bool kE5M2>
-__device__ __forceinline__ void scores_per_block(float (&s)[BN / 2], wg::Desc sq, const float* sqs, wg::Desc sk,
-                                                 const uint8_t* sks8, float scale, int t) {
-  constexpr int NB = D / 32;
-#pragma unroll
-  for (int i = 0; i < BN / 2; ++i) s[i] = 0.0f;
-#pragma unroll
-  for (int half = 0; half < 2; ++half)
-#pragma unroll 1
-    for (int c = 0; c < NB; ++c) {
-      float part[BN / 4];
-#pragma unroll
-      for (int i = 0; i < BN / 4; ++i) part[i] = 0.0f;
-      wg::fence();
-      wg::mma_fp8<BN / 2, kE5M2>(part, (sq + c * 32).u64(), (sk + (half * (BN / 2) * D + c * 32)).u64(), false);
-      wg::commit();
-      wg::wait<0>();
-      wg::pin(part);
-#pragma unroll
-      for (int i = 0; i < BN / 4; ++i) {
-        const float k = decode_e8m0(sks8[(half * BN / 2 + acc_col(i, t)) * NB + c]);
-        s[half * BN / 4 + i] += sqs[((i / 2) % 2) * 8 * NB + c] * k * part[i];
-      }
-    }
-#pragma unroll
-  for (int i = 0; i < BN / 2; ++i) s[i] *= scale;
-}
-
-// NVFP4 tiles: Q and K arrive as bf16 values with their E4M3 block scales folded in (an E2M1 value
-// times an E4M3 scale has at most 6 significant bits: exact in bf16), so all of d runs as one bf16
-// wgmma chain, 16 elements a wgmma, in 128-byte swizzle atoms of 64 elements ([atom][rows][128 B]);
-// the rows' second scales multiply S once, Q's as the row factor of the folded path and K's as its
-// per-key factor (the tile marked "a scale a key"). Issued and
-// committed here, awaited by the caller.
-template <int D>
-__device__ __forceinline__ void issue_chain_bf16(float (&s)[BN / 2], wg::Desc sq, wg::Desc sk) {
-  wg::fence();
-#pragma unroll
-  for (int k = 0; k < D / 16; ++k)
-    wg::mma_bf16<BN>(s, (sq + ((k / 4) * BM * 128 + (k % 4) * 32)).u64(), (sk + ((k / 4) * BN * 128 + (k % 4) * 32)).u64(), k > 0);
-  wg::commit();
-}
-
-// O += bf16(P) . V over one key tile, 16 keys per wgmma; P's accumulator layout is the A-fragment
-// layout. svt: the stage's V^T descriptor. Issued; the caller commits and awaits it.
-template <int D>
-__device__ __forceinline__ void issue_pv(float (&o)[D / 2], const uint32_t (&a)[BN / 16][4], wg::Desc svt) {
-  wg::fence();  // as in issue_chain
-#pragma unroll
-  for (int kc = 0; kc < BN / 16; ++kc) wg::mma_bf16_rs<D>(o, a[kc], (svt + ((kc / 4) * Smem<D, false>::kVHalf + (kc % 4) * 32)).u64());
-}
-
-// pv = fp8: o = P.V over one key tile into a fresh accumulator, 32 keys per wgmma (E4M3 P in the
-// A-fragment order pv_fp8_key, V^T's keys stored in the same order). A fresh accumulator a tile,
-// added to the running output in fp32 by the caller: Hopper's FP8 wgmma keeps about 13 bits of its
-// sums (GpuMma.WgmmaFp8DotPrecision), too few for a running sum over thousands of keys.
-template <int D>
-__device__ __forceinline__ void issue_pv_fp8(float (&o)[D / 2], const uint32_t (&a)[BN / 32][4], wg::Desc svt) {
-  wg::fence();
-  wg::mma_fp8_rs<D, false>(o, a[0], svt.u64());
-#pragma unroll
-  for (int kc = 1; kc < BN / 32; ++kc) wg::mma_fp8_rs<D, true>(o, a[kc], (svt + kc * 32).u64());
-}
-
-// P's A fragments (the accumulator layout, acc_col) as bf16, or as E4M3 (kF8V; P already carries
-// 2^kPvFp8Shift) in pv_fp8_key order: a[kc] = rows g, g+8 at logical keys 4t.., then 16+4t...
-template <bool kF8V>
-__device__ __forceinline__ void pack_p(const float (&s)[BN / 2], uint32_t (&a)[kF8V ? BN / 32 : BN / 16][4]) {
-  if constexpr (kF8V) {
-#pragma unroll
-    for (int kc = 0; kc < BN / 32; ++kc) {
-      const float* q = s + 16 * kc;  // columns 32kc..32kc+31: q[4n + e] is column 8n + 2t + e%2 of row half e/2
-      a[kc][0] = fp8x2_encode<false>(q[0], q[1]) | uint32_t(fp8x2_encode<false>(q[4], q[5])) << 16;
-      a[kc][1] = fp8x2_encode<false>(q[2], q[3]) | uint32_t(fp8x2_encode<false>(q[6], q[7])) << 16;
-      a[kc][2] = fp8x2_encode<false>(q[8], q[9]) | uint32_t(fp8x2_encode<false>(q[12], q[13])) << 16;
-      a[kc][3] = fp8x2_encode<false>(q[10], q[11]) | uint32_t(fp8x2_encode<false>(q[14], q[15])) << 16;
-    }
-  } else {
-#pragma unroll
-    for (int kc = 0; kc < BN / 16; ++kc) {
-      const float* q0 = s + 8 * kc;  // registers of columns 16kc..16kc+7 (4) and 16kc+8.. (4)
-      a[kc][0] = bf16x2_rn(q0[0], q0[1]);
-      a[kc][1] = bf16x2_rn(q0[2], q0[3]);
-      a[kc][2] = bf16x2_rn(q0[4], q0[5]);
-      a[kc][3] = bf16x2_rn(q0[6], q0[7]);
-    }
-  }
-}
 
 // Two adjacent output elements (lo at dst[0]) rounded to nearest-even in one conversion and one store;
 // dst must be aligned to the pair.
@@ -208,97 +46,7 @@ __device__ __forceinline__ void store_pair(float* dst, float lo, float hi) { *re
 __device__ __forceinline__ void store_pair(bf16* dst, float lo, float hi) { *reinterpret_cast<uint32_t*>(dst) = bf16x2_rn(lo, hi); }
 __device__ __forceinline__ void store_pair(fp16* dst, float lo, float hi) { *reinterpret_cast<uint32_t*>(dst) = f16x2_rn(lo, hi); }
 
-// This warpgroup's 64 Q rows of both slots from the quantize pass's tensor-core form: FP8 bytes into
-// swizzled shared memory (every load issued before any store), block scales as floats, and
-// q_folded[slot][wgi] cleared where a row keeps several scales. Rows outside [0, Nq) are zeros with
-// scale 0. Each warpgroup loads its own rows, so warpgroup 1's run under warpgroup 0's first tile.
-// kNv: slot by slot, an NVFP4 slot's rows as bf16 (2D bytes) in 128-byte atoms, with the row's second
-// scale as its one scale. (The MX instances keep their own loop, both slots' loads issued
-// before any store: the general one would change their SASS, which was measured as it stands.)
-template <int D, bool kF8V, bool kNv>
-__device__ __forceinline__ void load_q(const PrefillParams& p, int b, int h, int64_t pos0, int64_t off, int wgi,
-                                       uint8_t* sQ, float* sQs, int (*q_folded)[2]) {
-  using S = Smem<D, kF8V, kNv>;
-  constexpr int NB = D / 32, kChunks = D / 16, kLoads = 2 * 64 * kChunks / 128;
-  const int tid = threadIdx.x % 128;
-  const int64_t row0 = (int64_t(b) * p.Hq + h) * p.Nq;
-  if constexpr (kNv) {
-    constexpr int kMaxLoads = 64 * (2 * D / 16) / 128;
-    for (int s = 0; s < 2; ++s) {
-      const bool nv = s < p.nslots && p.nv[s];
-      const int chunks = nv ? D / 8 : D / 16, wb = 16 * chunks;  // 16-byte chunks and bytes a row
-      uint4 w[kMaxLoads];
-#pragma unroll
-      for (int k = 0; k < kMaxLoads; ++k) {
-        const int i = tid + 128 * k, r = wgi * 64 + i / chunks, chunk = i % chunks;
-        const int64_t qrow = pos0 + r - off;
-        w[k] = i < 64 * chunks && s < p.nslots && qrow >= 0 && qrow < p.Nq
-                   ? *reinterpret_cast<const uint4*>(p.q8[s] + (row0 + qrow) * wb + chunk * 16)
-                   : make_uint4(0, 0, 0, 0);
-      }
-#pragma unroll
-      for (int k = 0; k < kMaxLoads; ++k) {
-        const int i = tid + 128 * k, r = wgi * 64 + i / chunks, byte = (i % chunks) * 16;
-        if (i >= 64 * chunks) break;
-        const uint32_t at = nv ? (byte / 128) * (BM * 128) + wg::swizzled<128>(r, byte % 128) : wg::swizzled<D>(r, byte);
-        *reinterpret_cast<uint4*>(sQ + s * S::kOp + at) = w[k];
-      }
-    }
-  } else {
-    uint4 w[kLoads];
-#pragma unroll
-    for (int k = 0; k < kLoads; ++k) {
-      const int i = tid + 128 * k, s = i / (64 * kChunks), r = wgi * 64 + i / kChunks % 64, chunk = i % kChunks;
-      const int64_t qrow = pos0 + r - off;
-      w[k] = s < p.nslots && qrow >= 0 && qrow < p.Nq
-                 ? *reinterpret_cast<const uint4*>(p.q8[s] + (row0 + qrow) * D + chunk * 16)
-                 : make_uint4(0, 0, 0, 0);
-    }
-#pragma unroll
-    for (int k = 0; k < kLoads; ++k) {
-      const int i = tid + 128 * k, s = i / (64 * kChunks), r = wgi * 64 + i / kChunks % 64, chunk = i % kChunks;
-      *reinterpret_cast<uint4*>(sQ + s * S::kQK + wg::swizzled<D>(r, chunk * 16)) = w[k];
-    }
-  }
-  // One (slot, row) a thread: its scales, and whether they agree.
-  const int s = tid / 64, r = wgi * 64 + tid % 64;
-  const int64_t qrow = pos0 + r - off;
-  const bool ok = s < p.nslots && qrow >= 0 && qrow < p.Nq;
-  const bool nv = kNv && s < p.nslots && p.nv[s];
-  const float ts = nv && ok ? p.qten[s][row0 + qrow] : 0.0f;
-  bool uniform = true;
-  float first = 0.0f;
-#pragma unroll
-  for (int c = 0; c < NB; ++c) {
-    const float v = nv ? ts : ok ? decode_e8m0(p.qs[s][(row0 + qrow) * NB + c]) : 0.0f;
-    sQs[(s * BM + r) * NB + c] = v;
-    first = c == 0 ? v : first;
-    uniform &= v == first;
-  }
-  if (!uniform) q_folded[s][wgi] = 0;
-}
 
-// The accuracy transforms' share of a tile's scores (kFix instances): S in logits, plus smooth_q's
-// per-key addition (ds: the tile's 128 floats in shared memory, brought with its K), and on key
-// tile 0 the exact scores of the sink keys. u: each row's factor from S to logits (1
-// where S already holds them).
-__device__ __forceinline__ void fix_scores(float (&s)[BN / 2], const float (&u)[2], const float* ds,
-                                           const float* sink0, const float* sink1, int sink_keys, int t) {
-#pragma unroll
-  for (int nt = 0; nt < BN / 8; ++nt) {
-    const float2 a = ds ? *reinterpret_cast<const float2*>(ds + acc_col(4 * nt, t)) : make_float2(0.0f, 0.0f);
-    s[4 * nt] = fmaf(s[4 * nt], u[0], a.x);
-    s[4 * nt + 1] = fmaf(s[4 * nt + 1], u[0], a.y);
-    s[4 * nt + 2] = fmaf(s[4 * nt + 2], u[1], a.x);
-    s[4 * nt + 3] = fmaf(s[4 * nt + 3], u[1], a.y);
-  }
-  if (sink_keys > 0)
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) {
-      const int col = acc_col(i, t);
-      if (col < sink_keys) s[i] = ((i / 2) % 2 ? sink1 : sink0)[col];
-    }
-}
 
 template <int D, class TOut, bool kF8V, bool kNv, bool kFix = false>
 __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_constant__ PrefillParams p) {
@@ -716,10 +464,11 @@ void launch_pv(const PrefillParams& p, DType out, int64_t blocks, int batch, cud
 }
 
 }  // namespace
+}  // namespace prefill
 
 void launch_prefill(const PrefillParams& p, int d, DType out_dtype, int64_t blocks, int batch, cudaStream_t stream) {
   with_head_dim(d, "the CUDA prefill kernel",
-                [&](auto dc) { launch_pv<decltype(dc)::value>(p, out_dtype, blocks, batch, stream); });
+                [&](auto dc) { prefill::launch_pv<decltype(dc)::value>(p, out_dtype, blocks, batch, stream); });
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw Error(std::string("prefill kernel launch failed: ") + cudaGetErrorString(err));
 }
