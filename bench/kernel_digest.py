@@ -37,7 +37,6 @@ def text_sections(cubin: bytes):
             yield name[len(".text."):], cubin[offset:offset + size]
 
 
-# The anonymous namespace's mangled name carries a hash of the file path and contents; it is not code.
 # An anonymous namespace's mangled name carries a hash, the source's name and its length: dropped so
 # that a kernel keeps its name when its file moves.
 ANONYMOUS = re.compile(r"\d+_GLOBAL__N__[0-9a-f]+_\d+_\w+?_cu_[0-9a-f]+")

@@ -6,8 +6,8 @@
 // products run on the tensor cores, transposed so the query rows are the mma's N: S^T per 32-wide
 // block of d, E2M1 pages on the integer mma (K and q as bytes of twice their values, exact), FP8 and
 // FP6 pages as FP8 block dots (sm_90 has no FP8 mma.sync: two f16 mmas on operands widened exactly,
-// mma_fp8_block; widening q once per CTA instead saved 1.5% of the instructions and no time, session
-// 8), scaled by the two E8M0 scales and summed over blocks in order as the CPU oracle does; the
+// mma_fp8_block; widening q once per CTA instead saved 1.5% of the instructions and no time),
+// scaled by the two E8M0 scales and summed over blocks in order as the CPU oracle does; the
 // softmax stays in registers, in base 2 (the page's row maxima are the only thing the warps exchange);
 // P (rounded to bf16, as the oracle) times V in bf16 with fp32 accumulation, or with pv = mxfp8 /
 // mxfp4 P quantized to MXFP8 per 32 keys (a warp's block) times V's MXFP8 codes (or MXFP4 codes
