@@ -94,13 +94,13 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v, co
   const bool on_gpu = q.device == Device::cuda;
   Backend backend = opts.backend;
   if (backend == Backend::automatic) backend = on_gpu ? Backend::cuda : Backend::cpu;
-  if (backend == Backend::cpu && on_gpu) throw Error("--backend cpu needs host tensors (these are on the GPU)");
+  if (backend == Backend::cpu && on_gpu) throw Error("the CPU backend needs host tensors (these are on the GPU)");
   if (backend == Backend::cuda) {
 #if defined(DMATTN_HAVE_CUDA)
     if (!on_gpu) throw Error("the CUDA backend needs tensors on the GPU (attention_on_device stages host tensors)");
     if (opts.exact) throw Error("the exact fp64 reference runs on the CPU only");
     if (p.window_left >= 0 || p.window_right >= 0)
-      throw Error("sliding windows run on the CPU backend; the CUDA kernels do not take them yet");
+      throw Error("the CUDA prefill does not take sliding windows yet; the CPU backend computes them (CPU tensors)");
     cuda::dma_attention(p);
     return;
 #else

@@ -4,11 +4,13 @@
 
 #include <vector>
 
+#include "core/mask.hpp"
 #include "dmattn/attention.hpp"
 
 namespace dmattn {
 
 class KVCache;
+struct DecodeOptions;
 
 struct Problem {
   TensorView q, k, v, out;
@@ -25,16 +27,10 @@ struct Problem {
 
   int64_t group() const { return Hq / Hkv; }
   int64_t position(int64_t r) const { return q_pos0 + r; }  // default q_pos0 = Nk - Nq: bottom-right
-  // The mask, stated once: row r sees the local keys [key_begin(r), key_end(r)) (causal and the
-  // sliding window; key_begin <= key_end).
-  int64_t key_end(int64_t r) const {
-    int64_t end = causal ? position(r) + 1 - k_pos0 : Nk;
-    if (window_right >= 0) end = std::min(end, position(r) + window_right + 1 - k_pos0);
-    return std::clamp<int64_t>(end, 0, Nk);
-  }
-  int64_t key_begin(int64_t r) const {
-    return window_left < 0 ? 0 : std::clamp<int64_t>(position(r) - window_left - k_pos0, 0, key_end(r));
-  }
+  // Row r sees the local keys [key_begin(r), key_end(r)) (src/core/mask.hpp).
+  Mask mask() const { return {Nk, causal, window_left, window_right}; }
+  int64_t key_end(int64_t r) const { return mask().key_end(position(r) - k_pos0); }
+  int64_t key_begin(int64_t r) const { return mask().key_begin(position(r) - k_pos0); }
   int64_t key_tile0() const { return k_pos0 / kTile; }  // absolute tile of local key tile 0
   // Absolute query tile of row r (floor division: positions can be negative when Nq > Nk).
   int64_t query_tile(int64_t r) const { return hd::floor_div(position(r), kTile); }
@@ -52,9 +48,9 @@ void dma_attention(const Problem& p);    // DMA, docs/DESIGN.md
 
 namespace cuda {
 // Decode over the cache's pages, mirrored on the device (KVCache::device_state); q, out and lse on
-// the device; splits 0 = automatic. Ordered on `stream`; returns when the results are written.
+// the device; opts' splits, window and stream (scale: the softmax scale). Returns when the results are written.
 void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const TensorView& q, const TensorView& out,
-                      float* lse, float scale, int splits, void* stream);
+                      float* lse, float scale, const DecodeOptions& opts);
 void dma_attention(const Problem& p);  // all tensors on the current CUDA device; ordered on p.stream
 }  // namespace cuda
 

@@ -152,6 +152,12 @@ def test_kv_cache_decode_equals_attention_last_rows():
     assert np.array_equal(lse, want_lse[:, :, -nq:])
     with pytest.raises(dmattn.DmattnError, match="16"):
         dmattn.decode(cache, [s], np.ascontiguousarray(q[:, :, -17:]))
+    # A sliding window: decode equals attention's last rows with the same window, bit for bit.
+    want_w, want_w_lse = dmattn.attention(q, k, v, causal=True, return_lse=True, diag_tiles=2, sink_tiles=1,
+                                          window=(100, -1))
+    out_w, lse_w = dmattn.decode(cache, [s], np.ascontiguousarray(q[:, :, -nq:]), return_lse=True, window=(100, -1))
+    assert np.array_equal(out_w, want_w[:, :, -nq:]) and np.array_equal(lse_w, want_w_lse[:, :, -nq:])
+    assert not np.array_equal(lse_w, lse)
 
 
 def test_read_only_inputs_are_accepted(tmp_path):
@@ -227,6 +233,7 @@ def test_policy_keywords_are_stated_once_and_the_stubs_follow():
     policy_init = next(n for c in stub.body if isinstance(c, ast.ClassDef) and c.name == "Policy"
                        for n in c.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
     assert [a.arg for a in policy_init.args.kwonlyargs] == list(dmattn.POLICY_FIELDS)
+    assert all(hasattr(dmattn.Policy(), f) for f in dmattn.POLICY_FIELDS)  # each keyword is a field too
     assert set(dmattn.POLICY_FIELDS) <= {a.arg for a in funcs["attention"].args.kwonlyargs}
     sig = inspect.signature(dmattn.attention)
     stub_rest = {a.arg for a in funcs["attention"].args.kwonlyargs} - set(dmattn.POLICY_FIELDS)
