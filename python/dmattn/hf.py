@@ -24,18 +24,27 @@ _MASK_NOTE = ("dmattn supports causal (or full) attention with padding, and slid
               "sliding window): use another attn_implementation")
 
 
+def _allowed(L, S, causal, left=-1, device=None):
+    """The keys [L, S] bool that dmattn's mask lets the last L of S positions see: all (or causal),
+    from `left` keys before each query on where left >= 0 (row i sits at position S - L + i)."""
+    import torch
+    want = torch.ones(L, S, dtype=torch.bool, device=device)
+    if causal:
+        want = want.tril(S - L)
+    return want.triu(S - L - left) if left >= 0 else want
+
+
 def _band(pattern, L, S):
     """-1 where pattern [L, S] (queries at the last L of S positions) is causal, left >= 0 where it is
     causal within a window of the `left` keys before each query, None for anything else."""
     import torch
-    causal = torch.ones(L, S, dtype=torch.bool).tril(S - L)
-    if torch.equal(pattern, causal):
+    if torch.equal(pattern, _allowed(L, S, True)):
         return -1
     first = pattern[-1].nonzero()
     if first.numel() == 0:
         return None
     left = S - 1 - int(first[0])
-    return left if torch.equal(pattern, causal.triu(S - L - left)) else None
+    return left if torch.equal(pattern, _allowed(L, S, True, left)) else None
 
 
 def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
@@ -85,12 +94,7 @@ def _check_4d(mask, L, S, causal, left=-1):
     import torch
     m = mask[..., -L:, -S:]
     allowed = m > torch.finfo(m.dtype).min / 2 if m.dtype.is_floating_point else m.bool()
-    want = torch.ones(L, S, dtype=torch.bool, device=m.device)
-    if causal:
-        want = want.tril(S - L)
-    if left >= 0:  # the query at row i sits at position S - L + i and sees keys from there - left on
-        want = want.triu(S - L - left)
-    if not torch.equal(allowed, want.expand_as(allowed)):
+    if not torch.equal(allowed, _allowed(L, S, causal, left, m.device).expand_as(allowed)):
         raise NotImplementedError(_MASK_NOTE)
 
 

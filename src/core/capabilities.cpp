@@ -1,6 +1,7 @@
 #include "core/capabilities.hpp"
 
 #include <algorithm>
+#include <sstream>
 
 #include "cuda/common/head_dims.hpp"
 #include "dmattn/error.hpp"
@@ -62,13 +63,11 @@ std::string transforms_text(const Capabilities& c) {
   return s;
 }
 
-// The transforms the policy turns on, as names.
-std::vector<std::string_view> transforms_of(const Policy& p) {
-  std::vector<std::string_view> v;
-  if (p.rotate) v.push_back("rotate");
-  if (p.smooth_k) v.push_back("smooth_k");
-  if (p.smooth_q) v.push_back("smooth_q");
-  if (p.sink_keys > 0) v.push_back("sink_keys");
+// The transforms the policy turns on (Policy::transforms, space-separated), as names.
+std::vector<std::string> transforms_of(const Policy& p) {
+  std::vector<std::string> v;
+  std::istringstream names(p.transforms());
+  for (std::string t; names >> t;) v.push_back(t);
   return v;
 }
 
@@ -118,10 +117,10 @@ void require(const Capabilities& c, const Policy& p, int64_t d) {
   if (!has(c.pv, p.pv))
     throw Error(std::string(c.name) + " takes pv " + pv_text(c) + ", not pv=" + std::string(pv_name(p.pv)) + rest);
   const bool mx_bf16 = p.pv == PV::bf16 && format_info(p.high).block == 32 && format_info(p.low).block == 32;
-  for (std::string_view t : transforms_of(p)) {
-    if (has(c.transforms, t)) continue;
-    if (has(c.transforms_mx_bf16, t) && mx_bf16) continue;
-    throw Error(std::string(c.name) + " takes the transforms " + transforms_text(c) + "; not " + std::string(t) +
+  for (const std::string& t : transforms_of(p)) {
+    if (has(c.transforms, std::string_view(t))) continue;
+    if (has(c.transforms_mx_bf16, std::string_view(t)) && mx_bf16) continue;
+    throw Error(std::string(c.name) + " takes the transforms " + transforms_text(c) + "; not " + t +
                 " with this policy (" + p.describe() + ")" + rest);
   }
 }

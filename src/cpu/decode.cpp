@@ -6,6 +6,7 @@
 #include <cmath>
 #include <string>
 
+#include "core/mask.hpp"
 #include "cpu/parallel.hpp"
 #include "cpu/tiles.hpp"
 #include "dmattn/attention.hpp"
@@ -124,8 +125,9 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
         qorig = qf;
         if (transformed)
           for (float& x : qf) x = round_bf16(x);
-        const int64_t kend = L - Nq + r + 1;  // causal, bottom-right
-        const int64_t kbegin = opts.window_left < 0 ? 0 : std::max<int64_t>(0, kend - 1 - opts.window_left);
+        // Row r sits at position L - Nq + r (bottom-right) and sees keys [kbegin, kend) (src/core/mask.hpp).
+        const Mask mask{L, true, opts.window_left < 0 ? -1 : opts.window_left, -1};
+        const int64_t kend = mask.key_end(L - Nq + r), kbegin = mask.key_begin(L - Nq + r);
         // Sink keys scored exactly: the sequence's first min(sink_keys, L) keys.
         const int64_t nexact = sink ? std::min<int64_t>(pol.sink_keys, L) : 0;
         for (int64_t n = 0; n < nexact; ++n) exact[size_t(n)] = cpu::dot_f64(qorig.data(), sink + n * d, int(d));

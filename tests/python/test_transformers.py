@@ -44,6 +44,16 @@ def issue_llama(attn):
     return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
 
 
+def padding_mask(n, side, pad):
+    """[2, n] attention mask: row 0 whole, row 1 with `pad` padding tokens on its `side`."""
+    mask = torch.ones(2, n, dtype=torch.long)
+    if side == "left":
+        mask[1, :pad] = 0
+    else:
+        mask[1, n - pad:] = 0
+    return mask
+
+
 @pytest.fixture
 def bf16_policy():
     old = dmattn.hf_policy
@@ -56,11 +66,7 @@ def bf16_policy():
 def test_padded_batch_matches_sdpa_on_valid_tokens(side, bf16_policy):
     name = dmattn.register_transformers()
     ids = torch.randint(0, 100, (2, 300), generator=torch.Generator().manual_seed(2))
-    mask = torch.ones(2, 300, dtype=torch.long)
-    if side == "left":
-        mask[1, :150] = 0
-    else:
-        mask[1, 150:] = 0
+    mask = padding_mask(300, side, 150)
     ref_model, ours = issue_llama("sdpa"), issue_llama(name)
     ours.load_state_dict(ref_model.state_dict())
     pos = (mask.cumsum(-1) - 1).clamp(min=0)  # as generate() numbers padded rows
@@ -109,7 +115,7 @@ def test_sliding_window_layers_match_sdpa(bf16_policy):
     with torch.no_grad():
         ref, got = ref_model(ids).logits, ours(ids).logits
         # the window is applied: without it the logits move far more than bf16 rounding
-        ours.config.sliding_window = ours.model.layers[0].self_attn.sliding_window = None
+        ours.config.sliding_window = None
         for layer in ours.model.layers:
             layer.self_attn.sliding_window = None
         plain = ours(ids).logits
@@ -129,11 +135,7 @@ def test_padded_batch_through_a_sliding_window_matches_sdpa(side, bf16_policy):
     ref_model, ours = tiny_mistral("sdpa"), tiny_mistral(name)
     ours.load_state_dict(ref_model.state_dict())
     ids = torch.randint(1, 100, (2, 200), generator=torch.Generator().manual_seed(6))
-    mask = torch.ones(2, 200, dtype=torch.long)
-    if side == "left":
-        mask[1, :70] = 0
-    else:
-        mask[1, 130:] = 0
+    mask = padding_mask(200, side, 70)
     with torch.no_grad():
         ref = ref_model(ids, attention_mask=mask).logits
         got = ours(ids, attention_mask=mask).logits
