@@ -119,7 +119,8 @@ class KVCache {
 
 struct DecodeOptions {
   std::optional<float> softmax_scale;  // default 1/sqrt(d)
-  // Split-KV: each sequence's pages divided into min(splits, pages) ranges. 0 = automatic: one on
+  // Split-KV: each sequence's pages (from the first one a row's window reaches) divided into
+  // min(splits, pages) ranges. 0 = automatic: one on
   // the CPU (prefill's arithmetic exactly), on the GPU enough to give every SM work.
   int splits = 0;
   int threads = 0;                     // CPU worker threads; 0 = all

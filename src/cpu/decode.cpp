@@ -101,7 +101,10 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
     pages.reserve(table.size());
     for (int32_t p : table) pages.push_back(unpack(cache.page(p), hk, d, cache.policy().pv));
     const int64_t np = int64_t(pages.size());
-    const int64_t splits = std::min<int64_t>(std::max(opts.splits, 1), np);
+    // The splits divide pages [jlo, np): jlo is the first page the earliest row's window reaches (the
+    // CUDA decode reads no page before it and partitions the same way).
+    const int64_t jlo = opts.window_left < 0 ? 0 : std::max<int64_t>(0, L - Nq - opts.window_left) / T;
+    const int64_t splits = std::min<int64_t>(std::max(opts.splits, 1), np - jlo);
     // The transforms' per-sequence state: K's mean (smooth_k) and the sink keys' rows.
     const int seq = seqs[size_t(si)];
     const std::vector<float> kmeans = cache.key_mean(seq), sinks = cache.sink_rows(seq);
@@ -146,7 +149,7 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
         cpu::Partial total{int(d)};
         for (int64_t sp = 0; sp < splits; ++sp) {
           cpu::Partial part{int(d)};
-          for (int64_t j = sp * np / splits; j < (sp + 1) * np / splits; ++j) {
+          for (int64_t j = jlo + sp * (np - jlo) / splits; j < jlo + (sp + 1) * (np - jlo) / splits; ++j) {
             if (j * T >= kend) break;
             if ((j + 1) * T <= kbegin) continue;  // wholly before the window
             const PageTiles& pt = pages[size_t(j)];
