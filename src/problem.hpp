@@ -4,6 +4,7 @@
 
 #include <vector>
 
+#include "core/mask.hpp"
 #include "dmattn/attention.hpp"
 
 namespace dmattn {
@@ -25,16 +26,10 @@ struct Problem {
 
   int64_t group() const { return Hq / Hkv; }
   int64_t position(int64_t r) const { return q_pos0 + r; }  // default q_pos0 = Nk - Nq: bottom-right
-  // The mask, stated once: row r sees the local keys [key_begin(r), key_end(r)) (causal and the
-  // sliding window; key_begin <= key_end).
-  int64_t key_end(int64_t r) const {
-    int64_t end = causal ? position(r) + 1 - k_pos0 : Nk;
-    if (window_right >= 0) end = std::min(end, position(r) + window_right + 1 - k_pos0);
-    return std::clamp<int64_t>(end, 0, Nk);
-  }
-  int64_t key_begin(int64_t r) const {
-    return window_left < 0 ? 0 : std::clamp<int64_t>(position(r) - window_left - k_pos0, 0, key_end(r));
-  }
+  // Row r sees the local keys [key_begin(r), key_end(r)) (src/core/mask.hpp).
+  Mask mask() const { return {Nk, causal, window_left, window_right}; }
+  int64_t key_end(int64_t r) const { return mask().key_end(position(r) - k_pos0); }
+  int64_t key_begin(int64_t r) const { return mask().key_begin(position(r) - k_pos0); }
   int64_t key_tile0() const { return k_pos0 / kTile; }  // absolute tile of local key tile 0
   // Absolute query tile of row r (floor division: positions can be negative when Nq > Nk).
   int64_t query_tile(int64_t r) const { return hd::floor_div(position(r), kTile); }

@@ -1,0 +1,39 @@
+// The attention mask, stated once for every backend (the CPU oracle and reference through
+// Problem::key_begin/key_end, the CUDA kernels directly): which keys a query sees.
+//
+// Positions are in the keys' frame: key j sits at position j, a query at position pos. Causal: a
+// query sees no key after its own position. A sliding window (left, right) keeps the keys in
+// [pos - left, pos + right]; -1 leaves that side unbounded (flash-attn's window_size).
+#pragma once
+#include <cstdint>
+
+#include "dmattn/hd.hpp"
+
+namespace dmattn {
+
+struct Mask {
+  int64_t nk = 0;  // keys
+  bool causal = false;
+  int64_t left = -1, right = -1;
+
+  // The last key a query at `pos` sees (below 0, or below key_begin: none).
+  DMATTN_HD int64_t last_key(int64_t pos) const {
+    int64_t last = causal ? pos : nk - 1;
+    if (right >= 0) last = last < pos + right ? last : pos + right;
+    return last < nk - 1 ? last : nk - 1;
+  }
+  // The query sees keys [key_begin(pos), key_end(pos)); key_begin <= key_end.
+  DMATTN_HD int64_t key_end(int64_t pos) const {
+    int64_t end = causal ? pos + 1 : nk;
+    if (right >= 0) end = end < pos + right + 1 ? end : pos + right + 1;
+    end = end > 0 ? end : 0;
+    return end < nk ? end : nk;
+  }
+  DMATTN_HD int64_t key_begin(int64_t pos) const {
+    if (left < 0) return 0;
+    const int64_t begin = pos - left, end = key_end(pos);
+    return begin < 0 ? 0 : begin < end ? begin : end;
+  }
+};
+
+}  // namespace dmattn
