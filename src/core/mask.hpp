@@ -16,12 +16,6 @@ struct Mask {
   bool causal = false;
   int64_t left = -1, right = -1;
 
-  // The last key a query at `pos` sees (below 0, or below key_begin: none).
-  DMATTN_HD int64_t last_key(int64_t pos) const {
-    int64_t last = causal ? pos : nk - 1;
-    if (right >= 0) last = last < pos + right ? last : pos + right;
-    return last < nk - 1 ? last : nk - 1;
-  }
   // The query sees keys [key_begin(pos), key_end(pos)); key_begin <= key_end.
   DMATTN_HD int64_t key_end(int64_t pos) const {
     int64_t end = causal ? pos + 1 : nk;

@@ -1,6 +1,6 @@
 // DMA prefill on Hopper's warpgroup tensor cores (wgmma), warp-specialised. One CTA = one
-// 128-position query tile (aligned in absolute positions, so one format per key tile) x its key tiles
-// in ascending order. A producer warpgroup streams each tile's K (in the tile's format, FP8 bytes),
+// 128-position query tile (aligned in absolute positions, so one format per key tile) x the key tiles
+// its mask reaches (mask.cuh: causal and sliding windows), in ascending order. A producer warpgroup streams each tile's K (in the tile's format, FP8 bytes),
 // V (bf16, transposed by the pre-pass so both wgmma operands are K-major) and key scales into a
 // 3-stage ring with TMA (or K and V rings of 2 where 3 stages do not fit: Smem), signalled through
 // mbarriers; two consumer warpgroups of 64 query rows each
@@ -67,8 +67,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   const int64_t pos0 = (p.first_block + (p.blocks - 1 - blockIdx.x)) * BM;  // late tiles first
   const int64_t qtile = hd::floor_div(pos0, kTile);
   const int nslots = p.nslots;
-  const Mask mask{p.Nk, p.causal};
-  const int tiles = key_tiles(mask, pos0);
+  const KeyTiles kt = key_tiles(p.mask, pos0);
+  const int tiles = kt.end;  // key tiles [kt.begin, tiles)
   const int64_t kv_tile0 = (int64_t(b) * p.Hkv + hk) * p.ldv;  // this head's row scales
   const HighTiles high(p.policy, qtile, tiles, p.ktile0);
   auto slot_of = [&](int j) { return (nslots == 2 && !high(j)) ? 1 : 0; };
@@ -94,10 +94,10 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     wg::regs_dec<24>();
     if (threadIdx.x == kConsumers) {
       const int bh = b * p.Hkv + hk;
-      for (int j = 0, st = 0, phase = 0; j < tiles; ++j, phase ^= (st == kStages - 1), st = (st + 1) % kStages) {
+      for (int j = kt.begin, st = 0, phase = 0; j < tiles; ++j, phase ^= (st == kStages - 1), st = (st + 1) % kStages) {
         const int slot = slot_of(j);
         const bool nv = kNv && p.nv[slot];  // bf16 K in D/64 atoms of 128-byte rows, no block scales
-        if (j >= kStages) tma::wait(&empty[st], uint32_t(phase ^ 1));
+        if (j - kt.begin >= kStages) tma::wait(&empty[st], uint32_t(phase ^ 1));
         // kSplit: K's copies first, then V's into a ring whose buffer frees later (after P.V).
         const uint32_t ds_bytes = kFix && p.ds ? BN * 4 : 0;
         tma::arrive_expect(&full[st], (nv ? S::kTxKBf16 : S::kTxK) + (S::kSplit ? 0 : S::kVt) + ds_bytes);
@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
         uint64_t* vbar = &full[st];
         if constexpr (S::kSplit) {
           vbar = &vfull[st];
-          if (j >= kStages) tma::wait(&vempty[st], uint32_t(phase ^ 1));
+          if (j - kt.begin >= kStages) tma::wait(&vempty[st], uint32_t(phase ^ 1));
           tma::arrive_expect(vbar, S::kVt);
         }
         tma::load_3d(sVt(st), &p.vmap, j * BN, 0, bh, vbar);
@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   // (pv = fp8).
   constexpr bool kTurns = D == 128;
   const int me = 1 + wgi, other = 2 - wgi;
-  if (kTurns && wgi == 1 && tiles > 0) wg::bar_arrive(1, kConsumers);
+  if (kTurns && wgi == 1 && kt.begin < tiles) wg::bar_arrive(1, kConsumers);
   // Each warpgroup brings in its Q rows while the producer's first copies are in flight.
   load_q<D, kF8V, kNv>(p, b, h, pos0, off, wgi, sQ, sQs, q_folded);
   wg::fence_async_smem();       // Q bytes written by st.shared are read by wgmma
@@ -146,7 +146,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   const int64_t pos[2] = {pos0 + row_in_cta, pos0 + row_in_cta + 8};
   const int64_t row[2] = {pos[0] - off, pos[1] - off};
   const bool valid[2] = {row[0] >= 0 && row[0] < p.Nq, row[1] >= 0 && row[1] < p.Nq};
-  const RowMask rmask(mask, pos, valid);
+  const RowMask rmask(p.mask, pos, valid);
 
   float o[D / 2];
 #pragma unroll
@@ -173,7 +173,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   // tile's softmax.
   const float* kts0 = p.kts[0] + kv_tile0 / BN;
   const float* kts1 = nslots == 2 ? p.kts[1] + kv_tile0 / BN : kts0;  // (a select: an indexed pair went to local memory)
-  float kts_next = tiles > 0 ? (slot_of(0) ? kts1 : kts0)[0] : 0.0f;
+  float kts_next = kt.begin < tiles ? (slot_of(kt.begin) ? kts1 : kts0)[kt.begin] : 0.0f;
   // Each slot's element type in registers: indexing the parameter by slot cost a stalled constant load per tile (ncu).
   const bool e5m2_high = p.elem[0] == Elem::e5m2, e5m2_low = p.elem[1] == Elem::e5m2;
   // NVFP4 slots (kNv instances): their tiles always run as one bf16 chain (issue_chain_bf16).
@@ -211,17 +211,18 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   auto finish_pv = [&](int j) {
     add_pv_result();
     wg::pin(a);
-    if (j > 0) tma::arrive(S::kSplit ? &vempty[prev] : &empty[prev]);
+    if (j > kt.begin) tma::arrive(S::kSplit ? &vempty[prev] : &empty[prev]);
   };
-  for (int j = 0; j < tiles; ++j) {
+  for (int j = kt.begin; j < tiles; ++j) {
     const int slot = slot_of(j);
     const float kts_j = kts_next;
     if (j + 1 < tiles) kts_next = (slot_of(j + 1) ? kts1 : kts0)[j + 1];
     const bool e5m2 = slot ? e5m2_low : e5m2_high;
     const bool nv = slot ? nv_low : nv_high;
     const bool folded = nv || (kts_j >= 0.0f && q_folded[slot][wgi]);
-    const int pv_stage = j > 0 ? prev : st;  // P_{j-1}.V_{j-1}'s V (tile 0's at j = 0, with P = 0)
-    const uint32_t pv_phase = j > 0 ? prev_phase : phase;
+    // P_{j-1}.V_{j-1}'s V (the first tile's own on the first tile, with P = 0)
+    const int pv_stage = j > kt.begin ? prev : st;
+    const uint32_t pv_phase = j > kt.begin ? prev_phase : phase;
     const wg::Desc sq = slot ? dq1 : dq0, sk = dk0 + st * S::kKStride;
     const float* sqs = sQs + (slot * BM + wgi * 64 + warp * 16 + g) * NB;
     tma::wait(&full[st], phase);
@@ -331,7 +332,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     phase ^= st == kStages - 1;
     st = st == kStages - 1 ? 0 : st + 1;
   }
-  if (tiles > 0) {  // the last tile's P.V
+  if (kt.begin < tiles) {  // the last tile's P.V
     issue_pv_any(prev, prev_phase);
     wg::commit();
     wg::wait<0>();
