@@ -10,6 +10,7 @@
 namespace dmattn {
 
 class KVCache;
+struct DecodeOptions;
 
 struct Problem {
   TensorView q, k, v, out;
@@ -47,9 +48,9 @@ void dma_attention(const Problem& p);    // DMA, docs/DESIGN.md
 
 namespace cuda {
 // Decode over the cache's pages, mirrored on the device (KVCache::device_state); q, out and lse on
-// the device; splits 0 = automatic. Ordered on `stream`; returns when the results are written.
+// the device; opts' splits, window and stream (scale: the softmax scale). Returns when the results are written.
 void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const TensorView& q, const TensorView& out,
-                      float* lse, float scale, int splits, void* stream);
+                      float* lse, float scale, const DecodeOptions& opts);
 void dma_attention(const Problem& p);  // all tensors on the current CUDA device; ordered on p.stream
 }  // namespace cuda
 

@@ -45,19 +45,21 @@ struct Out {
   std::vector<float> lse;
 };
 
-Out prefill(const QKV& x, const Policy& pol) {
+Out prefill(const QKV& x, const Policy& pol, int64_t window_left = -1) {
   AttentionOptions o;
   o.causal = true;
   o.policy = pol;
+  o.window_left = window_left;
   Out r{HostTensor(DType::f32, x.q.shape()), std::vector<float>(size_t(x.q.shape()[1] * x.q.shape()[2]))};
   attention(x.q.view(), x.k.view(), x.v.view(), r.out.view(), r.lse.data(), o);
   return r;
 }
 
-Out decode(const KVCache& cache, int seq, const HostTensor& q, int splits = 1) {
+Out decode(const KVCache& cache, int seq, const HostTensor& q, int splits = 1, int64_t window_left = -1) {
   Out r{HostTensor(DType::f32, q.shape()), std::vector<float>(size_t(q.shape()[1] * q.shape()[2]))};
   DecodeOptions o;
   o.splits = splits;
+  o.window_left = window_left;
   decode_attention(cache, {seq}, q.view(), r.out.view(), r.lse.data(), o);
   return r;
 }
@@ -89,6 +91,34 @@ TEST(Decode, EqualsPrefillLastRowsBitForBit) {
       }
     }
   EXPECT_GE(checked, 50);
+}
+
+// A sliding window: decode skips the pages before every row's window and masks the rest as prefill
+// does, so it equals prefill's last rows with the same window bit for bit; windows narrower than a
+// page, ending mid-page, wider than the sequence, and zero (each query sees itself alone).
+TEST(Decode, SlidingWindowEqualsPrefillLastRowsBitForBit) {
+  const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
+  Policy sinks{e4, f4, 1, 1};
+  sinks.sink_keys = 3;
+  int checked = 0;
+  for (int64_t L : {77, 300, 1000})
+    for (int64_t nq : {1, 4})
+      for (int64_t left : {0, 5, 100, 200, 600, 5000})
+        for (const Policy& pol : {Policy{}, sinks}) {
+          const QKV x = problem(4, 2, nq, L, 64, uint64_t(L * 7 + nq + left));
+          KVCache cache(2, 64, pol);
+          const int s = fill(cache, x, {L});
+          const Out want = prefill(x, pol, left), got = decode(cache, s, x.q, 1, left);
+          ASSERT_EQ(got.out.to_floats(), want.out.to_floats()) << "L=" << L << " Nq=" << nq << " left=" << left;
+          ASSERT_EQ(got.lse, want.lse) << "L=" << L << " Nq=" << nq << " left=" << left;
+          ++checked;
+        }
+  EXPECT_EQ(checked, 72);
+  // The window does change the result where it is shorter than the sequence.
+  const QKV x = problem(4, 2, 1, 1000, 64, 5);
+  KVCache cache(2, 64, Policy{});
+  const int s = fill(cache, x, {1000});
+  EXPECT_NE(decode(cache, s, x.q, 1, 200).lse, decode(cache, s, x.q).lse);
 }
 
 // The accuracy transforms in the cache: with the prompt appended whole (smooth_k's mean is the

@@ -123,6 +123,8 @@ struct DecodeOptions {
   // the CPU (prefill's arithmetic exactly), on the GPU enough to give every SM work.
   int splits = 0;
   int threads = 0;                     // CPU worker threads; 0 = all
+  // Sliding window: a query at position p sees keys [p - window_left, p] (decode is causal); -1 = unbounded.
+  int64_t window_left = -1;
   void* stream = nullptr;              // CUDA stream (cudaStream_t) for CUDA tensors; null = default
 };
 

@@ -115,7 +115,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
         block of a longer sequence (mask and tiles use them; k_offset a multiple of 128). Default:
         the queries are the last Nq of the Nk positions.
       window: sliding window (left, right), flash-attn's window_size: a query at position p sees the
-        keys at p - left .. p + right; -1 leaves a side unbounded (default: no window). CPU backend.
+        keys at p - left .. p + right; -1 leaves a side unbounded (default: no window).
       check_finite: raise on NaN/Inf inputs (default). On CUDA this reads flags back from the GPU,
         so the call waits for its quantize pass (not for its attention kernel: the result is
         stream-ordered like any torch op's either way); False skips the check (and that wait), and
@@ -183,7 +183,8 @@ def sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: b
     return attention(query, key, value, causal=is_causal, scale=scale, **policy)
 
 
-def decode(cache: KVCache, seqs, q, *, scale: float | None = None, splits: int = 0, return_lse: bool = False):
+def decode(cache: KVCache, seqs, q, *, scale: float | None = None, splits: int = 0, return_lse: bool = False,
+           window: tuple[int, int] = (-1, -1)):
     """Decode attention of new queries over a KVCache.
 
     Args:
@@ -197,8 +198,12 @@ def decode(cache: KVCache, seqs, q, *, scale: float | None = None, splits: int =
       splits: split-KV ranges per sequence, merged by LSE. 0 = automatic (1 on the CPU, which
         reproduces prefill bit for bit; enough to fill the GPU on CUDA).
       return_lse: also return the row log-sum-exp [len(seqs), Hq, Nq], float32.
+      window: sliding window (left, right) as in attention(): a query at position p sees the keys
+        in [p - left, p]; -1 = unbounded. Decode is causal, so right has no effect (flash-attn's
+        window_size with causal=True).
     """
     seqs = [int(s) for s in seqs]
+    left = int(window[0])
     _check_inputs((q,), ("q",))
     if _is_torch(q):
         import torch
@@ -209,12 +214,12 @@ def decode(cache: KVCache, seqs, q, *, scale: float | None = None, splits: int =
             stream = torch.cuda.current_stream(q.device).cuda_stream
             on_device = torch.cuda.device(q.device)
         with on_device:
-            decode_into(cache, seqs, q.detach(), out, lse, scale, splits, stream)
+            decode_into(cache, seqs, q.detach(), out, lse, scale, splits, left, stream)
     else:
         import numpy as np
         out = np.empty(q.shape, dtype=q.dtype)
         lse = np.empty(q.shape[:3], dtype=np.float32) if return_lse else None
-        decode_into(cache, seqs, q, out, lse, scale, splits)
+        decode_into(cache, seqs, q, out, lse, scale, splits, left)
     return (out, lse) if return_lse else out
 
 

@@ -144,12 +144,14 @@ TensorView cpu_view(const In& a, const char* name) {
 }
 
 void decode_into(const KVCache& cache, const std::vector<int>& seqs, const In& q, const nb::ndarray<>& out,
-                 std::optional<nb::ndarray<>> lse, std::optional<float> scale, int splits, uintptr_t stream) {
+                 std::optional<nb::ndarray<>> lse, std::optional<float> scale, int splits, int64_t window_left,
+                 uintptr_t stream) {
   const TensorView tq = view_of(q, "q", "bhnd"), to = view_of(out, "out", "bhnd");
   float* lse_ptr = lse_of(lse, tq);
   DecodeOptions o;
   o.softmax_scale = scale;
   o.splits = splits;
+  o.window_left = window_left;
   o.stream = reinterpret_cast<void*>(stream);
   nb::gil_scoped_release unlocked;
   decode_attention(cache, seqs, tq, to, lse_ptr, o);
@@ -243,7 +245,8 @@ NB_MODULE(_dmattn, m) {
       .def_prop_ro("head_dim", &KVCache::head_dim)
       .def_prop_ro("policy", &KVCache::policy);
   m.def("decode_into", &decode_into, nb::arg("cache"), nb::arg("seqs"), nb::arg("q"), nb::arg("out"),
-        nb::arg("lse").none(), nb::arg("scale").none(), nb::arg("splits"), nb::arg("stream") = 0,
+        nb::arg("lse").none(), nb::arg("scale").none(), nb::arg("splits"), nb::arg("window_left") = -1,
+        nb::arg("stream") = 0,
         "Decode attention over the cache.");
   m.def("attention_into", &attention_into, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"),
         nb::arg("lse").none(), nb::arg("causal"), nb::arg("scale").none(), nb::arg("policy"), nb::arg("layout"),

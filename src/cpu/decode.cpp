@@ -80,7 +80,7 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
   if (!(scale > 0.0f && std::isfinite(scale))) throw Error("decode_attention: softmax_scale must be positive and finite");
   if (q.device == Device::cuda) {
 #if defined(DMATTN_HAVE_CUDA)
-    cuda::decode_attention(cache, seqs, q, out, lse, scale, opts.splits, opts.stream);
+    cuda::decode_attention(cache, seqs, q, out, lse, scale, opts);
     return;
 #else
     throw Error("decode_attention: CUDA tensors, but this build has no CUDA backend (configure with -DDMATTN_CUDA=ON)");
@@ -125,6 +125,7 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
         if (transformed)
           for (float& x : qf) x = round_bf16(x);
         const int64_t kend = L - Nq + r + 1;  // causal, bottom-right
+        const int64_t kbegin = opts.window_left < 0 ? 0 : std::max<int64_t>(0, kend - 1 - opts.window_left);
         // Sink keys scored exactly: the sequence's first min(sink_keys, L) keys.
         const int64_t nexact = sink ? std::min<int64_t>(pol.sink_keys, L) : 0;
         for (int64_t n = 0; n < nexact; ++n) exact[size_t(n)] = cpu::dot_f64(qorig.data(), sink + n * d, int(d));
@@ -145,11 +146,13 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
           cpu::Partial part{int(d)};
           for (int64_t j = sp * np / splits; j < (sp + 1) * np / splits; ++j) {
             if (j * T >= kend) break;
+            if ((j + 1) * T <= kbegin) continue;  // wholly before the window
             const PageTiles& pt = pages[size_t(j)];
             const int slot = pt.format == pol.high ? 0 : 1;
             const int nvalid = int(std::min<int64_t>(T, kend - j * T));
             cpu::online_tile(qe[slot].data(), qs[slot].data(), pt.keys, 0, pt.values, 0, nvalid, int(d), kscale, pol.pv,
-                             pol.scale_rule, part.m, part.l, part.acc.data(), fix_of(j));
+                             pol.scale_rule, part.m, part.l, part.acc.data(), fix_of(j),
+                             int(std::max<int64_t>(0, kbegin - j * T)));
           }
           cpu::merge(total, part);
         }

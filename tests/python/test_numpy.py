@@ -152,6 +152,12 @@ def test_kv_cache_decode_equals_attention_last_rows():
     assert np.array_equal(lse, want_lse[:, :, -nq:])
     with pytest.raises(dmattn.DmattnError, match="16"):
         dmattn.decode(cache, [s], np.ascontiguousarray(q[:, :, -17:]))
+    # A sliding window: decode equals attention's last rows with the same window, bit for bit.
+    want_w, want_w_lse = dmattn.attention(q, k, v, causal=True, return_lse=True, diag_tiles=2, sink_tiles=1,
+                                          window=(100, -1))
+    out_w, lse_w = dmattn.decode(cache, [s], np.ascontiguousarray(q[:, :, -nq:]), return_lse=True, window=(100, -1))
+    assert np.array_equal(out_w, want_w[:, :, -nq:]) and np.array_equal(lse_w, want_w_lse[:, :, -nq:])
+    assert not np.array_equal(lse_w, lse)
 
 
 def test_read_only_inputs_are_accepted(tmp_path):

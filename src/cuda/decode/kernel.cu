@@ -59,6 +59,7 @@ struct Params {
   int Hq, Nq, G, splits, chunks;
   const float* sink;     // [rows][sink_keys]: the sink keys' exact scores (raw units), or null
   int sink_keys;
+  int window_left;       // sliding window: a query at position pos sees keys [pos - window_left, pos]; -1 unbounded
   float scale;           // softmax scale x log2(e): the softmax runs in base 2 (ex2.approx) on (s - m) x scale
   ScaleRule rule;        // pv != bf16: P's 32-key blocks take their scales by this rule
 };
@@ -312,13 +313,15 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
   uint8_t* lut = smem + S_::kLut;
   float* rmax = reinterpret_cast<float*>(smem + S_::kMax);  // [page parity][warp][row]
 
-  const int L = p.kv.length[s], np = (L + T - 1) / T, eff = min(p.splits, np);
+  // Pages [jlo, np): jlo the first page the earliest row's window (position L - Nq) reaches.
+  const int L = p.kv.length[s], np = (L + T - 1) / T;
+  const int jlo = p.window_left < 0 ? 0 : max(0, L - p.Nq - p.window_left) / T, eff = min(p.splits, np - jlo);
   auto out_part = [&](int i) { return p.part + ((qrow0 + i) * p.splits + split) * (D + 2); };
   if (split >= eff) {  // more splits than this sequence has pages: an empty partial (zeros, m = -inf)
     for (int i = tid; i < rows * (D + 2); i += kThreads) out_part(i / (D + 2))[i % (D + 2)] = i % (D + 2) == D ? -INFINITY : 0.0f;
     return;
   }
-  const int j0 = int(int64_t(split) * np / eff), j1 = int(int64_t(split + 1) * np / eff);
+  const int j0 = jlo + int(int64_t(split) * (np - jlo) / eff), j1 = jlo + int(int64_t(split + 1) * (np - jlo) / eff);
   const int32_t* table = p.kv.table + int64_t(s) * p.kv.max_pages;
   auto stage_of = [&](int i) { return smem + (i * kWarps + warp) * S_::kWarpStage; };
 
@@ -472,15 +475,19 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
   tma::fence_proxy_async();  // q8's generic writes and reads are ordered before the copies into its buffer
   __syncthreads();
 
-  // The last key (exclusive, absolute) each of this thread's rows (8nr + 2t + r) sees: causal, bottom-right.
-  int kend[kNR][2];
+  // The keys [kbeg, kend) each of this thread's rows (8nr + 2t + r) sees: causal, bottom-right, and
+  // the sliding window.
+  int kbeg[kNR][2], kend[kNR][2];
 #pragma unroll
   for (int nr = 0; nr < kNR; ++nr)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = 8 * nr + 2 * t + r;
       kend[nr][r] = row < rows ? L - p.Nq + (r0 + row) % p.Nq + 1 : L;
+      kbeg[nr][r] = p.window_left < 0 ? 0 : max(0, kend[nr][r] - 1 - p.window_left);
     }
+  // Every row's window starts at or before key_top: pages from there on are masked at their end alone.
+  const int key_top = p.window_left < 0 ? 0 : L - 1 - p.window_left;
   float acc[MD][kNR][4];  // O^T: columns 16md + g (+8) of rows 8nr + 2t (+1), over this warp's keys
 #pragma unroll
   for (int md = 0; md < MD; ++md)
@@ -529,7 +536,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
     // Mask (keys past each row's end: -inf), the rows' maxima over this warp's raw scores (the scale is
     // applied to s - m below, scale > 0).
     const int kbase = j * T + 32 * warp + g;
-    const bool whole = (j + 1) * T <= L - p.Nq + 1;  // every row sees every key of the page
+    const bool whole = (j + 1) * T <= L - p.Nq + 1 && j * T >= key_top;  // every row sees every key of the page
     float mx[kNR][2];
 #pragma unroll
     for (int nr = 0; nr < kNR; ++nr) {
@@ -539,7 +546,8 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           float& x = sc[mt][nr][i];
-          if (!whole && kbase + 16 * mt + 8 * (i / 2) >= kend[nr][i % 2]) x = -INFINITY;
+          const int key = kbase + 16 * mt + 8 * (i / 2);
+          if (!whole && (key >= kend[nr][i % 2] || key < kbeg[nr][i % 2])) x = -INFINITY;
           mx[nr][i % 2] = fmaxf(mx[nr][i % 2], x);
         }
     }
@@ -821,7 +829,8 @@ void launch(const Params& p, dim3 grid, int d, int vbits, int nr, int ctas, cuda
 }  // namespace
 
 void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorView& q, const TensorView& out, float* lse,
-                        float scale, int splits, int* nonfinite, cudaStream_t stream, const QueryTransform& qt) {
+                        float scale, int splits, int* nonfinite, cudaStream_t stream, const QueryTransform& qt,
+                        int64_t window_left) {
   const int64_t S = kv.S, Hkv = kv.Hkv, d = kv.d, Hq = q.shape[1], Nq = q.shape[2];
   require_head_dim(d, "the CUDA decode");
   if (q.device != Device::cuda || out.device != Device::cuda) throw Error("decode: q and out must be CUDA tensors");
@@ -851,7 +860,11 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   // DMATTN_DECODE_CTAS=2|3|4 forces the instance (capped at what it fits; the GPU tests run each).
   const char* force = std::getenv("DMATTN_DECODE_CTAS");
   const int only = force && (force[0] >= '2' && force[0] <= '4') ? force[0] - '0' : 0;
-  const DecodePlan plan = decode_plan(S * Hkv * p.chunks, kv.max_pages, sms, max_ctas(vbits, nr), splits, only);
+  // A sliding window bounds the pages a sequence reads: its Nq rows' windows span at most this many.
+  p.window_left = window_left < 0 ? -1 : int(std::min<int64_t>(window_left, INT32_MAX / 2));
+  const int pages = p.window_left < 0 ? kv.max_pages
+                                      : int(std::min<int64_t>(kv.max_pages, (int64_t(p.window_left) + Nq - 1) / kTile + 2));
+  const DecodePlan plan = decode_plan(S * Hkv * p.chunks, pages, sms, max_ctas(vbits, nr), splits, only);
   p.splits = std::min(plan.splits, std::max(1, kv.max_pages));
   Buffers buf(stream);  // stream-ordered: freed after the enqueued work
   const int64_t rows = S * Hq * Nq;
@@ -917,11 +930,11 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
 }
 
 void decode_paged(const PagedKV& kv, const Policy& policy, const TensorView& q, const TensorView& out, float* lse,
-                  float scale, int splits, cudaStream_t stream, const QueryTransform& qt) {
+                  float scale, int splits, cudaStream_t stream, const QueryTransform& qt, int64_t window_left) {
   Buffers buf(stream);
   int* bad = buf.alloc<int>(sizeof(int));
   check(cudaMemsetAsync(bad, 0, sizeof(int), stream), "cudaMemset");
-  decode_paged_async(kv, policy, q, out, lse, scale, splits, bad, stream, qt);
+  decode_paged_async(kv, policy, q, out, lse, scale, splits, bad, stream, qt, window_left);
   int bad_host = 0;
   check(cudaMemcpyAsync(&bad_host, bad, sizeof bad_host, cudaMemcpyDeviceToHost, stream), "decode");
   check(cudaStreamSynchronize(stream), "decode");
