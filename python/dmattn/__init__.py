@@ -262,8 +262,9 @@ def register_transformers(name: str = "dmattn") -> str:
     Then `AutoModelForCausalLM.from_config(cfg, attn_implementation="dmattn")` (or
     `model.set_attn_implementation("dmattn")`) runs every attention layer through dmattn with
     `dmattn.hf_policy`. Padded batches (a 2-D attention_mask) are honoured: each sequence runs over
-    its own tokens. Masks dmattn cannot compute (sliding windows, packed sequences, custom patterns)
-    raise NotImplementedError.
+    its own tokens; sliding-window layers (Mistral, Gemma) run with dmattn's window. Masks dmattn
+    cannot compute (a padded batch through a sliding window, packed sequences, custom patterns) raise
+    NotImplementedError.
     """
     from .hf import register
     return register(name)

@@ -3,21 +3,39 @@
 transformers builds each layer's attention mask through a mask function registered per attention
 implementation (`AttentionMaskInterface`); an implementation registered without one receives no mask
 at all, so a padded batch would be computed as if it had no padding. `register()` therefore installs
-both: the attention function and a mask function. The mask function hands the attention a 2-D
-padding mask [B, S] (True = a real token) for the plain causal pattern, and the full 4-D boolean mask
-for anything else (packed sequences, sliding windows, bidirectional spans), which the attention
-accepts only where it equals the causal mask; every other mask raises NotImplementedError rather than
-being ignored.
+both: the attention function and a mask function. The mask function draws the layer's pattern
+without padding; where it is the causal pattern, or the causal pattern within a sliding window (a
+query sees itself and the `left` keys before it: transformers' sliding_window - 1), it hands the
+attention a 2-D padding mask [B, S] (True = a real token) that carries the window, else the full 4-D
+boolean mask (packed sequences, bidirectional spans, custom patterns), which the attention accepts
+only where it equals the causal mask; every other mask raises NotImplementedError rather than being
+ignored.
 
 A padded batch runs each sequence's valid tokens as their own causal problem: the keys a padding
 mask keeps, and the queries among them. That is what the sequence computes alone (its tiles start at
-its first real token), and it is exact for left padding (generation), right padding and holes alike.
-Query rows of padding tokens come back as zeros.
+its first real token), and it is exact for left padding (generation), right padding and holes alike;
+through a sliding window, which counts cache slots, for left and right padding (the kept tokens are
+contiguous) and not for holes, which raise. Query rows of padding tokens come back as zeros.
 """
 from __future__ import annotations
 
-_MASK_NOTE = ("dmattn supports causal (or full) attention with padding; this layer's mask differs "
-              "(sliding window, packed sequences or a custom pattern): use another attn_implementation")
+_MASK_NOTE = ("dmattn supports causal (or full) attention with padding, and sliding windows with left or right "
+              "padding; this layer's mask differs (packed sequences, a custom pattern, or padding holes inside a "
+              "sliding window): use another attn_implementation")
+
+
+def _band(pattern, L, S):
+    """-1 where pattern [L, S] (queries at the last L of S positions) is causal, left >= 0 where it is
+    causal within a window of the `left` keys before each query, None for anything else."""
+    import torch
+    causal = torch.ones(L, S, dtype=torch.bool).tril(S - L)
+    if torch.equal(pattern, causal):
+        return -1
+    first = pattern[-1].nonzero()
+    if first.numel() == 0:
+        return None
+    left = S - 1 - int(first[0])
+    return left if torch.equal(pattern, causal.triu(S - L - left)) else None
 
 
 def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
@@ -32,9 +50,20 @@ def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_functio
         if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
             return None
         return attention_mask.bool()
-    # Any other pattern: the exact boolean mask, which the attention checks (and refuses unless causal).
     kwargs.pop("allow_is_causal_skip", None)
     kwargs.pop("allow_is_bidirectional_skip", None)
+    # The pattern without padding: causal within a sliding window travels as the padding mask + the window.
+    pattern = mu.sdpa_mask(batch_size=1, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                           kv_offset=kv_offset, mask_function=mask_function, attention_mask=None,
+                           allow_is_causal_skip=False, allow_is_bidirectional_skip=False, **kwargs)
+    left = _band(pattern[0, 0].cpu(), q_length, kv_length)
+    if left is not None:
+        import torch
+        keep = (attention_mask[:, -kv_length:].bool().clone() if attention_mask is not None
+                else torch.ones(batch_size, kv_length, dtype=torch.bool, device=pattern.device))
+        keep.dmattn_window_left = left
+        return keep
+    # Any other pattern: the exact boolean mask, which the attention checks (and refuses unless causal).
     return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                         allow_is_causal_skip=False, allow_is_bidirectional_skip=False, **kwargs)
@@ -45,24 +74,27 @@ def _policy():
     return dmattn.hf_policy
 
 
-def _attend(query, key, value, causal, scaling):
+def _attend(query, key, value, causal, scaling, left=-1):
     from . import attention
-    return attention(query, key, value, causal=causal, scale=scaling, policy=_policy())
+    return attention(query, key, value, causal=causal, scale=scaling, policy=_policy(), window=(left, -1))
 
 
-def _check_4d(mask, L, S, causal):
-    """A 4-D mask is accepted only where it is the plain causal (or full) pattern."""
+def _check_4d(mask, L, S, causal, left=-1):
+    """A 4-D mask is accepted only where it is the plain causal (or full) pattern, within the sliding
+    window's `left` keys before each query where left >= 0."""
     import torch
     m = mask[..., -L:, -S:]
     allowed = m > torch.finfo(m.dtype).min / 2 if m.dtype.is_floating_point else m.bool()
     want = torch.ones(L, S, dtype=torch.bool, device=m.device)
     if causal:
         want = want.tril(S - L)
+    if left >= 0:  # the query at row i sits at position S - L + i and sees keys from there - left on
+        want = want.triu(S - L - left)
     if not torch.equal(allowed, want.expand_as(allowed)):
         raise NotImplementedError(_MASK_NOTE)
 
 
-def _padded(query, key, value, keep, causal, scaling):
+def _padded(query, key, value, keep, causal, scaling, left=-1):
     """Each batch row over its own valid tokens: keep [B, S] bool, True for a real token."""
     import torch
     B, _, L, _ = query.shape
@@ -72,12 +104,14 @@ def _padded(query, key, value, keep, causal, scaling):
         kidx = torch.nonzero(keep[b], as_tuple=True)[0]
         if kidx.numel() == 0:
             continue
+        if left >= 0 and int(kidx[-1] - kidx[0]) + 1 != kidx.numel():
+            raise NotImplementedError(_MASK_NOTE)  # a window over cache slots: holes would shift it
         qidx = kidx[kidx >= S - L] - (S - L)  # the queries are the last L positions
         if qidx.numel() == 0:
             continue
         k_b, v_b = key[b:b + 1].index_select(2, kidx), value[b:b + 1].index_select(2, kidx)
         q_b = query[b:b + 1].index_select(2, qidx)
-        out[b:b + 1].index_copy_(2, qidx, _attend(q_b, k_b, v_b, causal, scaling))
+        out[b:b + 1].index_copy_(2, qidx, _attend(q_b, k_b, v_b, causal, scaling, left))
     return out
 
 
@@ -88,15 +122,22 @@ def attention_function(module, query, key, value, attention_mask, scaling=None, 
     causal = bool(getattr(module, "is_causal", True))
     L, S = query.shape[-2], key.shape[-2]
     window = kwargs.get("sliding_window")
-    if window is not None and window < S:
-        raise NotImplementedError(_MASK_NOTE)
+    left = int(window) - 1 if window is not None and window < S else -1
     if attention_mask is None:
-        out = _attend(query, key, value, causal, scaling)
+        out = _attend(query, key, value, causal, scaling, left)
     elif attention_mask.dim() == 2:
-        out = _padded(query, key, value, attention_mask.bool(), causal, scaling)
+        # The window the mask function drew (_mask) is the layer's; the module's sliding_window must agree.
+        drawn = getattr(attention_mask, "dmattn_window_left", left)
+        if window is not None and drawn != left:
+            raise NotImplementedError(_MASK_NOTE)
+        keep = attention_mask.bool()
+        if bool(keep.all()):
+            out = _attend(query, key, value, causal, scaling, drawn)
+        else:
+            out = _padded(query, key, value, keep, causal, scaling, drawn)
     else:
-        _check_4d(attention_mask, L, S, causal)
-        out = _attend(query, key, value, causal, scaling)
+        _check_4d(attention_mask, L, S, causal, left)
+        out = _attend(query, key, value, causal, scaling, left)
     return out.transpose(1, 2).contiguous(), None
 
 

@@ -93,17 +93,64 @@ def test_padded_greedy_generate_matches_sdpa(bf16_policy):
     assert torch.equal(got[1, 40:], alone[0, 15:])
 
 
+def tiny_mistral(attn, window=64):
+    cfg = transformers.MistralConfig(vocab_size=100, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, sliding_window=window,
+                                     max_position_embeddings=1024)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
+
+
+def test_sliding_window_layers_match_sdpa(bf16_policy):
+    name = dmattn.register_transformers()
+    ref_model, ours = tiny_mistral("sdpa"), tiny_mistral(name)
+    ours.load_state_dict(ref_model.state_dict())
+    ids = torch.randint(0, 100, (2, 200), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        ref, got = ref_model(ids).logits, ours(ids).logits
+        # the window is applied: without it the logits move far more than bf16 rounding
+        ours.config.sliding_window = ours.model.layers[0].self_attn.sliding_window = None
+        for layer in ours.model.layers:
+            layer.self_attn.sliding_window = None
+        plain = ours(ids).logits
+    rel = lambda x: ((x - ref).norm() / ref.norm()).item()  # noqa: E731
+    assert rel(got) < 1e-2, rel(got)
+    assert rel(plain) > 5 * rel(got), (rel(plain), rel(got))
+    # greedy generation through the window (prefill, then one token a step) as SDPA's
+    short = ids[:1, :100].clamp(min=1)  # no pad token (0): generate() would infer padding
+    with torch.no_grad():
+        kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+        assert torch.equal(tiny_mistral(name).generate(short, **kw), tiny_mistral("sdpa").generate(short, **kw))
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+def test_padded_batch_through_a_sliding_window_matches_sdpa(side, bf16_policy):
+    name = dmattn.register_transformers()
+    ref_model, ours = tiny_mistral("sdpa"), tiny_mistral(name)
+    ours.load_state_dict(ref_model.state_dict())
+    ids = torch.randint(1, 100, (2, 200), generator=torch.Generator().manual_seed(6))
+    mask = torch.ones(2, 200, dtype=torch.long)
+    if side == "left":
+        mask[1, :70] = 0
+    else:
+        mask[1, 130:] = 0
+    with torch.no_grad():
+        ref = ref_model(ids, attention_mask=mask).logits
+        got = ours(ids, attention_mask=mask).logits
+    keep = mask.bool()
+    assert ((got[keep] - ref[keep]).norm() / ref[keep].norm()).item() < 1e-2
+
+
 def test_masks_dmattn_cannot_compute_raise(bf16_policy):
     name = dmattn.register_transformers()
-    cfg = transformers.MistralConfig(vocab_size=100, hidden_size=128, intermediate_size=256, num_hidden_layers=1,
-                                     num_attention_heads=4, num_key_value_heads=2, sliding_window=64,
-                                     max_position_embeddings=1024)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=name).eval()
-    ids = torch.randint(0, 100, (1, 200), generator=torch.Generator().manual_seed(4))
+    model = tiny_mistral(name)
+    ids = torch.randint(1, 100, (2, 200), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, 200, dtype=torch.long)
+    mask[1, 50:60] = 0  # a hole inside the window: the window counts cache slots
     with torch.no_grad(), pytest.raises(NotImplementedError, match="sliding window"):
-        model(ids)
-    with torch.no_grad():  # a window longer than the sequence is plain causal attention
-        model(ids[:, :60])
+        model(ids, attention_mask=mask)
+    with torch.no_grad():  # a window longer than the sequence is plain causal attention, holes included
+        tiny_mistral(name, window=512)(ids, attention_mask=mask)
 
 
 def test_training_mode_gradients_are_refused():
