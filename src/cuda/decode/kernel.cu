@@ -59,7 +59,8 @@ struct Params {
   int Hq, Nq, G, splits, chunks;
   const float* sink;     // [rows][sink_keys]: the sink keys' exact scores (raw units), or null
   int sink_keys;
-  int window_left;       // sliding window: a query at position pos sees keys [pos - window_left, pos]; -1 unbounded
+  int window_left;       // sliding window: a query at position pos sees keys [pos - window_left, pos]; INT32_MAX
+                         // unbounded. Instances of two CTAs an SM only (kWindow), which the host then runs.
   float scale;           // softmax scale x log2(e): the softmax runs in base 2 (ex2.approx) on (s - m) x scale
   ScaleRule rule;        // pv != bf16: P's 32-key blocks take their scales by this rule
 };
@@ -313,9 +314,12 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
   uint8_t* lut = smem + S_::kLut;
   float* rmax = reinterpret_cast<float*>(smem + S_::kMax);  // [page parity][warp][row]
 
+  // Sliding windows in the instances of two CTAs an SM: their registers do not fit under three or four
+  // (ptxas spilled the four-CTA instance), and the host runs every windowed decode at two.
+  constexpr bool kWindow = kCtas == 2;
   // Pages [jlo, np): jlo the first page the earliest row's window (position L - Nq) reaches.
   const int L = p.kv.length[s], np = (L + T - 1) / T;
-  const int jlo = p.window_left < 0 ? 0 : max(0, L - p.Nq - p.window_left) / T, eff = min(p.splits, np - jlo);
+  const int jlo = kWindow ? max(0, L - p.Nq - p.window_left) / T : 0, eff = min(p.splits, np - jlo);
   auto out_part = [&](int i) { return p.part + ((qrow0 + i) * p.splits + split) * (D + 2); };
   if (split >= eff) {  // more splits than this sequence has pages: an empty partial (zeros, m = -inf)
     for (int i = tid; i < rows * (D + 2); i += kThreads) out_part(i / (D + 2))[i % (D + 2)] = i % (D + 2) == D ? -INFINITY : 0.0f;
@@ -475,19 +479,18 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
   tma::fence_proxy_async();  // q8's generic writes and reads are ordered before the copies into its buffer
   __syncthreads();
 
-  // The keys [kbeg, kend) each of this thread's rows (8nr + 2t + r) sees: causal, bottom-right, and
-  // the sliding window.
-  int kbeg[kNR][2], kend[kNR][2];
+  // The last key (exclusive, absolute) each of this thread's rows (8nr + 2t + r) sees: causal, bottom-right.
+  int kend[kNR][2];
 #pragma unroll
   for (int nr = 0; nr < kNR; ++nr)
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = 8 * nr + 2 * t + r;
       kend[nr][r] = row < rows ? L - p.Nq + (r0 + row) % p.Nq + 1 : L;
-      kbeg[nr][r] = p.window_left < 0 ? 0 : max(0, kend[nr][r] - 1 - p.window_left);
     }
-  // Every row's window starts at or before key_top: pages from there on are masked at their end alone.
-  const int key_top = p.window_left < 0 ? 0 : L - 1 - p.window_left;
+  // kWindow: a row sees key k where 0 <= kend - 1 - k <= window_left (the keys before it in its
+  // window), one unsigned compare; pages from whole0 on start inside the last row's window.
+  const int whole0 = kWindow ? max(0, L - 1 - p.window_left + T - 1) / T : 0;
   float acc[MD][kNR][4];  // O^T: columns 16md + g (+8) of rows 8nr + 2t (+1), over this warp's keys
 #pragma unroll
   for (int md = 0; md < MD; ++md)
@@ -536,7 +539,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
     // Mask (keys past each row's end: -inf), the rows' maxima over this warp's raw scores (the scale is
     // applied to s - m below, scale > 0).
     const int kbase = j * T + 32 * warp + g;
-    const bool whole = (j + 1) * T <= L - p.Nq + 1 && j * T >= key_top;  // every row sees every key of the page
+    const bool whole = (j + 1) * T <= L - p.Nq + 1 && (!kWindow || j >= whole0);  // every row sees every key of the page
     float mx[kNR][2];
 #pragma unroll
     for (int nr = 0; nr < kNR; ++nr) {
@@ -547,7 +550,8 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
         for (int i = 0; i < 4; ++i) {
           float& x = sc[mt][nr][i];
           const int key = kbase + 16 * mt + 8 * (i / 2);
-          if (!whole && (key >= kend[nr][i % 2] || key < kbeg[nr][i % 2])) x = -INFINITY;
+          if (!whole && (kWindow ? uint32_t(kend[nr][i % 2] - 1 - key) > uint32_t(p.window_left) : key >= kend[nr][i % 2]))
+            x = -INFINITY;
           mx[nr][i % 2] = fmaxf(mx[nr][i % 2], x);
         }
     }
@@ -859,11 +863,11 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
   // DMATTN_DECODE_CTAS=2|3|4 forces the instance (capped at what it fits; the GPU tests run each).
   const char* force = std::getenv("DMATTN_DECODE_CTAS");
-  const int only = force && (force[0] >= '2' && force[0] <= '4') ? force[0] - '0' : 0;
+  // A sliding window runs at two CTAs an SM (kWindow).
+  const int only = window_left >= 0 ? 2 : force && (force[0] >= '2' && force[0] <= '4') ? force[0] - '0' : 0;
   // A sliding window bounds the pages a sequence reads: its Nq rows' windows span at most this many.
-  p.window_left = window_left < 0 ? -1 : int(std::min<int64_t>(window_left, INT32_MAX / 2));
-  const int pages = p.window_left < 0 ? kv.max_pages
-                                      : int(std::min<int64_t>(kv.max_pages, (int64_t(p.window_left) + Nq - 1) / kTile + 2));
+  p.window_left = int(window_left < 0 ? INT32_MAX : std::min<int64_t>(window_left, INT32_MAX));
+  const int pages = int(std::min<int64_t>(kv.max_pages, (int64_t(p.window_left) + Nq - 1) / kTile + 2));
   const DecodePlan plan = decode_plan(S * Hkv * p.chunks, pages, sms, max_ctas(vbits, nr), splits, only);
   p.splits = std::min(plan.splits, std::max(1, kv.max_pages));
   Buffers buf(stream);  // stream-ordered: freed after the enqueued work
