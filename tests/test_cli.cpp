@@ -223,6 +223,13 @@ TEST_F(Cli, DecodeEqualsCausalRun) {
   ASSERT_EQ(run(fill("decode --q {d}/q.npy --k {d}/k.npy --v {d}/v.npy --out {d}/o.npy", dir) + tf).code, 0);
   EXPECT_EQ(npy_to_floats(read_npy(p("o.npy"))), want);
   expect_error(fill("decode --q {d}/q.npy --k {d}/k.npy --v {d}/v.npy --out {d}/o.npy --low nvfp4", dir), "MX 32-block");
+  // A sliding window: decode still equals the causal run with the same window, bit for bit, and the
+  // window changes the result.
+  ASSERT_EQ(run(fill(std::string(kQKV) + " --causal --window 100,-1", dir) + pol).code, 0);
+  const std::vector<float> windowed = npy_to_floats(read_npy(p("o.npy")));
+  EXPECT_NE(windowed, b);
+  ASSERT_EQ(run(fill("decode --q {d}/q.npy --k {d}/k.npy --v {d}/v.npy --out {d}/o.npy --window 100,-1", dir) + pol).code, 0);
+  EXPECT_EQ(npy_to_floats(read_npy(p("o.npy"))), windowed);
 }
 
 TEST_F(Cli, DemoPrintsTableWithDmaBetweenFormats) {
@@ -279,7 +286,8 @@ TEST_F(Cli, CompareReportsNonFiniteAndZeroReferencesHonestly) {
 
 TEST_F(Cli, BadCommandLinesExitOne) {
   for (const char* args : {"run --q x.npy", "demo --synthetic --d 0", "demo --synthetic --d -64", "demo --threads -1",
-                           "demo --threads 100000", "eval --windows -5", "run --no-such-flag", "quantize --format"}) {
+                           "demo --threads 100000", "eval --windows -5", "run --no-such-flag", "quantize --format",
+                           "run --window -5,0", "decode --window 3"}) {
     const Proc r = run(args);
     EXPECT_EQ(r.code, 1) << args << "\n" << r.err;
     EXPECT_EQ(r.err.find("internal error"), std::string::npos) << r.err;

@@ -19,6 +19,7 @@ void add_decode(CLI::App& app) {
     std::optional<float> softmax_scale;
     PolicyArgs policy;
     int splits = 0, repeat = 1;
+    std::pair<int64_t, int64_t> window{-1, -1};
   };
   auto args = std::make_shared<Args>();
   CLI::App* cmd = app.add_subcommand(
@@ -32,6 +33,7 @@ void add_decode(CLI::App& app) {
   cmd->add_option("--repeat", args->repeat, "run N times and report the median time (benchmarking)")
       ->capture_default_str()
       ->check(CLI::Range(1, 1000));
+  add_window(*cmd, args->window, "; decode is causal: RIGHT has no effect");
   args->policy.add_to(*cmd);
   cmd->callback([args] {
     check_outputs({{"--out", args->files.out}, {"--lse", args->files.lse}});
@@ -54,6 +56,7 @@ void add_decode(CLI::App& app) {
     DecodeOptions o;
     o.softmax_scale = args->softmax_scale;
     o.splits = args->splits;
+    o.window_left = args->window.first;
     o.threads = ao.threads;
     HostTensor out(DType::f32, qs);
     std::vector<float> lse(size_t(qs[0] * qs[1] * qs[2]));

@@ -16,6 +16,7 @@ void add_run(CLI::App& app) {
     std::optional<float> softmax_scale;
     PolicyArgs policy;
     int repeat = 1;
+    std::pair<int64_t, int64_t> window{-1, -1};
   };
   auto args = std::make_shared<Args>();
   CLI::App* cmd = app.add_subcommand("run", "attention over Q/K/V .npy files ([B,H,N,d], float32 or float16)");
@@ -26,6 +27,7 @@ void add_run(CLI::App& app) {
   cmd->add_option("--repeat", args->repeat, "run N times and report the median time (benchmarking)")
       ->capture_default_str()
       ->check(CLI::Range(1, 1000));
+  add_window(*cmd, args->window, "");
   args->policy.add_to(*cmd);
   cmd->callback([args] {
     if (args->exact && args->policy.policy_given())
@@ -35,6 +37,8 @@ void add_run(CLI::App& app) {
     o.causal = args->causal;
     o.exact = args->exact;
     o.softmax_scale = args->softmax_scale;
+    o.window_left = args->window.first;
+    o.window_right = args->window.second;
     const HostTensor q = read_npy_tensor(args->files.q, "--q");
     const HostTensor k = read_npy_tensor(args->files.k, "--k");
     const HostTensor v = read_npy_tensor(args->files.v, "--v");

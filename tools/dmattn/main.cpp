@@ -38,6 +38,12 @@ bool PolicyArgs::policy_given() const {
   return false;
 }
 
+void add_window(CLI::App& app, std::pair<int64_t, int64_t>& window, const char* note) {
+  app.add_option("--window", window, std::string("sliding window LEFT,RIGHT: a query at position p sees keys p-LEFT..p+RIGHT (-1: unbounded)") + note)
+      ->delimiter(',')
+      ->check(CLI::Range(int64_t(-1), INT64_MAX));
+}
+
 void add_threads(CLI::App& app, int& threads) {
   const int most = std::max(1, int(std::thread::hardware_concurrency()));
   app.add_option("--threads", threads, "CPU threads (0 = all " + std::to_string(most) + ")")
