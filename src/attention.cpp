@@ -94,7 +94,7 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v, co
   const bool on_gpu = q.device == Device::cuda;
   Backend backend = opts.backend;
   if (backend == Backend::automatic) backend = on_gpu ? Backend::cuda : Backend::cpu;
-  if (backend == Backend::cpu && on_gpu) throw Error("--backend cpu needs host tensors (these are on the GPU)");
+  if (backend == Backend::cpu && on_gpu) throw Error("the CPU backend needs host tensors (these are on the GPU)");
   if (backend == Backend::cuda) {
 #if defined(DMATTN_HAVE_CUDA)
     if (!on_gpu) throw Error("the CUDA backend needs tensors on the GPU (attention_on_device stages host tensors)");

@@ -284,6 +284,16 @@ TEST_F(Cli, CompareReportsNonFiniteAndZeroReferencesHonestly) {
   EXPECT_NE(zz.out.find("rel_l2   0.0"), std::string::npos) << zz.out;
 }
 
+// The README's "Supported" table is `dmattn capabilities`' output, the table every backend's checks read.
+TEST_F(Cli, ReadmeStatesTheCapabilitiesTable) {
+  const Proc r = run("capabilities");
+  ASSERT_EQ(r.code, 0) << r.err;
+  EXPECT_NE(r.out.find("| tile formats |"), std::string::npos) << r.out;
+  std::ifstream f(fs::path(DMATTN_SOURCE_DIR) / "README.md");
+  const std::string readme((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  EXPECT_NE(readme.find(r.out), std::string::npos) << "README.md's Supported table differs from `dmattn capabilities`:\n" << r.out;
+}
+
 TEST_F(Cli, BadCommandLinesExitOne) {
   for (const char* args : {"run --q x.npy", "demo --synthetic --d 0", "demo --synthetic --d -64", "demo --threads -1",
                            "demo --threads 100000", "eval --windows -5", "run --no-such-flag", "quantize --format",

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <string>
 
+#include "core/capabilities.hpp"
 #include "cpu/tiles.hpp"
 #include "dmattn/attention.hpp"
 #include "dmattn/error.hpp"
@@ -23,15 +24,9 @@ KVCache::KVCache(int64_t kv_heads, int64_t head_dim, const Policy& policy)
     : heads_(kv_heads), d_(head_dim), policy_(policy) {
   if (kv_heads < 1) throw Error("KVCache: kv_heads must be >= 1");
   if (!head_dim_supported(head_dim)) throw Error("KVCache: unsupported head dim " + std::to_string(head_dim));
-  for (Format f : {policy.high, policy.low}) {
-    const FormatInfo fi = format_info(f);
-    if (!fi.has_codes || fi.block != 32)
-      throw Error("KVCache: stores MX 32-block formats (mxfp8-*, mxfp6-*, mxfp4), not " + std::string(fi.name));
-  }
+  require(kv_cache_capabilities(), policy, head_dim);
   if (policy.sink_keys > kMaxSinkKeys)
     throw Error("KVCache: sink_keys at most " + std::to_string(kMaxSinkKeys) + " (the cache retains them in fp32)");
-  if (policy.pv == PV::fp8)
-    throw Error("KVCache: pv=fp8 is not supported (its per-channel V scales depend on every token; use mxfp8 or mxfp4)");
   policy.validate();
 }
 

@@ -48,5 +48,6 @@ void add_compare(CLI::App& app);
 void add_demo(CLI::App& app);
 void add_eval(CLI::App& app);
 void add_capture(CLI::App& app);
+void add_capabilities(CLI::App& app);
 
 }  // namespace dmattn::cli

@@ -85,6 +85,7 @@ int main(int argc, char** argv) {
   dmattn::cli::add_demo(app);
   dmattn::cli::add_eval(app);
   dmattn::cli::add_capture(app);
+  dmattn::cli::add_capabilities(app);
   app.set_version_flag("--version", std::string("dmattn ") + DMATTN_VERSION);
   try {
     app.parse(argc, argv);

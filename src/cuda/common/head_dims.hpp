@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #include "dmattn/error.hpp"
 
@@ -25,6 +26,11 @@ std::string dim_names(DimList<Ds...>) {
   std::string s;
   ((s += (s.empty() ? "" : ", ") + std::to_string(Ds)), ...);
   return s;
+}
+
+template <int... Ds>
+std::vector<int64_t> dim_vector(DimList<Ds...>) {
+  return {Ds...};
 }
 
 inline bool head_dim_built(int64_t d) { return dispatch_dim(HeadDims{}, d, [](auto) {}); }

@@ -23,6 +23,7 @@
 #include <string>
 #include <type_traits>
 
+#include "core/capabilities.hpp"
 #include "cuda/common/buffers.hpp"
 #include "cuda/ptx/fp8.cuh"
 #include "cuda/common/head_dims.hpp"
@@ -836,7 +837,7 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
                         float scale, int splits, int* nonfinite, cudaStream_t stream, const QueryTransform& qt,
                         int64_t window_left) {
   const int64_t S = kv.S, Hkv = kv.Hkv, d = kv.d, Hq = q.shape[1], Nq = q.shape[2];
-  require_head_dim(d, "the CUDA decode");
+  require(cuda_decode_capabilities(), policy, d);
   if (q.device != Device::cuda || out.device != Device::cuda) throw Error("decode: q and out must be CUDA tensors");
   if (q.stride[3] != 1 || out.stride[3] != 1) throw Error("the CUDA decode needs unit stride on the head dimension");
   if (q.shape[0] != S || q.shape[3] != d || Hq % Hkv != 0 || out.shape != q.shape)
@@ -846,9 +847,6 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   if (Hkv * (kTile / kRecordKeys) * record_bytes(int(d), vbits) >= (int64_t(1) << 32))
     throw Error("decode: a page's records exceed 4 GiB (too many KV heads)");
   const Format fmt[2] = {policy.high, policy.low};
-  for (Format f : fmt)
-    if (f == Format::nvfp4 || f == Format::bf16)
-      throw Error(std::string("the CUDA decode reads MX 32-block pages (mxfp8-*, mxfp6-*, mxfp4), not ") + std::string(format_info(f).name));
   Params p{};
   p.kv = kv;
   p.Hq = int(Hq);

@@ -8,6 +8,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "core/capabilities.hpp"
 #include "cuda/common/buffers.hpp"
 #include "cuda/ptx/fp8.cuh"
 #include "cuda/common/head_dims.hpp"
@@ -161,19 +162,8 @@ void require_supported(const Problem& p) {
   check(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "cudaDeviceGetAttribute");
   if (major != 9)
     throw Error("the CUDA backend is built for Hopper (sm_90a); this GPU is sm_" + std::to_string(major) +
-                std::to_string(minor) + ": use --backend cpu");
-  for (Format f : {p.policy.high, p.policy.low})
-    if (!format_info(f).has_codes)
-      throw Error("the CUDA backend computes MX and NVFP4 tiles; " + std::string(format_info(f).name) +
-                  " tiles run on --backend cpu for now");
-  if (p.policy.pv != PV::bf16 && p.policy.pv != PV::fp8)
-    throw Error("the CUDA prefill computes pv=bf16 and pv=fp8 (per-32-key-block scales on P and V do not map onto "
-                "Hopper's wgmma at speed: README); pv=" + std::string(pv_name(p.policy.pv)) + " runs on --backend cpu");
-  const bool nv = p.policy.high == Format::nvfp4 || p.policy.low == Format::nvfp4;
-  if ((p.policy.smooth_q || p.policy.sink_keys > 0) && (nv || p.policy.pv == PV::fp8))
-    throw Error("the CUDA prefill applies smooth_q and sink_keys with MX tiles and pv=bf16 (this policy: " +
-                p.policy.describe() + "); the CPU backend computes every combination");
-  require_head_dim(p.d, "the CUDA backend");
+                std::to_string(minor) + ": the CPU backend computes every call (CPU tensors)");
+  require(cuda_prefill_capabilities(), p.policy, p.d);
   for (const TensorView* t : {&p.q, &p.k, &p.v, &p.out})
     if (t->stride[3] != 1) throw Error("the CUDA backend needs unit stride on the head dimension");
   const char* names[4] = {"Q", "K", "V", "out"};

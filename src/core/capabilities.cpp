@@ -1,0 +1,148 @@
+#include "core/capabilities.hpp"
+
+#include <algorithm>
+
+#include "cuda/common/head_dims.hpp"
+#include "dmattn/error.hpp"
+
+namespace dmattn {
+namespace {
+
+const std::vector<Format> kMx32 = {Format::mxfp8_e4m3, Format::mxfp8_e5m2, Format::mxfp6_e3m2, Format::mxfp6_e2m3,
+                                   Format::mxfp4};
+constexpr std::string_view kAllMasks = "none, causal, q/k offsets, sliding window",
+                           kDecodeMasks = "causal, sliding window";
+const std::vector<std::string_view> kAllTransforms = {"rotate", "smooth_k", "smooth_q", "sink_keys"};
+// The head dims the CUDA kernels are built for.
+const std::vector<int64_t> kCudaHeadDims = cuda::dim_vector(cuda::HeadDims{});
+
+std::vector<Format> with_nvfp4(std::vector<Format> f) {
+  f.push_back(Format::nvfp4);
+  return f;
+}
+
+template <class T>
+bool has(const std::vector<T>& v, const T& x) {
+  return std::find(v.begin(), v.end(), x) != v.end();
+}
+
+std::string join(const std::vector<std::string_view>& v, std::string_view sep = ", ") {
+  std::string s;
+  for (std::string_view x : v) s += (s.empty() ? "" : std::string(sep)) + std::string(x);
+  return s;
+}
+
+std::string head_dims_text(const Capabilities& c) {
+  if (c.head_dims.empty()) return "multiples of 32 up to 256";
+  std::string s;
+  for (int64_t x : c.head_dims) s += (s.empty() ? "" : ", ") + std::to_string(x);
+  return s;
+}
+
+// full: every format by name (the errors); else MX 32-block formats as "MX" (the table).
+std::string formats_text(const Capabilities& c, bool full) {
+  const bool mx = std::all_of(kMx32.begin(), kMx32.end(), [&](Format f) { return has(c.formats, f); });
+  std::vector<std::string_view> v;
+  for (Format f : c.formats)
+    if (full || !mx || !has(kMx32, f)) v.push_back(format_info(f).name);
+  const std::string rest = join(v);
+  return full || !mx ? rest : "MX" + (rest.empty() ? "" : ", " + rest);
+}
+
+std::string pv_text(const Capabilities& c) {
+  std::vector<std::string_view> v;
+  for (PV p : c.pv) v.push_back(pv_name(p));
+  return join(v);
+}
+
+std::string transforms_text(const Capabilities& c) {
+  std::string s = c.transforms.empty() ? "none" : join(c.transforms);
+  if (!c.transforms_mx_bf16.empty()) s += "; " + join(c.transforms_mx_bf16) + " with MX tiles and pv bf16";
+  if (!c.note.empty()) s += " (" + std::string(c.note) + ")";
+  return s;
+}
+
+// The transforms the policy turns on, as names.
+std::vector<std::string_view> transforms_of(const Policy& p) {
+  std::vector<std::string_view> v;
+  if (p.rotate) v.push_back("rotate");
+  if (p.smooth_k) v.push_back("smooth_k");
+  if (p.smooth_q) v.push_back("smooth_q");
+  if (p.sink_keys > 0) v.push_back("sink_keys");
+  return v;
+}
+
+}  // namespace
+
+const Capabilities& cpu_capabilities() {
+  static const Capabilities c{"the CPU backend", {}, {Format::bf16, Format::mxfp8_e4m3, Format::mxfp8_e5m2,
+                              Format::mxfp6_e3m2, Format::mxfp6_e2m3, Format::mxfp4, Format::nvfp4},
+                              {PV::bf16, PV::mxfp8, PV::mxfp4, PV::fp8}, kAllTransforms, {}, kAllMasks, "", "", ""};
+  return c;
+}
+
+const Capabilities& kv_cache_capabilities() {
+  static const Capabilities c{
+      "the KV cache", {}, kMx32, {PV::bf16, PV::mxfp8, PV::mxfp4}, kAllTransforms, {}, kDecodeMasks,
+      "smooth_q: prefill only, decode's queries are not smoothed",
+      "its pages hold MX 32-blocks; pv=fp8's per-channel V scales depend on every token, which a cache cannot know",
+      "attention() computes the rest over whole sequences"};
+  return c;
+}
+
+const Capabilities& cuda_prefill_capabilities() {
+  static const Capabilities c{
+      "the CUDA prefill", kCudaHeadDims, with_nvfp4(kMx32), {PV::bf16, PV::fp8}, {"rotate", "smooth_k"},
+      {"smooth_q", "sink_keys"}, kAllMasks, "",
+      "bf16 tiles and per-32-key-block P.V scales do not map onto Hopper's FP8 wgmma at speed",
+      "the CPU backend computes every combination (CPU tensors)"};
+  return c;
+}
+
+const Capabilities& cuda_decode_capabilities() {
+  static const Capabilities c{"the CUDA decode", kCudaHeadDims, kMx32, {PV::bf16, PV::mxfp8, PV::mxfp4}, kAllTransforms,
+                              {}, kDecodeMasks, kv_cache_capabilities().note, "",
+                              "the decode of CPU tensors takes every head dim the KV cache does"};
+  return c;
+}
+
+void require(const Capabilities& c, const Policy& p, int64_t d) {
+  const std::string rest = (c.why.empty() ? "" : " (" + std::string(c.why) + ")") +
+                           (c.elsewhere.empty() ? "" : "; " + std::string(c.elsewhere));
+  if (!c.head_dims.empty() && !has(c.head_dims, d))
+    throw Error(std::string(c.name) + " takes head dims " + head_dims_text(c) + " (got " + std::to_string(d) + ")" + rest);
+  for (Format f : {p.high, p.low})
+    if (!has(c.formats, f))
+      throw Error(std::string(c.name) + " takes tile formats " + formats_text(c, true) + ", not " +
+                  std::string(format_info(f).name) + rest);
+  if (!has(c.pv, p.pv))
+    throw Error(std::string(c.name) + " takes pv " + pv_text(c) + ", not pv=" + std::string(pv_name(p.pv)) + rest);
+  const bool mx_bf16 = p.pv == PV::bf16 && format_info(p.high).block == 32 && format_info(p.low).block == 32;
+  for (std::string_view t : transforms_of(p)) {
+    if (has(c.transforms, t)) continue;
+    if (has(c.transforms_mx_bf16, t) && mx_bf16) continue;
+    throw Error(std::string(c.name) + " takes the transforms " + transforms_text(c) + "; not " + std::string(t) +
+                " with this policy (" + p.describe() + ")" + rest);
+  }
+}
+
+std::string capabilities_markdown() {
+  const Capabilities* cols[] = {&cpu_capabilities(), &kv_cache_capabilities(), &cuda_prefill_capabilities(),
+                                &cuda_decode_capabilities()};
+  std::string s = "| |";
+  for (const Capabilities* c : cols) s += " " + std::string(c->name) + " |";
+  s += "\n|---|---|---|---|---|\n";
+  auto row = [&](const char* what, auto text) {
+    s += std::string("| ") + what + " |";
+    for (const Capabilities* c : cols) s += " " + text(*c) + " |";
+    s += "\n";
+  };
+  row("head dim", head_dims_text);
+  row("tile formats", [](const Capabilities& c) { return formats_text(c, false); });
+  row("P·V", pv_text);
+  row("transforms", transforms_text);
+  row("masks", [](const Capabilities& c) { return std::string(c.masks); });
+  return s + "\nMX: the 32-element block formats mxfp8-e4m3, mxfp8-e5m2, mxfp6-e3m2, mxfp6-e2m3 and mxfp4.\n";
+}
+
+}  // namespace dmattn

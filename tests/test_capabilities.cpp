@@ -1,0 +1,64 @@
+// The capabilities table (src/core/capabilities.hpp): each backend's checks accept what its table
+// lists and reject the rest with a message that names the backend, what it takes and where the rest
+// runs -- never a command-line flag, so Python and C++ callers read it as well.
+#include <gtest/gtest.h>
+
+#include <string>
+
+#include "core/capabilities.hpp"
+#include "dmattn/error.hpp"
+
+using namespace dmattn;
+
+namespace {
+
+// The message require() throws, or "" where it accepts.
+std::string refusal(const Capabilities& c, const Policy& p, int64_t d) {
+  try {
+    require(c, p, d);
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "";
+}
+
+}  // namespace
+
+TEST(Capabilities, AcceptWhatTheTableListsAndNameTheRest) {
+  const Capabilities& gpu = cuda_prefill_capabilities();
+  EXPECT_EQ(refusal(gpu, Policy{}, 128), "");
+  EXPECT_EQ(refusal(gpu, Policy{Format::mxfp8_e4m3, Format::nvfp4, 1, 0}, 64), "");
+
+  Policy bf16 = Policy{};
+  bf16.low = Format::bf16;
+  const std::string m = refusal(gpu, bf16, 128);
+  EXPECT_NE(m.find("the CUDA prefill"), std::string::npos) << m;
+  EXPECT_NE(m.find("not bf16"), std::string::npos) << m;
+  EXPECT_NE(m.find("CPU backend"), std::string::npos) << m;
+  EXPECT_EQ(m.find("--"), std::string::npos) << "a library error names no CLI flag: " << m;
+
+  EXPECT_NE(refusal(gpu, Policy{}, 96).find("head dims 64, 128"), std::string::npos);
+  EXPECT_EQ(refusal(cpu_capabilities(), Policy{}, 96), "");
+
+  Policy sq;  // smooth_q: MX tiles and pv = bf16 only on the GPU
+  sq.smooth_q = true;
+  EXPECT_EQ(refusal(gpu, sq, 128), "");
+  sq.pv = PV::fp8;
+  EXPECT_NE(refusal(gpu, sq, 128).find("smooth_q"), std::string::npos);
+  sq.pv = PV::bf16;
+  sq.low = Format::nvfp4;
+  EXPECT_NE(refusal(gpu, sq, 128).find("smooth_q"), std::string::npos);
+  Policy rot;  // rotate and smooth_k with every tile format
+  rot.rotate = rot.smooth_k = true;
+  rot.low = Format::nvfp4;
+  EXPECT_EQ(refusal(gpu, rot, 128), "");
+
+  Policy pv8;
+  pv8.pv = PV::fp8;
+  EXPECT_NE(refusal(kv_cache_capabilities(), pv8, 64).find("pv=fp8"), std::string::npos);
+  EXPECT_NE(refusal(cuda_decode_capabilities(), Policy{Format::mxfp8_e4m3, Format::nvfp4, 1, 0}, 64).find("not nvfp4"),
+            std::string::npos);
+  for (const Capabilities* c : {&cpu_capabilities(), &kv_cache_capabilities(), &cuda_prefill_capabilities(),
+                                &cuda_decode_capabilities()})
+    EXPECT_NE(capabilities_markdown().find(std::string(c->name)), std::string::npos);
+}
