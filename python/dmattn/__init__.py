@@ -61,8 +61,14 @@ def _check_inputs(tensors, names="qkv"):
                               f"x.astype(x.dtype.newbyteorder('='))")
 
 
-POLICY_FIELDS = ("high", "low", "diag_tiles", "sink_tiles", "scale_rule", "pv", "smooth_k", "smooth_q", "rotate",
-                 "sink_keys")
+def _policy_fields():
+    """Policy's keyword-only constructor arguments, read from the binding (the one place they are listed)."""
+    import re
+    sig = Policy.__init__.__nb_signature__[0][0]
+    return tuple(re.findall(r"(\w+): ", sig.split("*,", 1)[1]))
+
+
+POLICY_FIELDS = _policy_fields()
 """The keywords attention(), sdpa() and ring_attention() take for the Policy (dmattn.Policy's fields)."""
 
 

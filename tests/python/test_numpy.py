@@ -233,6 +233,7 @@ def test_policy_keywords_are_stated_once_and_the_stubs_follow():
     policy_init = next(n for c in stub.body if isinstance(c, ast.ClassDef) and c.name == "Policy"
                        for n in c.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
     assert [a.arg for a in policy_init.args.kwonlyargs] == list(dmattn.POLICY_FIELDS)
+    assert all(hasattr(dmattn.Policy(), f) for f in dmattn.POLICY_FIELDS)  # each keyword is a field too
     assert set(dmattn.POLICY_FIELDS) <= {a.arg for a in funcs["attention"].args.kwonlyargs}
     sig = inspect.signature(dmattn.attention)
     stub_rest = {a.arg for a in funcs["attention"].args.kwonlyargs} - set(dmattn.POLICY_FIELDS)
