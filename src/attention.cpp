@@ -99,8 +99,6 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v, co
 #if defined(DMATTN_HAVE_CUDA)
     if (!on_gpu) throw Error("the CUDA backend needs tensors on the GPU (attention_on_device stages host tensors)");
     if (opts.exact) throw Error("the exact fp64 reference runs on the CPU only");
-    if (p.window_left >= 0 || p.window_right >= 0)
-      throw Error("the CUDA prefill does not take sliding windows yet; the CPU backend computes them (CPU tensors)");
     cuda::dma_attention(p);
     return;
 #else

@@ -11,8 +11,7 @@ namespace {
 
 const std::vector<Format> kMx32 = {Format::mxfp8_e4m3, Format::mxfp8_e5m2, Format::mxfp6_e3m2, Format::mxfp6_e2m3,
                                    Format::mxfp4};
-constexpr std::string_view kAllMasks = "none, causal, q/k offsets, sliding window",
-                           kDecodeMasks = "causal, sliding window", kCudaPrefillMasks = "none, causal, q/k offsets";
+constexpr std::string_view kAllMasks = "none, causal, q/k offsets, sliding window", kDecodeMasks = "causal, sliding window";
 const std::vector<std::string_view> kAllTransforms = {"rotate", "smooth_k", "smooth_q", "sink_keys"};
 // The head dims the CUDA kernels are built for.
 const std::vector<int64_t> kCudaHeadDims = cuda::dim_vector(cuda::HeadDims{});
@@ -92,7 +91,7 @@ const Capabilities& kv_cache_capabilities() {
 const Capabilities& cuda_prefill_capabilities() {
   static const Capabilities c{
       "the CUDA prefill", kCudaHeadDims, with_nvfp4(kMx32), {PV::bf16, PV::fp8}, {"rotate", "smooth_k"},
-      {"smooth_q", "sink_keys"}, kCudaPrefillMasks, "",
+      {"smooth_q", "sink_keys"}, kAllMasks, "",
       "bf16 tiles and per-32-key-block P.V scales do not map onto Hopper's FP8 wgmma at speed",
       "the CPU backend computes every combination (CPU tensors)"};
   return c;
@@ -100,7 +99,7 @@ const Capabilities& cuda_prefill_capabilities() {
 
 const Capabilities& cuda_decode_capabilities() {
   static const Capabilities c{"the CUDA decode", kCudaHeadDims, kMx32, {PV::bf16, PV::mxfp8, PV::mxfp4}, kAllTransforms,
-                              {}, "causal", kv_cache_capabilities().note, "",
+                              {}, kDecodeMasks, kv_cache_capabilities().note, "",
                               "the decode of CPU tensors takes every head dim the KV cache does"};
   return c;
 }

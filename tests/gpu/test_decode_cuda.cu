@@ -39,9 +39,10 @@ struct DeviceCopy {  // a device copy of a host tensor (or poison of its size), 
 
 // The GPU decode of q over the cache vs the CPU decode with the same options; returns rel. L2.
 double check_decode(const KVCache& cache, const std::vector<int>& ids, const HostTensor& q, int splits, double tol,
-                    const char* what) {
+                    const char* what, int64_t window_left = -1) {
   DecodeOptions o;
   o.splits = splits;
+  o.window_left = window_left;
   HostTensor want(q.dtype(), q.shape());
   const size_t rows = size_t(q.shape()[0] * q.shape()[1] * q.shape()[2]);
   std::vector<float> want_lse(rows), got_lse(rows);
@@ -111,6 +112,33 @@ TEST(GpuDecode, MatchesCpuDecode) {
       // sqrt(4e-4) * 4e-3 ~ 1e-4. The fp32 cases above hold the 1e-5 bound.
       const QKV q3 = random_qkv({3, Hq, Hkv, 4, 4, d}, uint64_t(9 * d), DType::bf16, 2.0f);
       check_decode(cache, ids, q3.q, 2, 3e-4, "bf16");
+    }
+}
+
+// Sliding windows: pages before every row's window are not read (the splits divide the rest), keys
+// before a row's window start are masked; ragged lengths, windows narrower than a page, ending
+// mid-page and wider than the sequence, GQA and MQA row chunks, Nq 1..16, sink keys.
+TEST(GpuDecode, SlidingWindowsMatchCpuDecode) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Policy sinks{Format::mxfp8_e4m3, Format::mxfp4, 1, 1};
+  sinks.sink_keys = 4;
+  for (int64_t d : {64, 128})
+    for (const Policy& pol : {Policy{}, with_pv(Policy{}, PV::mxfp4), sinks}) {
+      const int64_t Hkv = 2, Hq = 8, lens[3] = {16, 700, 1301};
+      KVCache cache(Hkv, d, pol);
+      std::vector<int> ids;
+      for (int i = 0; i < 3; ++i) {
+        const QKV x = llm_like_qkv({1, Hq, Hkv, lens[i], lens[i], d}, uint64_t(30 * d + i));
+        ids.push_back(cache.new_sequence());
+        append_all(cache, ids.back(), x, 0, lens[i]);
+      }
+      for (int64_t Nq : {1, 5, 16})
+        for (int64_t left : {0, 3, 100, 333, 4096}) {
+          const QKV qs = random_qkv({3, Hq, Hkv, Nq, Nq, d}, uint64_t(d + Nq + left), DType::f32, 2.0f);
+          const std::string what = "window d=" + std::to_string(d) + " Nq=" + std::to_string(Nq) + " left=" + std::to_string(left);
+          check_decode(cache, ids, qs.q, 1, 1e-5, what.c_str(), left);
+          check_decode(cache, ids, qs.q, 3, 1e-5, what.c_str(), left);
+        }
     }
 }
 

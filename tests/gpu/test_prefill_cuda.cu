@@ -42,6 +42,7 @@ struct Case {
   Policy policy;
   const char* name;
   std::optional<int64_t> q_offset{}, k_offset{};  // a block of a longer sequence (AttentionOptions)
+  std::pair<int64_t, int64_t> window{-1, -1};     // sliding window (left, right)
 };
 
 
@@ -57,6 +58,8 @@ Pair run_pair(const Case& c, const QKV& x) {
   o.policy = c.policy;
   o.q_offset = c.q_offset;
   o.k_offset = c.k_offset;
+  o.window_left = c.window.first;
+  o.window_right = c.window.second;
   HostTensor ref(DType::f32, x.q.shape()), got(DType::f32, x.q.shape());
   const size_t rows = size_t(c.hq * c.nq);
   Pair r{{}, {}, std::vector<float>(rows), std::vector<float>(rows, std::numeric_limits<float>::quiet_NaN())};
@@ -211,6 +214,47 @@ TEST(GpuPrefill, PositionOffsetsMatchCpuOracle) {
   const uint64_t seed = fresh_seed();
   const DType dtypes[3] = {DType::bf16, DType::f16, DType::f32};
   for (size_t i = 0; i < std::size(cases); ++i) check_case(cases[i], dtypes[i % 3], seed + i);
+}
+
+// Sliding windows: tiles wholly outside a query tile's window are skipped, the rest masked per row
+// (src/core/mask.hpp, the oracle's rule too). Windows narrower than a tile, wider than the sequence,
+// one-sided and two-sided; rows that see no key (zeros, LSE -inf); with sink tiles outside the
+// window, position offsets, the transforms, pv = fp8 and NVFP4 tiles; both head dims.
+TEST(GpuPrefill, SlidingWindowsMatchCpuOracle) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
+  Policy transforms{e4, f4, 2, 1};
+  transforms.rotate = transforms.smooth_k = transforms.smooth_q = true;
+  transforms.sink_keys = 4;
+  Policy pv8;
+  pv8.pv = PV::fp8;
+  const Case cases[] = {
+      {4, 2, 1000, 1000, 128, true, Policy{}, "causal, left 300", {}, {}, {300, -1}},
+      {4, 1, 700, 700, 64, true, Policy{e4, f4, 1, 1}, "causal, left 0, sink tile", {}, {}, {0, -1}},
+      {2, 2, 900, 900, 128, false, Policy{e4, f4, 2, 0}, "two-sided (50, 20)", {}, {}, {50, 20}},
+      {4, 1, 300, 200, 64, false, Policy{}, "rows before every key", {}, {}, {10, 5}},
+      {2, 1, 640, 1500, 128, true, Policy{e4, f4, 1, 2}, "chunk, left 512", {}, {}, {512, -1}},
+      {4, 2, 384, 640, 128, true, Policy{}, "offsets, left 200", 2048 + 100, 2048, {200, -1}},
+      {4, 2, 800, 800, 128, true, Policy{}, "wider than the sequence", {}, {}, {4096, -1}},
+      {2, 1, 900, 900, 128, true, transforms, "transforms, left 333", {}, {}, {333, -1}},
+      {2, 1, 900, 900, 64, true, Policy{e4, Format::nvfp4, 1, 0}, "nvfp4, left 256", {}, {}, {256, -1}},
+  };
+  const uint64_t seed = fresh_seed();
+  const DType dtypes[3] = {DType::bf16, DType::f16, DType::f32};
+  for (size_t i = 0; i < std::size(cases); ++i) check_case(cases[i], dtypes[i % 3], seed + i);
+  const Case f8{4, 2, 1000, 1000, 128, true, pv8, "pv fp8, left 300", {}, {}, {300, -1}};
+  check_qkv(f8, random_qkv({1, f8.hq, f8.hkv, f8.nq, f8.nk, f8.d}, seed + 99, DType::bf16), DType::bf16, kPvFp8Tol);
+}
+
+// Small enough for compute-sanitizer: a causal window and a two-sided one, both head dims.
+TEST(GpuPrefill, SlidingWindowsSmallMatchCpuOracle) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const Case cases[] = {
+      {2, 1, 400, 400, 128, true, Policy{}, "small causal, left 150", {}, {}, {150, -1}},
+      {2, 2, 300, 300, 64, false, Policy{}, "small two-sided (40, 130)", {}, {}, {40, 130}},
+  };
+  const uint64_t seed = fresh_seed();
+  for (size_t i = 0; i < std::size(cases); ++i) check_case(cases[i], DType::bf16, seed + i);
 }
 
 // NVFP4 tiles (16-blocks, E4M3 block scales, a second scale per row): one bf16 wgmma chain over

@@ -114,3 +114,29 @@ def test_unchecked_call_is_stream_ordered():
     out = dmattn.attention(bad, k, v, causal=True, check_finite=False)
     rows_nan = out.isnan().any(dim=-1)
     assert rows_nan[0, 3, 600] and rows_nan.sum().item() == 1
+
+
+@pytest.mark.parametrize("window", [(300, -1), (0, -1), (64, 200)])
+def test_sliding_window_on_cuda_matches_cpu(window):
+    q, k, v = qkv(11)
+    causal = window[1] < 0
+    ref, ref_lse = dmattn.attention(q, k, v, causal=causal, window=window, return_lse=True)
+    out, lse = dmattn.attention(q.cuda(), k.cuda(), v.cuda(), causal=causal, window=window, return_lse=True)
+    rel = ((out.cpu().float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel < 5e-3, rel
+    assert torch.allclose(lse.cpu(), ref_lse, rtol=2e-3, atol=2e-3)
+    # and the window matters: without it the rows differ
+    assert not torch.allclose(lse.cpu(), dmattn.attention(q, k, v, causal=causal, return_lse=True)[1], atol=1e-2)
+
+
+def test_decode_sliding_window_on_cuda_matches_cpu():
+    rng = np.random.default_rng(8)
+    cache = dmattn.KVCache(2, 128)
+    seqs = [cache.new_sequence() for _ in range(2)]
+    for s, n in zip(seqs, (300, 1000)):
+        cache.append(s, llm_like(rng, (1, 2, n, 128)), llm_like(rng, (1, 2, n, 128)))
+    q = torch.from_numpy(llm_like(rng, (2, 8, 3, 128)))
+    ref, ref_lse = dmattn.decode(cache, seqs, q, splits=2, window=(200, -1), return_lse=True)
+    out, lse = dmattn.decode(cache, seqs, q.cuda(), splits=2, window=(200, -1), return_lse=True)
+    assert ((out.cpu() - ref).norm() / ref.norm()).item() < 1e-5
+    assert torch.allclose(lse.cpu(), ref_lse, rtol=1e-5, atol=1e-5)

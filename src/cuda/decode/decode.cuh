@@ -43,11 +43,14 @@ struct QueryTransform {
 // 0 = automatic. Enqueues the work on `stream` (q's quantization, the decode, the split merge) and
 // sets *nonfinite (device memory) to 1 if q holds NaN/Inf; throws dmattn::Error on bad arguments.
 // The scale is the caller's softmax scale; with qt.rotate the rotation's block size is divided out here.
+// window_left >= 0: a sliding window (a query at position p sees keys [p - window_left, p]); pages
+// wholly before every row's window are not read.
 void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorView& q, const TensorView& out, float* lse,
-                        float scale, int splits, int* nonfinite, cudaStream_t stream, const QueryTransform& qt = {});
+                        float scale, int splits, int* nonfinite, cudaStream_t stream, const QueryTransform& qt = {},
+                        int64_t window_left = -1);
 
 // The same, synchronous: returns when the results are written; NaN/Inf in q throws.
 void decode_paged(const PagedKV& kv, const Policy& policy, const TensorView& q, const TensorView& out, float* lse,
-                  float scale, int splits, cudaStream_t stream, const QueryTransform& qt = {});
+                  float scale, int splits, cudaStream_t stream, const QueryTransform& qt = {}, int64_t window_left = -1);
 
 }  // namespace dmattn::cuda

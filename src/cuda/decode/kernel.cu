@@ -60,6 +60,8 @@ struct Params {
   int Hq, Nq, G, splits, chunks;
   const float* sink;     // [rows][sink_keys]: the sink keys' exact scores (raw units), or null
   int sink_keys;
+  int window_left;       // sliding window: a query at position pos sees keys [pos - window_left, pos]; INT32_MAX
+                         // unbounded. Instances of two CTAs an SM only (kWindow), which the host then runs.
   float scale;           // softmax scale x log2(e): the softmax runs in base 2 (ex2.approx) on (s - m) x scale
   ScaleRule rule;        // pv != bf16: P's 32-key blocks take their scales by this rule
 };
@@ -313,13 +315,18 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
   uint8_t* lut = smem + S_::kLut;
   float* rmax = reinterpret_cast<float*>(smem + S_::kMax);  // [page parity][warp][row]
 
-  const int L = p.kv.length[s], np = (L + T - 1) / T, eff = min(p.splits, np);
+  // Sliding windows in the instances of two CTAs an SM: their registers do not fit under three or four
+  // (ptxas spilled the four-CTA instance), and the host runs every windowed decode at two.
+  constexpr bool kWindow = kCtas == 2;
+  // Pages [jlo, np): jlo the first page the earliest row's window (position L - Nq) reaches.
+  const int L = p.kv.length[s], np = (L + T - 1) / T;
+  const int jlo = kWindow ? max(0, L - p.Nq - p.window_left) / T : 0, eff = min(p.splits, np - jlo);
   auto out_part = [&](int i) { return p.part + ((qrow0 + i) * p.splits + split) * (D + 2); };
   if (split >= eff) {  // more splits than this sequence has pages: an empty partial (zeros, m = -inf)
     for (int i = tid; i < rows * (D + 2); i += kThreads) out_part(i / (D + 2))[i % (D + 2)] = i % (D + 2) == D ? -INFINITY : 0.0f;
     return;
   }
-  const int j0 = int(int64_t(split) * np / eff), j1 = int(int64_t(split + 1) * np / eff);
+  const int j0 = jlo + int(int64_t(split) * (np - jlo) / eff), j1 = jlo + int(int64_t(split + 1) * (np - jlo) / eff);
   const int32_t* table = p.kv.table + int64_t(s) * p.kv.max_pages;
   auto stage_of = [&](int i) { return smem + (i * kWarps + warp) * S_::kWarpStage; };
 
@@ -482,6 +489,9 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
       const int row = 8 * nr + 2 * t + r;
       kend[nr][r] = row < rows ? L - p.Nq + (r0 + row) % p.Nq + 1 : L;
     }
+  // kWindow: a row sees key k where 0 <= kend - 1 - k <= window_left (the keys before it in its
+  // window), one unsigned compare; pages from whole0 on start inside the last row's window.
+  const int whole0 = kWindow ? max(0, L - 1 - p.window_left + T - 1) / T : 0;
   float acc[MD][kNR][4];  // O^T: columns 16md + g (+8) of rows 8nr + 2t (+1), over this warp's keys
 #pragma unroll
   for (int md = 0; md < MD; ++md)
@@ -530,7 +540,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
     // Mask (keys past each row's end: -inf), the rows' maxima over this warp's raw scores (the scale is
     // applied to s - m below, scale > 0).
     const int kbase = j * T + 32 * warp + g;
-    const bool whole = (j + 1) * T <= L - p.Nq + 1;  // every row sees every key of the page
+    const bool whole = (j + 1) * T <= L - p.Nq + 1 && (!kWindow || j >= whole0);  // every row sees every key of the page
     float mx[kNR][2];
 #pragma unroll
     for (int nr = 0; nr < kNR; ++nr) {
@@ -540,7 +550,9 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           float& x = sc[mt][nr][i];
-          if (!whole && kbase + 16 * mt + 8 * (i / 2) >= kend[nr][i % 2]) x = -INFINITY;
+          const int key = kbase + 16 * mt + 8 * (i / 2);
+          if (!whole && (kWindow ? uint32_t(kend[nr][i % 2] - 1 - key) > uint32_t(p.window_left) : key >= kend[nr][i % 2]))
+            x = -INFINITY;
           mx[nr][i % 2] = fmaxf(mx[nr][i % 2], x);
         }
     }
@@ -822,7 +834,8 @@ void launch(const Params& p, dim3 grid, int d, int vbits, int nr, int ctas, cuda
 }  // namespace
 
 void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorView& q, const TensorView& out, float* lse,
-                        float scale, int splits, int* nonfinite, cudaStream_t stream, const QueryTransform& qt) {
+                        float scale, int splits, int* nonfinite, cudaStream_t stream, const QueryTransform& qt,
+                        int64_t window_left) {
   const int64_t S = kv.S, Hkv = kv.Hkv, d = kv.d, Hq = q.shape[1], Nq = q.shape[2];
   require(cuda_decode_capabilities(), policy, d);
   if (q.device != Device::cuda || out.device != Device::cuda) throw Error("decode: q and out must be CUDA tensors");
@@ -848,8 +861,12 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   check(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
   // DMATTN_DECODE_CTAS=2|3|4 forces the instance (capped at what it fits; the GPU tests run each).
   const char* force = std::getenv("DMATTN_DECODE_CTAS");
-  const int only = force && (force[0] >= '2' && force[0] <= '4') ? force[0] - '0' : 0;
-  const DecodePlan plan = decode_plan(S * Hkv * p.chunks, kv.max_pages, sms, max_ctas(vbits, nr), splits, only);
+  // A sliding window runs at two CTAs an SM (kWindow).
+  const int only = window_left >= 0 ? 2 : force && (force[0] >= '2' && force[0] <= '4') ? force[0] - '0' : 0;
+  // A sliding window bounds the pages a sequence reads: its Nq rows' windows span at most this many.
+  p.window_left = int(window_left < 0 ? INT32_MAX : std::min<int64_t>(window_left, INT32_MAX));
+  const int pages = int(std::min<int64_t>(kv.max_pages, (int64_t(p.window_left) + Nq - 1) / kTile + 2));
+  const DecodePlan plan = decode_plan(S * Hkv * p.chunks, pages, sms, max_ctas(vbits, nr), splits, only);
   p.splits = std::min(plan.splits, std::max(1, kv.max_pages));
   Buffers buf(stream);  // stream-ordered: freed after the enqueued work
   const int64_t rows = S * Hq * Nq;
@@ -915,11 +932,11 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
 }
 
 void decode_paged(const PagedKV& kv, const Policy& policy, const TensorView& q, const TensorView& out, float* lse,
-                  float scale, int splits, cudaStream_t stream, const QueryTransform& qt) {
+                  float scale, int splits, cudaStream_t stream, const QueryTransform& qt, int64_t window_left) {
   Buffers buf(stream);
   int* bad = buf.alloc<int>(sizeof(int));
   check(cudaMemsetAsync(bad, 0, sizeof(int), stream), "cudaMemset");
-  decode_paged_async(kv, policy, q, out, lse, scale, splits, bad, stream, qt);
+  decode_paged_async(kv, policy, q, out, lse, scale, splits, bad, stream, qt, window_left);
   int bad_host = 0;
   check(cudaMemcpyAsync(&bad_host, bad, sizeof bad_host, cudaMemcpyDeviceToHost, stream), "decode");
   check(cudaStreamSynchronize(stream), "decode");

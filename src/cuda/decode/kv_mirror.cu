@@ -142,8 +142,6 @@ struct Mirror {
 void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const TensorView& q, const TensorView& out,
                       float* lse, float scale, const DecodeOptions& opts) {
   const cudaStream_t stream = static_cast<cudaStream_t>(opts.stream);
-  if (opts.window_left >= 0)
-    throw Error("the CUDA decode does not take sliding windows yet; the decode of CPU tensors computes them");
   if (!is_device_pointer(q.data) || !is_device_pointer(out.data) || (lse && !is_device_pointer(lse)))
     throw Error("decode_attention: q, out and lse must be device memory when q is a CUDA tensor");
   const int64_t d = cache.head_dim(), Hkv = cache.kv_heads();
@@ -184,7 +182,7 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
   qt.sink_keys = pol.sink_keys;
   qt.state = m.state;
   qt.rows = cache.state_rows();
-  decode_paged(kv, pol, q, out, lse, scale, opts.splits, stream, qt);
+  decode_paged(kv, pol, q, out, lse, scale, opts.splits, stream, qt, opts.window_left);
 }
 
 }  // namespace dmattn::cuda

@@ -353,7 +353,7 @@ void dma_attention(const Problem& p) {
   pp.ds_tiles = tf.qtiles;
   pp.sink = tf.sink;
   pp.sink_keys = tf.sink_keys;
-  pp.causal = p.causal;
+  pp.mask = p.mask();
   pp.policy = p.policy;
   pp.q_pos0 = p.q_pos0 - p.k_pos0;  // from key 0 (Problem's are absolute)
   pp.ktile0 = p.k_pos0 / kTile;

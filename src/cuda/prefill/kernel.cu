@@ -1,6 +1,6 @@
 // DMA prefill on Hopper's warpgroup tensor cores (wgmma), warp-specialised. One CTA = one
-// 128-position query tile (aligned in absolute positions, so one format per key tile) x its key tiles
-// in ascending order. A producer warpgroup streams each tile's K (in the tile's format, FP8 bytes),
+// 128-position query tile (aligned in absolute positions, so one format per key tile) x the key tiles
+// its mask reaches (mask.cuh: causal and sliding windows), in ascending order. A producer warpgroup streams each tile's K (in the tile's format, FP8 bytes),
 // V (bf16, transposed by the pre-pass so both wgmma operands are K-major) and key scales into a
 // 3-stage ring with TMA (or K and V rings of 2 where 3 stages do not fit: Smem), signalled through
 // mbarriers; two consumer warpgroups of 64 query rows each
@@ -23,11 +23,14 @@
 
 #include "cuda/common/buffers.hpp"
 #include "cuda/common/head_dims.hpp"
+#include "cuda/prefill/epilogue.cuh"
 #include "cuda/prefill/load_q.cuh"
+#include "cuda/prefill/mask.cuh"
 #include "cuda/prefill/params.cuh"
 #include "cuda/prefill/pv.cuh"
 #include "cuda/prefill/scores.cuh"
 #include "cuda/prefill/smem.cuh"
+#include "cuda/prefill/softmax.cuh"
 #include "cuda/ptx/fp8.cuh"
 #include "cuda/ptx/mma.cuh"
 #include "cuda/ptx/tma.cuh"
@@ -39,14 +42,6 @@
 namespace dmattn::cuda {
 namespace prefill {
 namespace {
-
-// Two adjacent output elements (lo at dst[0]) rounded to nearest-even in one conversion and one store;
-// dst must be aligned to the pair.
-__device__ __forceinline__ void store_pair(float* dst, float lo, float hi) { *reinterpret_cast<float2*>(dst) = make_float2(lo, hi); }
-__device__ __forceinline__ void store_pair(bf16* dst, float lo, float hi) { *reinterpret_cast<uint32_t*>(dst) = bf16x2_rn(lo, hi); }
-__device__ __forceinline__ void store_pair(fp16* dst, float lo, float hi) { *reinterpret_cast<uint32_t*>(dst) = f16x2_rn(lo, hi); }
-
-
 
 template <int D, class TOut, bool kF8V, bool kNv, bool kFix = false>
 __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_constant__ PrefillParams p) {
@@ -72,8 +67,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   const int64_t pos0 = (p.first_block + (p.blocks - 1 - blockIdx.x)) * BM;  // late tiles first
   const int64_t qtile = hd::floor_div(pos0, kTile);
   const int nslots = p.nslots;
-  const int64_t kend = p.causal ? min(int64_t(p.Nk), max(int64_t(0), pos0 + BM)) : int64_t(p.Nk);
-  const int tiles = int((kend + BN - 1) / BN);  // < 2^24: the host checks Nk < 2^31
+  const KeyTiles kt = key_tiles(p.mask, pos0);
+  const int tiles = kt.end;  // key tiles [kt.begin, tiles)
   const int64_t kv_tile0 = (int64_t(b) * p.Hkv + hk) * p.ldv;  // this head's row scales
   const HighTiles high(p.policy, qtile, tiles, p.ktile0);
   auto slot_of = [&](int j) { return (nslots == 2 && !high(j)) ? 1 : 0; };
@@ -99,10 +94,10 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     wg::regs_dec<24>();
     if (threadIdx.x == kConsumers) {
       const int bh = b * p.Hkv + hk;
-      for (int j = 0, st = 0, phase = 0; j < tiles; ++j, phase ^= (st == kStages - 1), st = (st + 1) % kStages) {
+      for (int j = kt.begin, st = 0, phase = 0; j < tiles; ++j, phase ^= (st == kStages - 1), st = (st + 1) % kStages) {
         const int slot = slot_of(j);
         const bool nv = kNv && p.nv[slot];  // bf16 K in D/64 atoms of 128-byte rows, no block scales
-        if (j >= kStages) tma::wait(&empty[st], uint32_t(phase ^ 1));
+        if (j - kt.begin >= kStages) tma::wait(&empty[st], uint32_t(phase ^ 1));
         // kSplit: K's copies first, then V's into a ring whose buffer frees later (after P.V).
         const uint32_t ds_bytes = kFix && p.ds ? BN * 4 : 0;
         tma::arrive_expect(&full[st], (nv ? S::kTxKBf16 : S::kTxK) + (S::kSplit ? 0 : S::kVt) + ds_bytes);
@@ -119,7 +114,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
         uint64_t* vbar = &full[st];
         if constexpr (S::kSplit) {
           vbar = &vfull[st];
-          if (j >= kStages) tma::wait(&vempty[st], uint32_t(phase ^ 1));
+          if (j - kt.begin >= kStages) tma::wait(&vempty[st], uint32_t(phase ^ 1));
           tma::arrive_expect(vbar, S::kVt);
         }
         tma::load_3d(sVt(st), &p.vmap, j * BN, 0, bh, vbar);
@@ -139,7 +134,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   // (pv = fp8).
   constexpr bool kTurns = D == 128;
   const int me = 1 + wgi, other = 2 - wgi;
-  if (kTurns && wgi == 1 && tiles > 0) wg::bar_arrive(1, kConsumers);
+  if (kTurns && wgi == 1 && kt.begin < tiles) wg::bar_arrive(1, kConsumers);
   // Each warpgroup brings in its Q rows while the producer's first copies are in flight.
   load_q<D, kF8V, kNv>(p, b, h, pos0, off, wgi, sQ, sQs, q_folded);
   wg::fence_async_smem();       // Q bytes written by st.shared are read by wgmma
@@ -151,19 +146,12 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   const int64_t pos[2] = {pos0 + row_in_cta, pos0 + row_in_cta + 8};
   const int64_t row[2] = {pos[0] - off, pos[1] - off};
   const bool valid[2] = {row[0] >= 0 && row[0] < p.Nq, row[1] >= 0 && row[1] < p.Nq};
-  // The last key each of this thread's rows sees (-1: none). Fits int: the host checks Nk < 2^31.
-  int kmax[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r)
-    kmax[r] = !valid[r] ? -1 : p.causal ? int(min(int64_t(p.Nk) - 1, pos[r])) : p.Nk - 1;
-  // Opaque to ptxas, so it keeps the two ints instead of recomputing them from 64-bit positions in
-  // every tile (~20 instructions a tile, SASS).
-  asm volatile("" : "+r"(kmax[0]), "+r"(kmax[1]));
+  const RowMask rmask(p.mask, pos, valid);
 
   float o[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  OnlineSoftmax<BN> softmax;
   // pv = fp8: the P.V in flight (a fresh accumulator a tile) and the factor o takes before it is
   // added (the alpha of the tile whose P it holds). The shift makes P's E4M3 codes p * 2^8 (the
   // exponent subtracts it: free); l carries it too, so O / l is unchanged and the LSE subtracts it.
@@ -185,7 +173,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   // tile's softmax.
   const float* kts0 = p.kts[0] + kv_tile0 / BN;
   const float* kts1 = nslots == 2 ? p.kts[1] + kv_tile0 / BN : kts0;  // (a select: an indexed pair went to local memory)
-  float kts_next = tiles > 0 ? (slot_of(0) ? kts1 : kts0)[0] : 0.0f;
+  float kts_next = kt.begin < tiles ? (slot_of(kt.begin) ? kts1 : kts0)[kt.begin] : 0.0f;
   // Each slot's element type in registers: indexing the parameter by slot cost a stalled constant load per tile (ncu).
   const bool e5m2_high = p.elem[0] == Elem::e5m2, e5m2_low = p.elem[1] == Elem::e5m2;
   // NVFP4 slots (kNv instances): their tiles always run as one bf16 chain (issue_chain_bf16).
@@ -223,17 +211,18 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   auto finish_pv = [&](int j) {
     add_pv_result();
     wg::pin(a);
-    if (j > 0) tma::arrive(S::kSplit ? &vempty[prev] : &empty[prev]);
+    if (j > kt.begin) tma::arrive(S::kSplit ? &vempty[prev] : &empty[prev]);
   };
-  for (int j = 0; j < tiles; ++j) {
+  for (int j = kt.begin; j < tiles; ++j) {
     const int slot = slot_of(j);
     const float kts_j = kts_next;
     if (j + 1 < tiles) kts_next = (slot_of(j + 1) ? kts1 : kts0)[j + 1];
     const bool e5m2 = slot ? e5m2_low : e5m2_high;
     const bool nv = slot ? nv_low : nv_high;
     const bool folded = nv || (kts_j >= 0.0f && q_folded[slot][wgi]);
-    const int pv_stage = j > 0 ? prev : st;  // P_{j-1}.V_{j-1}'s V (tile 0's at j = 0, with P = 0)
-    const uint32_t pv_phase = j > 0 ? prev_phase : phase;
+    // P_{j-1}.V_{j-1}'s V (the first tile's own on the first tile, with P = 0)
+    const int pv_stage = j > kt.begin ? prev : st;
+    const uint32_t pv_phase = j > kt.begin ? prev_phase : phase;
     const wg::Desc sq = slot ? dq1 : dq0, sk = dk0 + st * S::kKStride;
     const float* sqs = sQs + (slot * BM + wgi * 64 + warp * 16 + g) * NB;
     tma::wait(&full[st], phase);
@@ -273,10 +262,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       // Keys folded to one tile scale (the common MXFP4 case) take it here, in the row factor: no
       // per-key multiply of S (64 FMULs and 16 shared loads a tile).
       const float kf = kts_j > 0.0f ? kts_j : 1.0f;
-      // (kmax < 0: a row outside the output or one that sees no key; kmax, not valid[], because ptxas
-      // recomputed valid[] from 64-bit positions every tile.)
-      c[0] = kmax[0] >= 0 ? p.scale * kLog2e * sqs[0] * kf : 1.0f;
-      c[1] = kmax[1] >= 0 ? p.scale * kLog2e * sqs[8 * NB] * kf : 1.0f;
+      c[0] = rmask.sees_any(0) ? p.scale * kLog2e * sqs[0] * kf : 1.0f;
+      c[1] = rmask.sees_any(1) ? p.scale * kLog2e * sqs[8 * NB] * kf : 1.0f;
       if (kts_j <= 0.0f) scale_by_keys(s, sKr(st), t);
     } else {
       if constexpr (!kF8V) {
@@ -307,32 +294,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
 
     if constexpr (S::kSplit) tma::arrive(&empty[st]);  // S_j has retired and the key scales are read
 
-    // Mask (tiles every row of the warp sees whole skip it), online softmax (fp32).
-    float mx[2] = {-INFINITY, -INFINITY};
-    const int key0 = j * BN;
-    const bool whole = __all_sync(0xffffffffu, key0 + BN - 1 <= min(kmax[0], kmax[1]));
-    if (!whole)  // a branch of its own: if-converted into the max loop it costs every tile 128 instructions
-#pragma unroll
-      for (int i = 0; i < BN / 2; ++i)
-        if (key0 + acc_col(i, t) > kmax[(i / 2) % 2]) s[i] = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) mx[(i / 2) % 2] = fmaxf(mx[(i / 2) % 2], s[i]);
-    // m is the row's running maximum of logit * log2(e); c > 0, so max(s) * c is the maximum.
-    float alpha[2], mref[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float mnew = fmaxf(m[r], quad_max(mx[r]) * c[r]);
-      // A row that has seen no key yet keeps its state (as if the tile were skipped).
-      alpha[r] = mnew == -INFINITY ? 1.0f : exp2_approx(m[r] - mnew);
-      mref[r] = mnew == -INFINITY ? 0.0f : mnew - kShift;
-      m[r] = mnew;
-      l[r] *= alpha[r];
-    }
-#pragma unroll
-    for (int i = 0; i < BN / 2; ++i) {
-      s[i] = exp2_approx(fmaf(s[i], c[(i / 2) % 2], -mref[(i / 2) % 2]));  // one rounding: exact near the max
-      l[(i / 2) % 2] += s[i];
-    }
+    rmask.apply(s, j * BN, t);
+    float alpha[2];
+    softmax.update(s, c, kShift, alpha);
 
     if constexpr (kF8V) {  // o takes alpha_j when P_j.V_j is added (next tile)
       alpha_pv[0] = alpha[0];
@@ -368,51 +332,14 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     phase ^= st == kStages - 1;
     st = st == kStages - 1 ? 0 : st + 1;
   }
-  if (tiles > 0) {  // the last tile's P.V
+  if (kt.begin < tiles) {  // the last tile's P.V
     issue_pv_any(prev, prev_phase);
     wg::commit();
     wg::wait<0>();
     add_pv_result();
   }
 
-  // pv = fp8: V's scales for this thread's D/4 columns (acc_col), all loaded before any store: read
-  // next to the stores, which may alias them, each load's latency stalled its store (8% of the
-  // kernel's samples at N = 8192, ncu).
-  float vs[kF8V ? D / 4 : 1];
-  if constexpr (kF8V) {
-    const float* vsrc = p.vscale + (int64_t(b) * p.Hkv + hk) * D;
-#pragma unroll
-    for (int k = 0; k < D / 4; ++k) vs[k] = vsrc[acc_col(k / 2 * 4 + k % 2, t)];
-  }
-  // out = O / l, lse = m + log l; rows that saw no key write zeros and -inf. One reciprocal a row
-  // (a division an element was ~8 instructions with a slow-path branch; the products differ from
-  // the quotients by an ulp of fp32) and, where aligned, columns 2t and 2t+1 as one store.
-  auto out_value = [&](int i, int k) {  // register i of O, with V's channel scale k (pv = fp8)
-    if constexpr (kF8V)
-      return o[i] * vs[k];
-    else
-      return o[i];
-  };
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const float lr = quad_sum(l[r]);
-    if (!valid[r]) continue;
-    const float inv = lr > 0.0f ? 1.0f / lr : 0.0f;
-    TOut* orow = static_cast<TOut*>(p.out) + b * p.out_sb + h * p.out_sh + row[r] * p.out_sn;
-#pragma unroll
-    for (int n = 0; n < D / 8; ++n) {
-      const int i = 4 * n + 2 * r;  // registers i, i + 1: columns 8n + 2t, + 1 of row half r
-      const float x0 = out_value(i, 2 * n) * inv, x1 = out_value(i + 1, 2 * n + 1) * inv;
-      if (p.out_pairs) {
-        store_pair(orow + acc_col(i, t), x0, x1);
-      } else {
-        orow[acc_col(i, t)] = from_float<TOut>(x0);
-        orow[acc_col(i, t) + 1] = from_float<TOut>(x1);
-      }
-    }
-    if (p.lse && t == 0)
-      p.lse[(int64_t(b) * p.Hq + h) * p.Nq + row[r]] = lr > 0.0f ? m[r] / kLog2e + (logf(lr) - kShift * 0.69314718f) : -INFINITY;
-  }
+  store_output<D, TOut, kF8V>(p, o, softmax, b, h, hk, row, valid, t);
 }
 
 template <int D, class TOut, bool kF8V, bool kNv, bool kFix = false>

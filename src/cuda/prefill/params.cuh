@@ -5,6 +5,7 @@
 #include <cuda.h>
 #include <cuda_runtime.h>
 
+#include "core/mask.hpp"
 #include "dmattn/format.hpp"
 #include "dmattn/policy.hpp"
 #include "dmattn/tensor.hpp"
@@ -39,7 +40,7 @@ struct PrefillParams {
   float* lse;  // [B,Hq,Nq] or null
   int Hq, Hkv, Nq, Nk;
   float scale;
-  bool causal;
+  Mask mask;  // which keys a query sees (causal, sliding window), positions counted from key 0
   Policy policy;
   // Positions count from key 0 (absolute position k_offset, a multiple of 128): query row r sits at
   // q_pos0 + r (default Nk - Nq: bottom-right), and key tile j is absolute tile ktile0 + j.

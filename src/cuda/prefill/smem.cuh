@@ -10,7 +10,6 @@ namespace dmattn::cuda::prefill {
 
 constexpr int BM = kPrefillRows, BN = kTile;
 constexpr int kConsumers = 256, kThreads = kConsumers + 128;  // 2 consumer warpgroups x 64 rows + a producer
-constexpr float kLog2e = 1.4426950408889634f;
 
 // Shared memory (every tile 1024-byte aligned, as the swizzle needs):
 //   Q: [2 slots][BM rows][D bytes] swizzled, then Q scales as floats [2][BM][D/32];
