@@ -124,7 +124,11 @@ def test_sliding_window_on_cuda_matches_cpu(window):
     out, lse = dmattn.attention(q.cuda(), k.cuda(), v.cuda(), causal=causal, window=window, return_lse=True)
     rel = ((out.cpu().float() - ref.float()).norm() / ref.float().norm()).item()
     assert rel < 5e-3, rel
-    assert torch.allclose(lse.cpu(), ref_lse, rtol=2e-3, atol=2e-3)
+    # The FP8 tensor cores accumulate Q.K with fewer bits than fp32: a score's error scales with the sum
+    # of its products' magnitudes, not with the score. With window (0, -1) a row's LSE is its one score.
+    kk = k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    mag = (q.float().abs() @ kk.abs().transpose(-1, -2)).amax(-1) / q.shape[-1] ** 0.5
+    assert ((lse.cpu() - ref_lse).abs() <= 2e-3 * (1 + ref_lse.abs()) + 2e-3 * mag).all()
     # and the window matters: without it the rows differ
     assert not torch.allclose(lse.cpu(), dmattn.attention(q, k, v, causal=causal, return_lse=True)[1], atol=1e-2)
 

@@ -119,43 +119,59 @@ __global__ void append_rows(Pools p, Plan plan, const T* k, const T* v, int64_t 
   }
 }
 
-// pv MX: each warp one channel of one 32-key V block an append touches, lane = key in the block:
-// the block quantized again from its originals (earlier tokens from the sequence's tail buffer, zeros
-// past the last token), written transposed (kv_record.hpp); the last block, if still open, goes to
-// the other tail buffer. Warp w is (batch entry, head, block, channel), reversed.
+// pv MX: each warp 32 channels of one 32-key V block an append touches, a lane a channel (so every
+// load and store of a key's row is coalesced): the block quantized again from its originals
+// (earlier tokens from the sequence's tail buffer, zeros past the last token), written transposed
+// (kv_record.hpp); the last block, if still open, goes to the other tail buffer. Warp w is (batch
+// entry, head, block, channel group), reversed.
 template <int D, class T>
 __global__ void append_values(Pools p, Plan plan, const T* v, int64_t vs0, int64_t vs1, int64_t vs2, int blocks,
                               Elem ve, ScaleRule rule) {
+  constexpr int CG = D / 32;
   const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  if (w >= int64_t(plan.S) * p.Hkv * blocks * D) return;
-  const int c = int(w % D), bi = int(w / D % blocks), h = int(w / D / blocks % p.Hkv), i = int(w / D / blocks / p.Hkv);
-  const int lane = threadIdx.x % 32;
+  if (w >= int64_t(plan.S) * p.Hkv * blocks * CG) return;
+  const int lane = threadIdx.x % 32, c = 32 * int(w % CG) + lane;
+  const int bi = int(w / CG % blocks), h = int(w / CG / blocks % p.Hkv), i = int(w / CG / blocks / p.Hkv);
   const int seq = plan.batch[3 * i], pos0 = plan.batch[3 * i + 1], buf = plan.batch[3 * i + 2];
-  const int end = pos0 + plan.n, b = pos0 / kRecordKeys + bi;
-  if (b * kRecordKeys >= end) return;  // this sequence touches fewer blocks (uniform across the warp)
-  const int g = b * kRecordKeys + lane;  // the lane's key position
-  const int64_t tail = (int64_t(seq) * 2 * p.Hkv + h) * kRecordKeys * D;  // buffer 0 of (seq, h)
-  const int64_t other = int64_t(p.Hkv) * kRecordKeys * D;                // buffer 1 - 0
-  float x = 0.0f;
-  if (g < pos0)
-    x = p.vtail[tail + buf * other + lane * D + c];
-  else if (g < end)
-    x = to_float(v[i * vs0 + h * vs1 + (g - pos0) * vs2 + c]);
-  uint8_t sc;
-  const uint8_t code = encode_block_lane(x, ve, rule, sc);
-  const int32_t page = p.table[int64_t(seq) * p.cols + g / kPage];
-  uint8_t* col = record_at(p, page, h, g % kPage) + record_v(D);
+  const int end = pos0 + plan.n, b = pos0 / kRecordKeys + bi, k0 = b * kRecordKeys;
+  if (k0 >= end) return;  // this sequence touches fewer blocks (uniform across the warp)
+  const int64_t tail = (int64_t(seq) * 2 * p.Hkv + h) * kRecordKeys * D + c;  // buffer 0 of (seq, h), column c
+  const int64_t other = int64_t(p.Hkv) * kRecordKeys * D;                    // buffer 1 - 0
+  float x[kRecordKeys];
+  float amax = 0.0f;
+  bool bad = false;
+#pragma unroll
+  for (int j = 0; j < kRecordKeys; ++j) {
+    const int g = k0 + j;
+    x[j] = g < pos0 ? p.vtail[tail + buf * other + j * D] : g < end ? to_float(v[i * vs0 + h * vs1 + (g - pos0) * vs2 + c]) : 0.0f;
+    bad |= !hd::is_finite(x[j]);
+    amax = fmaxf(amax, hd::abs_f(x[j]));
+  }
+  const uint8_t sc = bad ? kE8M0NaN : choose_e8m0(amax, ve, rule);
+  uint8_t code[kRecordKeys];
+#pragma unroll
+  for (int j = 0; j < kRecordKeys; ++j)
+    code[j] = sc == kE8M0NaN ? uint8_t(0) : encode_elem(elem_spec(ve), hd::ldexp2(x[j], -(int(sc) - 127)));
+  const int32_t page = p.table[int64_t(seq) * p.cols + k0 / kPage];
+  uint8_t* col = record_at(p, page, h, k0 % kPage) + record_v(D);
   const int vt_row = record_vt_row(p.vbits);
   if (ve == Elem::e2m1) {  // word t of a column: keys 8j + 2t (+1), j = 0..3, packed for f16
-    uint8_t codes[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) codes[j] = uint8_t(__shfl_sync(0xffffffffu, code, 8 * (j / 2) + 2 * (lane % 4) + j % 2));
-    if (lane < 4) *reinterpret_cast<uint32_t*>(col + c * vt_row + 4 * lane) = e2m1x8_f16_pack(codes);
+    for (int t = 0; t < 4; ++t) {
+      uint8_t codes[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) codes[j] = code[8 * (j / 2) + 2 * t + j % 2];
+      *reinterpret_cast<uint32_t*>(col + c * vt_row + 4 * t) = e2m1x8_f16_pack(codes);
+    }
   } else {
-    col[c * vt_row + vt_position(lane)] = code;
+#pragma unroll
+    for (int j = 0; j < kRecordKeys; ++j) col[c * vt_row + vt_position(j)] = code[j];
   }
-  if (lane == 0) col[D * vt_row + c] = sc;
-  if (end % kRecordKeys != 0 && b == (end - 1) / kRecordKeys) p.vtail[tail + (1 - buf) * other + lane * D + c] = x;
+  col[D * vt_row + c] = sc;
+  if (end % kRecordKeys != 0 && b == (end - 1) / kRecordKeys)
+#pragma unroll
+    for (int j = 0; j < kRecordKeys; ++j)
+      if (k0 + j < end) p.vtail[tail + (1 - buf) * other + j * D] = x[j];
 }
 
 // Pages that left the window: K re-encoded in the low format from the kept originals. Warp w is

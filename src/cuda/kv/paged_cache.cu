@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <unordered_set>
@@ -76,7 +77,14 @@ class UploadRing {
 template <class T>
 void grow(T*& ptr, int64_t n, int64_t m, int fill, cudaStream_t stream, int64_t rows = 1) {
   void* fresh = nullptr;
-  check(cudaMalloc(&fresh, size_t(rows * m) * sizeof(T)), "KV cache device pool");
+  const size_t bytes = size_t(rows * m) * sizeof(T);
+  if (cudaMalloc(&fresh, bytes) != cudaSuccess) {
+    cudaGetLastError();  // not sticky: the cache stays as it was
+    char msg[160];
+    std::snprintf(msg, sizeof msg, "PagedKVCache: out of GPU memory growing a pool from %.2f to %.2f GiB",
+                  double(size_t(rows * n) * sizeof(T)) / (1 << 30), double(bytes) / (1 << 30));
+    throw Error(msg);
+  }
   check(cudaMemsetAsync(fresh, fill, size_t(rows * m) * sizeof(T), stream), "KV cache device pool");
   if (ptr && n > 0) {
     check(cudaMemcpy2DAsync(fresh, size_t(m) * sizeof(T), ptr, size_t(n) * sizeof(T), size_t(n) * sizeof(T),
@@ -99,6 +107,7 @@ struct PagedKVCache::Impl {
   struct Seq {
     std::vector<int32_t> table, kept;  // physical page and kept slot (-1: none) of each logical page
     int64_t length = 0;
+    int64_t kept_from = 0;             // pages before it keep no keys (kept pages trail: the window's)
     int tail = 0;                      // which V tail buffer holds the open block
     bool live = false;
   };
@@ -130,7 +139,8 @@ struct PagedKVCache::Impl {
       return p;
     }
     if (pages_made == page_cap) {
-      const int64_t cap = std::max<int64_t>(16, 2 * page_cap);
+      // 1.5x: the old pool and the new one coexist while it grows (2.5x the old at the peak).
+      const int64_t cap = std::max<int64_t>(16, page_cap + page_cap / 2);
       grow(pools.rec, page_cap * page_bytes, cap * page_bytes, 0, stream);
       grow(pools.slot, page_cap, cap, 0, stream);
       grow(pools.kept_of, page_cap, cap, 0xFF, stream);  // -1
@@ -281,7 +291,7 @@ void PagedKVCache::append(const std::vector<int>& ids, const TensorView& k, cons
     blocks = std::max<int>(blocks, int((end - 1) / 32 - pos0 / 32 + 1));
     if (end % 32 != 0) s.tail ^= 1;  // the open block lands in the other buffer
     // Pages that leave the window: re-encoded from their kept keys (the new rows join them first).
-    for (size_t j = 0; j < s.table.size(); ++j)
+    for (size_t j = size_t(s.kept_from); j < s.table.size(); ++j)
       if (s.kept[j] >= 0 && !pol.is_high(last, int64_t(j))) {
         meta.insert(meta.end(), {s.table[j], 1, s.kept[j], 1});
         reenc.insert(reenc.end(), {s.table[j], s.kept[j], int32_t(std::min<int64_t>(kPage, end - int64_t(j) * kPage))});
@@ -300,6 +310,7 @@ void PagedKVCache::append(const std::vector<int>& ids, const TensorView& k, cons
       s.table.push_back(page);
       s.kept.push_back(kslot);
     }
+    while (s.kept_from < int64_t(s.kept.size()) && s.kept[size_t(s.kept_from)] < 0) ++s.kept_from;
     s.length = end;
   }
   m.free_kept.insert(m.free_kept.end(), released.begin(), released.end());
@@ -318,7 +329,9 @@ void PagedKVCache::append(const std::vector<int>& ids, const TensorView& k, cons
   const cuda::kv::Pools& p = m.pools;
   const Elem high = format_info(pol.high).elem, low = format_info(pol.low).elem;
   auto grid = [](int64_t warps) { return unsigned((warps * 32 + 255) / 256); };
-  cuda::kv::apply_plan<<<1024, 256, 0, stream>>>(p, plan, m.page_bytes);
+  // One thread an item of the plan's largest list (a one-token step: one block), at most 1024 blocks.
+  const int64_t items = std::max<int64_t>({int64_t(plan.nt), plan.S, plan.nm, plan.nz * (m.page_bytes / 16)});
+  cuda::kv::apply_plan<<<unsigned(std::clamp<int64_t>((items + 255) / 256, 1, 1024)), 256, 0, stream>>>(p, plan, m.page_bytes);
   check(cudaGetLastError(), "KV cache append");
   cuda::with_head_dim(m.d, "PagedKVCache", [&](auto dc) {
     constexpr int D = decltype(dc)::value;
@@ -331,7 +344,7 @@ void PagedKVCache::append(const std::vector<int>& ids, const TensorView& k, cons
       check(cudaGetLastError(), "KV cache append");
       if (p.vbits != 16) {
         const Elem ve = format_info(pv_values_format(pol.pv)).elem;
-        cuda::kv::append_values<D, T><<<grid(S * m.heads * blocks * D), 256, 0, stream>>>(
+        cuda::kv::append_values<D, T><<<grid(S * m.heads * blocks * (D / 32)), 256, 0, stream>>>(
             p, plan, vt, v.stride[0], v.stride[1], v.stride[2], blocks, ve, pol.scale_rule);
         check(cudaGetLastError(), "KV cache append");
       }
