@@ -138,17 +138,22 @@ struct PagedKVCache::Impl {
       free_pages.pop_back();
       return p;
     }
-    if (pages_made == page_cap) {
-      // 1.5x: the old pool and the new one coexist while it grows (2.5x the old at the peak).
-      const int64_t cap = std::max<int64_t>(16, page_cap + page_cap / 2);
-      grow(pools.rec, page_cap * page_bytes, cap * page_bytes, 0, stream);
-      grow(pools.slot, page_cap, cap, 0, stream);
-      grow(pools.kept_of, page_cap, cap, 0xFF, stream);  // -1
-      grow(pools.pending, page_cap, cap, 0, stream);
-      page_cap = cap;
-    }
-    if (pages_made >= INT32_MAX) throw Error("PagedKVCache: more than 2^31 pages");
+    reserve_pages(1, stream);
     return int32_t(pages_made++);
+  }
+
+  // Room for n more pages than the free list holds: the pool grows once for a whole append, to at
+  // least 1.5x (the old pool and the new one coexist while it grows: 2.5x the old at the peak).
+  void reserve_pages(int64_t n, cudaStream_t stream) {
+    const int64_t need = pages_made + std::max<int64_t>(0, n - int64_t(free_pages.size()));
+    if (need > INT32_MAX) throw Error("PagedKVCache: more than 2^31 pages");
+    if (need <= page_cap) return;
+    const int64_t cap = std::max<int64_t>({16, need, page_cap + page_cap / 2});
+    grow(pools.rec, page_cap * page_bytes, cap * page_bytes, 0, stream);
+    grow(pools.slot, page_cap, cap, 0, stream);
+    grow(pools.kept_of, page_cap, cap, 0xFF, stream);  // -1
+    grow(pools.pending, page_cap, cap, 0, stream);
+    page_cap = cap;
   }
 
   int32_t new_kept(cudaStream_t stream) {
@@ -278,6 +283,9 @@ void PagedKVCache::append(const std::vector<int>& ids, const TensorView& k, cons
     cols = std::max<int64_t>(cols, (m.seq(id).length + n + kPage - 1) / kPage);
   }
   m.reserve_sequences(int64_t(*std::max_element(ids.begin(), ids.end())) + 1, cols, stream);
+  int64_t fresh = 0;  // pages this append opens
+  for (int id : ids) fresh += (m.seq(id).length + n + kPage - 1) / kPage - int64_t(m.seq(id).table.size());
+  m.reserve_pages(fresh, stream);
 
   // The plan: every decision the device carries out.
   std::vector<int32_t> batch, table, meta, zero, reenc;
