@@ -16,8 +16,9 @@ import contextlib
 
 from ._dmattn import (DmattnError, KVCache, Policy, attention_into, cuda_available, decode_into, dequantize_rows,
                       quantize_rows)
+from ._dmattn import PagedKVCache as _PagedKVCache
 
-__all__ = ["attention", "sdpa", "decode", "ring_attention", "KVCache", "quantize", "dequantize", "Policy", "DmattnError",
+__all__ = ["attention", "sdpa", "decode", "ring_attention", "KVCache", "PagedKVCache", "quantize", "dequantize", "Policy", "DmattnError",
            "cuda_available", "register_transformers", "hf_policy", "POLICY_FIELDS"]
 
 
@@ -189,12 +190,74 @@ def sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: b
     return attention(query, key, value, causal=is_causal, scale=scale, **policy)
 
 
-def decode(cache: KVCache, seqs, q, *, scale: float | None = None, splits: int = 0, return_lse: bool = False,
+class PagedKVCache:
+    """A paged MX KV cache in GPU memory (the current CUDA device when created).
+
+    The pages equal KVCache's for the same appends (so decode returns what it returns over a
+    KVCache), but they are written on the GPU: append() quantizes CUDA tensors of new tokens in
+    place, on torch's current stream, and decode() reads the device page tables, so a generation
+    step does no host work beyond its launches and never waits for the GPU. NaN or Inf in k or v
+    are not checked (that would need a synchronisation): decode returns NaN for the rows that see
+    them. The accuracy transforms (rotate, smooth_k, sink_keys) are not taken yet: KVCache has them.
+
+    Args:
+      kv_heads, head_dim: the KV heads and their dimension (64 or 128).
+      policy: a dmattn.Policy (default Policy()); or the policy fields as keywords.
+    """
+
+    def __init__(self, kv_heads: int, head_dim: int, policy: Policy | None = None, **fields):
+        if policy is not None and fields:
+            raise TypeError("PagedKVCache: pass a policy or its fields, not both")
+        self._c = _PagedKVCache(int(kv_heads), int(head_dim), policy if policy is not None else Policy(**fields))
+
+    def new_sequence(self) -> int:
+        """An empty sequence; returns its id."""
+        return self._c.new_sequence()
+
+    def free_sequence(self, seq: int) -> None:
+        """Returns the sequence's pages to the pool (no device work)."""
+        self._c.free_sequence(int(seq))
+
+    def append(self, seqs, k, v) -> None:
+        """Appends k, v: [len(seqs), kv_heads, n, head_dim] CUDA tensors (n new tokens a sequence)."""
+        import torch
+        _check_inputs((k, v), ("k", "v"))
+        with torch.cuda.device(k.device):
+            self._c.append([int(s) for s in seqs], k.detach(), v.detach(),
+                           torch.cuda.current_stream(k.device).cuda_stream)
+
+    def length(self, seq: int) -> int:
+        return self._c.length(int(seq))
+
+    def page_table(self, seq: int) -> list[int]:
+        return self._c.page_table(int(seq))
+
+    @property
+    def page_bytes(self) -> int:
+        """Device bytes of one 128-token page, all KV heads (K codes, K scales, V)."""
+        return self._c.page_bytes
+
+    @property
+    def kv_heads(self) -> int:
+        return self._c.kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self._c.head_dim
+
+    @property
+    def policy(self) -> Policy:
+        return self._c.policy
+
+
+def decode(cache: KVCache | PagedKVCache, seqs, q, *, scale: float | None = None, splits: int = 0, return_lse: bool = False,
            window: tuple[int, int] = (-1, -1)):
     """Decode attention of new queries over a KVCache.
 
     Args:
-      cache: the KVCache holding each sequence's keys and values (including the new tokens').
+      cache: the KVCache or PagedKVCache holding each sequence's keys and values (including the
+        new tokens'). Over a PagedKVCache q must be a CUDA tensor, and the call does not wait for
+        the GPU (q is not checked for NaN/Inf).
       seqs: the sequence ids, one per row of q's first axis.
       q: [len(seqs), Hq, Nq, d] numpy array or torch tensor, 1 <= Nq <= 16; the queries of each
         sequence's last Nq positions (causal, bottom-right). A CUDA tensor runs the GPU decode
@@ -210,6 +273,10 @@ def decode(cache: KVCache, seqs, q, *, scale: float | None = None, splits: int =
     """
     seqs = [int(s) for s in seqs]
     left = int(window[0])
+    if isinstance(cache, PagedKVCache):
+        if not (_is_torch(q) and q.is_cuda):
+            raise DmattnError("decode: a PagedKVCache lives in GPU memory; q must be a CUDA tensor")
+        cache = cache._c
     _check_inputs((q,), ("q",))
     if _is_torch(q):
         import torch

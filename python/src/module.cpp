@@ -15,6 +15,7 @@
 #include "dmattn/attention.hpp"
 #include "dmattn/error.hpp"
 #include "dmattn/kv_cache.hpp"
+#include "dmattn/paged_kv_cache.hpp"
 #include "dmattn/quantize.hpp"
 
 namespace nb = nanobind;
@@ -143,7 +144,8 @@ TensorView cpu_view(const In& a, const char* name) {
   return v;
 }
 
-void decode_into(const KVCache& cache, const std::vector<int>& seqs, const In& q, const nb::ndarray<>& out,
+template <class Cache>
+void decode_into(const Cache& cache, const std::vector<int>& seqs, const In& q, const nb::ndarray<>& out,
                  std::optional<nb::ndarray<>> lse, std::optional<float> scale, int splits, int64_t window_left,
                  uintptr_t stream) {
   const TensorView tq = view_of(q, "q", "bhnd"), to = view_of(out, "out", "bhnd");
@@ -244,7 +246,32 @@ NB_MODULE(_dmattn, m) {
       .def_prop_ro("kv_heads", &KVCache::kv_heads)
       .def_prop_ro("head_dim", &KVCache::head_dim)
       .def_prop_ro("policy", &KVCache::policy);
-  m.def("decode_into", &decode_into, nb::arg("cache"), nb::arg("seqs"), nb::arg("q"), nb::arg("out"),
+  nb::class_<PagedKVCache>(m, "PagedKVCache",
+                           "Paged MX-quantized KV cache in GPU memory: appends quantize on the GPU, decode reads "
+                           "device page tables; the pages equal KVCache's for the same appends.")
+      .def(nb::init<int64_t, int64_t, const Policy&>(), nb::arg("kv_heads"), nb::arg("head_dim"),
+           nb::arg("policy") = Policy{})
+      .def("new_sequence", &PagedKVCache::new_sequence, "An empty sequence; returns its id.")
+      .def("free_sequence", &PagedKVCache::free_sequence, nb::arg("seq"), "Returns the sequence's pages to the pool.")
+      .def(
+          "append",
+          [](PagedKVCache& c, const std::vector<int>& seqs, const In& k, const In& v, uintptr_t stream) {
+            const TensorView tk = view_of(k, "k", "bhnd"), tv = view_of(v, "v", "bhnd");
+            nb::gil_scoped_release unlocked;
+            c.append(seqs, tk, tv, reinterpret_cast<void*>(stream));
+          },
+          nb::arg("seqs"), nb::arg("k"), nb::arg("v"), nb::arg("stream") = 0,
+          "Appends k, v: [len(seqs), kv_heads, n, head_dim] CUDA tensors, enqueued on `stream`.")
+      .def("length", &PagedKVCache::length, nb::arg("seq"))
+      .def("page_table", &PagedKVCache::page_table, nb::arg("seq"), "Logical page -> physical page.")
+      .def_prop_ro("page_bytes", &PagedKVCache::page_bytes, "Device bytes of one 128-token page (all KV heads).")
+      .def_prop_ro("kv_heads", &PagedKVCache::kv_heads)
+      .def_prop_ro("head_dim", &PagedKVCache::head_dim)
+      .def_prop_ro("policy", &PagedKVCache::policy);
+  m.def("decode_into", &decode_into<PagedKVCache>, nb::arg("cache"), nb::arg("seqs"), nb::arg("q"), nb::arg("out"),
+        nb::arg("lse").none(), nb::arg("scale").none(), nb::arg("splits"), nb::arg("window_left") = -1,
+        nb::arg("stream") = 0);
+  m.def("decode_into", &decode_into<KVCache>, nb::arg("cache"), nb::arg("seqs"), nb::arg("q"), nb::arg("out"),
         nb::arg("lse").none(), nb::arg("scale").none(), nb::arg("splits"), nb::arg("window_left") = -1,
         nb::arg("stream") = 0,
         "Decode attention over the cache.");

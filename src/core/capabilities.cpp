@@ -104,6 +104,14 @@ const Capabilities& cuda_decode_capabilities() {
   return c;
 }
 
+const Capabilities& cuda_kv_cache_capabilities() {
+  static const Capabilities c{"the CUDA KV cache", kCudaHeadDims, kMx32, {PV::bf16, PV::mxfp8, PV::mxfp4}, {},
+                              {}, kDecodeMasks, "",
+                              "its appends quantize on the GPU, which does not run the transforms' key state yet",
+                              "the KV cache (host memory) takes the transforms"};
+  return c;
+}
+
 void require(const Capabilities& c, const Policy& p, int64_t d) {
   const std::string rest = (c.why.empty() ? "" : " (" + std::string(c.why) + ")") +
                            (c.elsewhere.empty() ? "" : "; " + std::string(c.elsewhere));
@@ -126,10 +134,10 @@ void require(const Capabilities& c, const Policy& p, int64_t d) {
 
 std::string capabilities_markdown() {
   const Capabilities* cols[] = {&cpu_capabilities(), &kv_cache_capabilities(), &cuda_prefill_capabilities(),
-                                &cuda_decode_capabilities()};
+                                &cuda_decode_capabilities(), &cuda_kv_cache_capabilities()};
   std::string s = "| |";
   for (const Capabilities* c : cols) s += " " + std::string(c->name) + " |";
-  s += "\n|---|---|---|---|---|\n";
+  s += "\n|---|---|---|---|---|---|\n";
   auto row = [&](const char* what, auto text) {
     s += std::string("| ") + what + " |";
     for (const Capabilities* c : cols) s += " " + text(*c) + " |";

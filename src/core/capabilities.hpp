@@ -29,12 +29,13 @@ const Capabilities& cpu_capabilities();           // attention on the CPU (every
 const Capabilities& kv_cache_capabilities();      // the KV cache and the CPU decode over it
 const Capabilities& cuda_prefill_capabilities();  // attention on the GPU (sm_90a)
 const Capabilities& cuda_decode_capabilities();   // decode on the GPU over a KV cache
+const Capabilities& cuda_kv_cache_capabilities(); // the KV cache in GPU memory (PagedKVCache)
 
 // Throws dmattn::Error where `c` does not take the policy or the head dim: the message names the
 // backend, what it takes, and that the CPU backend computes the rest.
 void require(const Capabilities& c, const Policy& p, int64_t head_dim);
 
-// The four tables as one markdown table (rows: head dims, tile formats, P.V, transforms, masks), and
+// The tables as one markdown table (rows: head dims, tile formats, P.V, transforms, masks), and
 // a line that names the MX formats.
 std::string capabilities_markdown();
 

@@ -60,6 +60,23 @@ double check_decode(const KVCache& cache, const std::vector<int>& ids, const Hos
   std::printf("decode %s %s splits=%d: rel_l2 %.3e\n", what, cache.policy().describe().c_str(), splits, c.rel_l2);
   EXPECT_EQ(c.nan_count, 0) << what;
   EXPECT_LE(c.rel_l2, tol) << what;
+  if (c.rel_l2 > tol) {  // the row that deviates most, to tell a mask error (whole rows) from rounding (one element)
+    const std::vector<float> g = got.to_floats(), w = want.to_floats();
+    const size_t d = size_t(q.shape()[3]);
+    size_t worst = 0;
+    double worst_err = -1;
+    for (size_t i = 0; i < rows; ++i) {
+      double e = 0, n = 0;
+      for (size_t c2 = 0; c2 < d; ++c2) e += std::pow(g[i * d + c2] - w[i * d + c2], 2), n += std::pow(w[i * d + c2], 2);
+      if (e / (n + 1e-30) > worst_err) worst_err = e / (n + 1e-30), worst = i;
+    }
+    size_t col = 0;
+    for (size_t c2 = 0; c2 < d; ++c2)
+      if (std::fabs(g[worst * d + c2] - w[worst * d + c2]) > std::fabs(g[worst * d + col] - w[worst * d + col])) col = c2;
+    ADD_FAILURE() << what << ": worst row " << worst << " rel " << std::sqrt(worst_err) << ", column " << col << " got "
+                  << g[worst * d + col] << " want " << w[worst * d + col] << ", lse got " << got_lse[worst] << " want "
+                  << want_lse[worst];
+  }
   for (size_t i = 0; i < rows; ++i)
     EXPECT_NEAR(got_lse[i], want_lse[i], (splits == 0 ? 1e-3f : 1e-5f) * (1 + std::fabs(want_lse[i]))) << what << " row " << i;  // l sums unrounded P
   return c.rel_l2;
@@ -136,8 +153,11 @@ TEST(GpuDecode, SlidingWindowsMatchCpuDecode) {
         for (int64_t left : {0, 3, 100, 333, 4096}) {
           const QKV qs = random_qkv({3, Hq, Hkv, Nq, Nq, d}, uint64_t(d + Nq + left), DType::f32, 2.0f);
           const std::string what = "window d=" + std::to_string(d) + " Nq=" + std::to_string(Nq) + " left=" + std::to_string(left);
-          check_decode(cache, ids, qs.q, 1, 1e-5, what.c_str(), left);
-          check_decode(cache, ids, qs.q, 3, 1e-5, what.c_str(), left);
+          // The output's tolerance admits one P rounded to the neighbouring bf16 value (the CPU's exp
+          // and the GPU's ex2.approx differ in the last bits), which in the 16-key sequence moves a
+          // row by ~3e-4; a key masked wrongly moves that row's LSE, which check_decode holds to 1e-5.
+          check_decode(cache, ids, qs.q, 1, 1e-4, what.c_str(), left);
+          check_decode(cache, ids, qs.q, 3, 1e-4, what.c_str(), left);
         }
     }
 }

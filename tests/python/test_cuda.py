@@ -124,7 +124,11 @@ def test_sliding_window_on_cuda_matches_cpu(window):
     out, lse = dmattn.attention(q.cuda(), k.cuda(), v.cuda(), causal=causal, window=window, return_lse=True)
     rel = ((out.cpu().float() - ref.float()).norm() / ref.float().norm()).item()
     assert rel < 5e-3, rel
-    assert torch.allclose(lse.cpu(), ref_lse, rtol=2e-3, atol=2e-3)
+    # The FP8 tensor cores accumulate Q.K with fewer bits than fp32: a score's error scales with the sum
+    # of its products' magnitudes, not with the score. With window (0, -1) a row's LSE is its one score.
+    kk = k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    mag = (q.float().abs() @ kk.abs().transpose(-1, -2)).amax(-1) / q.shape[-1] ** 0.5
+    assert ((lse.cpu() - ref_lse).abs() <= 2e-3 * (1 + ref_lse.abs()) + 2e-3 * mag).all()
     # and the window matters: without it the rows differ
     assert not torch.allclose(lse.cpu(), dmattn.attention(q, k, v, causal=causal, return_lse=True)[1], atol=1e-2)
 
@@ -140,3 +144,29 @@ def test_decode_sliding_window_on_cuda_matches_cpu():
     out, lse = dmattn.decode(cache, seqs, q.cuda(), splits=2, window=(200, -1), return_lse=True)
     assert ((out.cpu() - ref).norm() / ref.norm()).item() < 1e-5
     assert torch.allclose(lse.cpu(), ref_lse, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("policy", [{}, {"pv": "mxfp4", "diag_tiles": 2, "sink_tiles": 1}, {"pv": "mxfp8"}])
+def test_paged_cache_decodes_as_the_host_cache(policy):
+    # A prompt then one-token steps for a batch, appended as a generation loop does (CUDA tensors on
+    # the current stream): decode over the GPU cache equals decode over the host cache, bit for bit.
+    rng = np.random.default_rng(5)
+    host, dev = dmattn.KVCache(2, 128, dmattn.Policy(**policy)), dmattn.PagedKVCache(2, 128, **policy)
+    hs = [host.new_sequence() for _ in range(2)]
+    ds = [dev.new_sequence() for _ in range(2)]
+    k = torch.from_numpy(llm_like(rng, (2, 2, 400, 128))).to(torch.bfloat16)
+    v = torch.from_numpy(llm_like(rng, (2, 2, 400, 128))).to(torch.bfloat16)
+    for i in range(2):
+        host.append(hs[i], k[i:i + 1, :, :250], v[i:i + 1, :, :250])
+    dev.append(ds, k[:, :, :250].cuda(), v[:, :, :250].cuda())
+    for t in range(250, 400):
+        for i in range(2):
+            host.append(hs[i], k[i:i + 1, :, t:t + 1], v[i:i + 1, :, t:t + 1])
+        dev.append(ds, k[:, :, t:t + 1].cuda(), v[:, :, t:t + 1].cuda())
+    assert [dev.length(s) for s in ds] == [400, 400]
+    q = torch.from_numpy(llm_like(rng, (2, 8, 2, 128))).to(torch.bfloat16).cuda()
+    want, want_lse = dmattn.decode(host, hs, q, splits=2, return_lse=True)
+    got, got_lse = dmattn.decode(dev, ds, q, splits=2, return_lse=True)
+    assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
+    with pytest.raises(dmattn.DmattnError, match="CUDA tensor"):
+        dmattn.decode(dev, ds, q.cpu())

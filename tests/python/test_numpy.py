@@ -258,3 +258,9 @@ def test_sliding_window_equals_a_masked_reference(window):
     plain = dmattn.attention(q, k, v, causal=causal, high="bf16", low="bf16")
     assert np.array_equal(dmattn.attention(q, k, v, causal=causal, window=(1000, 1000), high="bf16", low="bf16"), plain)
     assert not np.allclose(plain, got)
+
+
+@pytest.mark.skipif(dmattn.cuda_available(), reason="a CUDA device is present (test_cuda.py tests the GPU cache)")
+def test_paged_cache_says_it_needs_a_gpu():
+    with pytest.raises(dmattn.DmattnError, match="GPU memory|no CUDA device"):
+        dmattn.PagedKVCache(2, 64)

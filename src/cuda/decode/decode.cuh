@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "cuda/decode/kv_record.hpp"
+#include "dmattn/kv_cache.hpp"
 #include "dmattn/policy.hpp"
 #include "dmattn/tensor.hpp"
 
@@ -23,6 +24,10 @@ struct PagedKV {
   int S = 0, max_pages = 0, Hkv = 0, d = 0;
   int vbits = 16;                   // V's bits in the records (16, 8, 4): must match the policy's pv
 };
+
+// One host page's records (kv_record.hpp), [Hkv][4 blocks][record], as the device mirror uploads
+// them (kv_mirror.cu); the device cache's tests compare its pages with them.
+void pack_page(const KVCache::Page& pg, int64_t Hkv, int d, int vbits, uint8_t* dst);
 
 // V's bits in the records for a pv mode (bf16 16, mxfp8 8, mxfp4 4).
 inline int v_bits(PV pv) { return pv == PV::bf16 ? 16 : pv == PV::mxfp8 ? 8 : 4; }

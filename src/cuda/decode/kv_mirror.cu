@@ -21,10 +21,9 @@
 namespace dmattn::cuda {
 
 namespace {
-
 constexpr int64_t T = kTile;
+}  // namespace
 
-// One page's records (kv_record.hpp), [Hkv][4 blocks][record], from the host page.
 void pack_page(const KVCache::Page& pg, int64_t Hkv, int d, int vbits, uint8_t* dst) {
   const int64_t rb = record_bytes(d, vbits), nb = d / 32;
   const bool k4 = format_info(pg.format).elem == Elem::e2m1, v4 = vbits == 4;
@@ -64,6 +63,8 @@ void pack_page(const KVCache::Page& pg, int64_t Hkv, int d, int vbits, uint8_t* 
       std::memcpy(v + d * vt_row, pg.vs.data() + (h * (T / kRecordKeys) + w) * d, size_t(d));
     }
 }
+
+namespace {
 
 struct Mirror {
   int device = -1;

@@ -60,8 +60,8 @@ DMATTN_HD constexpr int mag_shift(int j) { return 3 * j; }                // 0 3
 DMATTN_HD constexpr int sign_shift(int j) { return j < 2 ? 3 * j : j - 1; }  // 0 3 1 2
 inline constexpr uint32_t kF16Mag = 0x0E000E00u, kF16Sign = 0x80008000u;
 
-// Host: the storage word of codes[0..7].
-inline uint32_t e2m1x8_f16_pack(const uint8_t (&codes)[8]) {
+// The storage word of codes[0..7] (the host packs pages with it, the device cache its appends).
+DMATTN_HD uint32_t e2m1x8_f16_pack(const uint8_t (&codes)[8]) {
   uint32_t w = 0;
   for (int j = 0; j < 4; ++j)
     for (int h = 0; h < 2; ++h) {

@@ -1,0 +1,111 @@
+#!/usr/bin/env python3
+"""A generation step as users run it, from Python: dmattn.PagedKVCache (the KV cache in GPU memory)
+against torch.nn.functional.scaled_dot_product_attention over a bf16 cache, same process.
+
+For each (B, ctx) and pv mode: Hq=32, Hkv=8, d=128, one new query a sequence.
+  fill    one append of the B x ctx prompt tokens (bf16 CUDA tensors) into the cache, against a
+          bf16 copy of the same K and V (the ceiling a cache write is measured by);
+  step    append(1 token a sequence) + decode, the work of one decode step of one layer;
+  decode  the decode alone;
+  SDPA    scaled_dot_product_attention(q, K, V) over [B, 8, ctx, 128] bf16 (cuDNN and flash
+          backends, the better one), the decode alone.
+Times are medians of CUDA-event timings over 20 steps on torch's current stream, which is where the
+calls enqueue their work (no host synchronisation inside a step). Prints one markdown table.
+
+usage: python3 bench/bench_decode_step.py [B:ctx ...]   (default: the matrix B 1, 16, 64 x ctx 8k, 32k, 128k
+       where the bf16 cache fits in a quarter of the GPU's memory)
+"""
+import statistics
+import sys
+import warnings
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import dmattn
+
+warnings.filterwarnings("ignore")  # SDPA warns on every GQA call that a backend cannot take it
+Hq, Hkv, d = 32, 8, 128
+
+
+def time_ms(fn, iters=20):
+    fn()
+    torch.cuda.synchronize()
+    ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
+    for a, b in ev:
+        a.record()
+        fn()
+        b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in ev)
+
+
+def sdpa_ms(q, k, v):
+    best = float("inf")
+    for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
+        with sdpa_kernel(backend):
+            try:
+                best = min(best, time_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True)))
+            except RuntimeError:
+                pass
+    return best
+
+
+def run(B, ctx, rows):
+    g = torch.Generator(device="cuda").manual_seed(B * 7 + ctx)
+    k = torch.randn(B, Hkv, ctx, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    v = torch.randn(B, Hkv, ctx, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    q = torch.randn(B, Hq, 1, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    new_k = torch.randn(B, Hkv, 1, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    new_v = torch.randn(B, Hkv, 1, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    sdpa = sdpa_ms(q, k, v)
+    copy = time_ms(lambda: (k.clone(), v.clone()), iters=5)
+    torch.cuda.empty_cache()  # the clones' blocks: the cache's pool needs the room
+    for pv in ("bf16", "mxfp4"):
+        cache = dmattn.PagedKVCache(Hkv, d, pv=pv)
+        ids = [cache.new_sequence() for _ in range(B)]
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        a.record()
+        cache.append(ids, k, v)
+        b.record()
+        torch.cuda.synchronize()
+        fill = a.elapsed_time(b)
+        decode = time_ms(lambda: dmattn.decode(cache, ids, q))
+
+        def step():
+            cache.append(ids, new_k, new_v)
+            dmattn.decode(cache, ids, q)
+        step_ms = time_ms(step)
+        rows.append((B, ctx, pv, fill, copy, step_ms, decode, sdpa, cache.page_bytes / 128))
+        print(f"B={B} ctx={ctx} pv={pv}: fill {fill:.2f} ms (bf16 copy {copy:.2f}), step {1000 * step_ms:.1f} us, "
+              f"decode {1000 * decode:.1f} us, SDPA {1000 * sdpa:.1f} us", flush=True)
+        del cache
+        torch.cuda.empty_cache()
+
+
+def main():
+    specs = [tuple(int(x) for x in s.split(":")) for s in sys.argv[1:]]
+    if not specs:
+        free = torch.cuda.get_device_properties(0).total_memory / 4
+        specs = [(B, c) for B in (1, 16, 64) for c in (8192, 32768, 131072) if 2 * B * Hkv * c * d * 2 <= free]
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, dmattn default policy")
+    rows = []
+    with torch.inference_mode():
+        for B, ctx in specs:
+            try:
+                run(B, ctx, rows)
+            except (dmattn.DmattnError, torch.OutOfMemoryError) as e:  # a shape too big for this GPU: say so, go on
+                print(f"B={B} ctx={ctx}: not run ({e})", flush=True)
+                torch.cuda.empty_cache()
+    print("\n| B | ctx | pv | fill ms (bf16 copy) | step µs (append+decode) | decode µs | SDPA µs | SDPA / step "
+          "| SDPA / decode | cache bytes/token (bf16 4096) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for B, ctx, pv, fill, copy, step, dec, sdpa, bpt in rows:
+        print(f"| {B} | {ctx} | {pv} | {fill:.2f} ({copy:.2f}) | {1000 * step:.1f} | {1000 * dec:.1f} | "
+              f"{1000 * sdpa:.1f} | {sdpa / step:.2f}x | {sdpa / dec:.2f}x | {bpt:.0f} |")
+
+
+if __name__ == "__main__":
+    main()

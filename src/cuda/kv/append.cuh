@@ -1,0 +1,221 @@
+// The device KV cache's writers: new tokens quantized on the GPU straight into the page records the
+// decode kernel reads (kv_record.hpp), with the host KVCache's codes (the codec's functions, one
+// element a lane). One warp a K row (its d/32 blocks in turn), one warp a V column block (pv MX).
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "cuda/decode/kv_record.hpp"
+#include "cuda/ptx/e2m1_bytes.hpp"
+#include "dmattn/mx_codec.hpp"
+#include "dmattn/numeric.hpp"
+
+namespace dmattn::cuda::kv {
+
+constexpr int kPage = 128;  // tokens a page (one key tile)
+
+// The device cache's arrays (one pool each; PagedKVCache::Impl owns them).
+struct Pools {
+  uint8_t* rec = nullptr;      // [pages][Hkv][4][record]
+  uint8_t* slot = nullptr;     // [pages] K's format: 0 = the policy's high, 1 = low (the decode reads it)
+  int32_t* kept_of = nullptr;  // [pages] the kept slot of a page whose original keys are kept, else -1
+  uint8_t* pending = nullptr;  // [pages] 1: re-encoded from its kept keys after this append's rows land
+  float* kept = nullptr;       // [kept slots][Hkv][128][d] original keys of window pages
+  float* vtail = nullptr;      // [sequences][2][Hkv][32][d] originals of the open V block (pv MX), two buffers
+  int32_t* table = nullptr;    // [sequences][cols] physical page of each logical page
+  int32_t* length = nullptr;   // [sequences] tokens
+  int cols = 0, Hkv = 0, d = 0, vbits = 16;
+  int64_t record = 0;          // bytes of one record
+};
+
+// An append's work, as the host planned it (int32 arrays, device copies):
+//  batch [S][3]: sequence id, its length before the append, which V tail buffer holds its open block;
+//  table [nt][2]: flat index into Pools::table, page; meta [nm][4]: page, slot, kept slot, pending;
+//  zero [nz]: new pages (all their records zeroed first); reenc [nr][3]: page, kept slot, rows.
+struct Plan {
+  const int32_t *batch, *table, *meta, *zero, *reenc;
+  int S, n, nt, nm, nz, nr;
+};
+
+__device__ __forceinline__ uint8_t* record_at(const Pools& p, int32_t page, int h, int key) {
+  return p.rec + ((int64_t(page) * p.Hkv + h) * (kPage / kRecordKeys) + key / kRecordKeys) * p.record;
+}
+
+// The largest magnitude over the warp and whether any lane holds NaN/Inf.
+__device__ __forceinline__ float warp_amax(float x, bool& bad) {
+  bad = __any_sync(0xffffffffu, !hd::is_finite(x));
+  float a = hd::abs_f(x);
+#pragma unroll
+  for (int s = 16; s > 0; s >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, s));
+  return a;
+}
+
+// One lane's element of a 32-block (x) as quantize_mx_block encodes it; the block's scale in sc.
+__device__ __forceinline__ uint8_t encode_block_lane(float x, Elem e, ScaleRule rule, uint8_t& sc) {
+  bool bad;
+  const float amax = warp_amax(x, bad);
+  sc = bad ? kE8M0NaN : choose_e8m0(amax, e, rule);
+  return sc == kE8M0NaN ? uint8_t(0) : encode_elem(elem_spec(e), hd::ldexp2(x, -(int(sc) - 127)));
+}
+
+// Key row `key` (0..127 in its page) of head h: d values, lane l holding elements l, l + 32, ...
+// (vals), written in format e (the page's) into the K codes and scales of its record.
+template <int D>
+__device__ __forceinline__ void write_key_row(const Pools& p, int32_t page, int h, int key, const float (&vals)[D / 32],
+                                              Elem e, ScaleRule rule) {
+  const int lane = threadIdx.x % 32, k = key % kRecordKeys;
+  const bool e2m1 = e == Elem::e2m1;
+  const int row = record_k_row(D, e2m1), chunks = row / 16;
+  uint8_t* r = record_at(p, page, h, key);
+  uint8_t* codes = r + record_k(D, e2m1) + k * row;
+#pragma unroll
+  for (int b = 0; b < D / 32; ++b) {
+    uint8_t sc;
+    const uint8_t c = encode_block_lane(vals[b], e, rule, sc);
+    const int el = 32 * b + lane;
+    if (e2m1) {  // two codes a byte, the even element in the low nibble
+      const uint8_t hi = uint8_t(__shfl_down_sync(0xffffffffu, c, 1));
+      if (lane % 2 == 0) codes[swizzled(chunks, k, el / 2)] = uint8_t(c | hi << 4);
+    } else {
+      codes[swizzled(chunks, k, el)] = c;
+    }
+    if (lane == 0) r[record_k_scales(D) + k * (D / 32) + b] = sc;
+  }
+  if (e2m1)  // the K region's unused head: a row's share of it
+    for (int i = lane; i < D / 2; i += 32) r[k * (D / 2) + i] = 0;
+}
+
+// Each warp one new token's K row (and its bf16 V row): warp w of the grid is (batch entry, head,
+// token) in that order of significance, reversed.
+template <int D, class T>
+__global__ void append_rows(Pools p, Plan plan, const T* k, const T* v, int64_t ks0, int64_t ks1, int64_t ks2,
+                            int64_t vs0, int64_t vs1, int64_t vs2, Elem high, Elem low, ScaleRule rule) {
+  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (w >= int64_t(plan.S) * p.Hkv * plan.n) return;
+  const int t = int(w % plan.n), h = int(w / plan.n % p.Hkv), i = int(w / plan.n / p.Hkv);
+  const int lane = threadIdx.x % 32;
+  const int seq = plan.batch[3 * i], pos = plan.batch[3 * i + 1] + t, key = pos % kPage;
+  const int32_t page = p.table[int64_t(seq) * p.cols + pos / kPage];
+  const T* krow = k + i * ks0 + h * ks1 + t * ks2;
+  float vals[D / 32];
+#pragma unroll
+  for (int b = 0; b < D / 32; ++b) vals[b] = to_float(krow[32 * b + lane]);
+  const int32_t ks = p.kept_of[page];
+  if (ks >= 0) {
+    float* kept = p.kept + ((int64_t(ks) * p.Hkv + h) * kPage + key) * D;
+#pragma unroll
+    for (int b = 0; b < D / 32; ++b) kept[32 * b + lane] = vals[b];
+  }
+  if (!p.pending[page]) write_key_row<D>(p, page, h, key, vals, p.slot[page] ? low : high, rule);
+  if (p.vbits == 16) {  // V rows in bf16, 16-byte chunks swizzled
+    const T* vrow = v + i * vs0 + h * vs1 + t * vs2;
+    uint8_t* dst = record_at(p, page, h, key) + record_v(D) + (key % kRecordKeys) * 2 * D;
+#pragma unroll
+    for (int b = 0; b < D / 32; ++b) {
+      const int el = 32 * b + lane;
+      *reinterpret_cast<uint16_t*>(dst + swizzled(2 * D / 16, key % kRecordKeys, 2 * el)) = to_bf16(to_float(vrow[el])).bits;
+    }
+  }
+}
+
+// pv MX: each warp 32 channels of one 32-key V block an append touches, a lane a channel (so every
+// load and store of a key's row is coalesced): the block quantized again from its originals
+// (earlier tokens from the sequence's tail buffer, zeros past the last token), written transposed
+// (kv_record.hpp); the last block, if still open, goes to the other tail buffer. Warp w is (batch
+// entry, head, block, channel group), reversed.
+template <int D, class T>
+__global__ void append_values(Pools p, Plan plan, const T* v, int64_t vs0, int64_t vs1, int64_t vs2, int blocks,
+                              Elem ve, ScaleRule rule) {
+  constexpr int CG = D / 32;
+  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (w >= int64_t(plan.S) * p.Hkv * blocks * CG) return;
+  const int lane = threadIdx.x % 32, c = 32 * int(w % CG) + lane;
+  const int bi = int(w / CG % blocks), h = int(w / CG / blocks % p.Hkv), i = int(w / CG / blocks / p.Hkv);
+  const int seq = plan.batch[3 * i], pos0 = plan.batch[3 * i + 1], buf = plan.batch[3 * i + 2];
+  const int end = pos0 + plan.n, b = pos0 / kRecordKeys + bi, k0 = b * kRecordKeys;
+  if (k0 >= end) return;  // this sequence touches fewer blocks (uniform across the warp)
+  const int64_t tail = (int64_t(seq) * 2 * p.Hkv + h) * kRecordKeys * D + c;  // buffer 0 of (seq, h), column c
+  const int64_t other = int64_t(p.Hkv) * kRecordKeys * D;                    // buffer 1 - 0
+  float x[kRecordKeys];
+  float amax = 0.0f;
+  bool bad = false;
+#pragma unroll
+  for (int j = 0; j < kRecordKeys; ++j) {
+    const int g = k0 + j;
+    x[j] = g < pos0 ? p.vtail[tail + buf * other + j * D] : g < end ? to_float(v[i * vs0 + h * vs1 + (g - pos0) * vs2 + c]) : 0.0f;
+    bad |= !hd::is_finite(x[j]);
+    amax = fmaxf(amax, hd::abs_f(x[j]));
+  }
+  const uint8_t sc = bad ? kE8M0NaN : choose_e8m0(amax, ve, rule);
+  uint8_t code[kRecordKeys];
+#pragma unroll
+  for (int j = 0; j < kRecordKeys; ++j)
+    code[j] = sc == kE8M0NaN ? uint8_t(0) : encode_elem(elem_spec(ve), hd::ldexp2(x[j], -(int(sc) - 127)));
+  const int32_t page = p.table[int64_t(seq) * p.cols + k0 / kPage];
+  uint8_t* col = record_at(p, page, h, k0 % kPage) + record_v(D);
+  const int vt_row = record_vt_row(p.vbits);
+  if (ve == Elem::e2m1) {  // word t of a column: keys 8j + 2t (+1), j = 0..3, packed for f16
+#pragma unroll
+    for (int t = 0; t < 4; ++t) {
+      uint8_t codes[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) codes[j] = code[8 * (j / 2) + 2 * t + j % 2];
+      *reinterpret_cast<uint32_t*>(col + c * vt_row + 4 * t) = e2m1x8_f16_pack(codes);
+    }
+  } else {
+#pragma unroll
+    for (int j = 0; j < kRecordKeys; ++j) col[c * vt_row + vt_position(j)] = code[j];
+  }
+  col[D * vt_row + c] = sc;
+  if (end % kRecordKeys != 0 && b == (end - 1) / kRecordKeys)
+#pragma unroll
+    for (int j = 0; j < kRecordKeys; ++j)
+      if (k0 + j < end) p.vtail[tail + (1 - buf) * other + j * D] = x[j];
+}
+
+// Pages that left the window: K re-encoded in the low format from the kept originals. Warp w is
+// (entry, head, key), reversed; keys past the page's rows encode zeros (codes and scales 0, as a
+// fresh page holds).
+template <int D>
+__global__ void reencode_pages(Pools p, Plan plan, Elem low, ScaleRule rule) {
+  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (w >= int64_t(plan.nr) * p.Hkv * kPage) return;
+  const int key = int(w % kPage), h = int(w / kPage % p.Hkv), r = int(w / kPage / p.Hkv);
+  const int lane = threadIdx.x % 32;
+  const int32_t page = plan.reenc[3 * r], ks = plan.reenc[3 * r + 1], rows = plan.reenc[3 * r + 2];
+  const float* src = p.kept + ((int64_t(ks) * p.Hkv + h) * kPage + key) * D;
+  float vals[D / 32];
+#pragma unroll
+  for (int b = 0; b < D / 32; ++b) vals[b] = key < rows ? src[32 * b + lane] : 0.0f;
+  write_key_row<D>(p, page, h, key, vals, low, rule);
+}
+
+// The plan's table, length and page updates, and zeroed records for new pages (grid-stride).
+__global__ void apply_plan(Pools p, Plan plan, int64_t page_bytes) {
+  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
+  for (int64_t i = tid; i < plan.nt; i += stride) p.table[plan.table[2 * i]] = plan.table[2 * i + 1];
+  for (int64_t i = tid; i < plan.S; i += stride) p.length[plan.batch[3 * i]] = plan.batch[3 * i + 1] + plan.n;
+  for (int64_t i = tid; i < plan.nm; i += stride) {
+    const int32_t page = plan.meta[4 * i];
+    p.slot[page] = uint8_t(plan.meta[4 * i + 1]);
+    p.kept_of[page] = plan.meta[4 * i + 2];
+    p.pending[page] = uint8_t(plan.meta[4 * i + 3]);
+  }
+  const int64_t words = page_bytes / 16;
+  for (int64_t i = tid; i < int64_t(plan.nz) * words; i += stride)
+    reinterpret_cast<uint4*>(p.rec + int64_t(plan.zero[i / words]) * page_bytes)[i % words] = make_uint4(0, 0, 0, 0);
+}
+
+// Rows of the page table and the lengths of the decode's sequences, gathered in call order.
+__global__ void gather_tables(const int32_t* table, const int32_t* length, int cols, const int32_t* seqs, int S,
+                              int max_pages, int32_t* out_table, int32_t* out_length) {
+  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (tid < int64_t(S) * max_pages) {
+    const int s = int(tid / max_pages), j = int(tid % max_pages);
+    out_table[tid] = table[int64_t(seqs[s]) * cols + j];
+  }
+  if (tid < S) out_length[tid] = length[seqs[tid]];
+}
+
+}  // namespace dmattn::cuda::kv

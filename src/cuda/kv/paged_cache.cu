@@ -1,0 +1,402 @@
+// PagedKVCache (include/dmattn/paged_kv_cache.hpp): the host's bookkeeping (page allocation,
+// lengths, which pages keep their original keys) and the launches that carry it out on the device
+// (kv/append.cuh). Each append uploads one small plan through a pinned ring and enqueues up to four
+// kernels; nothing waits for the device except a pool that has to grow.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <unordered_set>
+
+#include "core/capabilities.hpp"
+#include "cuda/common/buffers.hpp"
+#include "cuda/common/head_dims.hpp"
+#include "cuda/decode/decode.cuh"
+#include "cuda/kv/append.cuh"
+#include "dmattn/error.hpp"
+#include "dmattn/paged_kv_cache.hpp"
+
+namespace dmattn {
+namespace {
+
+using cuda::check;
+using cuda::kv::kPage;
+
+// Pinned host staging for the small per-call arrays (plans, sequence lists), in a ring: a slot is
+// refilled only once the device has read its last upload (its event), so a call waits for the device
+// only when the host runs a whole ring of calls ahead.
+class UploadRing {
+ public:
+  ~UploadRing() {
+    for (Slot& s : slots_) {
+      if (s.done) {
+        cudaEventSynchronize(s.done);
+        cudaEventDestroy(s.done);
+      }
+      if (s.host) cudaFreeHost(s.host);
+    }
+  }
+  // A device copy of v (from buf's stream-ordered pool).
+  const int32_t* upload(const std::vector<int32_t>& v, cuda::Buffers& buf, cudaStream_t stream) {
+    Slot& s = slots_[next_];
+    next_ = (next_ + 1) % slots_.size();
+    if (s.done)
+      check(cudaEventSynchronize(s.done), "KV cache staging");
+    else
+      check(cudaEventCreateWithFlags(&s.done, cudaEventDisableTiming), "cudaEventCreate");
+    const size_t bytes = std::max<size_t>(v.size(), 1) * sizeof(int32_t);
+    if (bytes > s.cap) {
+      if (s.host) check(cudaFreeHost(s.host), "cudaFreeHost");
+      s.host = nullptr;
+      check(cudaMallocHost(&s.host, bytes), "cudaMallocHost");
+      s.cap = bytes;
+    }
+    std::memcpy(s.host, v.data(), v.size() * sizeof(int32_t));
+    int32_t* d = buf.alloc<int32_t>(bytes);
+    check(cudaMemcpyAsync(d, s.host, bytes, cudaMemcpyHostToDevice, stream), "KV cache staging");
+    check(cudaEventRecord(s.done, stream), "cudaEventRecord");
+    return d;
+  }
+
+ private:
+  struct Slot {
+    void* host = nullptr;
+    size_t cap = 0;
+    cudaEvent_t done = nullptr;
+  };
+  std::array<Slot, 8> slots_{};
+  size_t next_ = 0;
+};
+
+// A device array of n T, grown to m (the first n kept, the rest filled with byte `fill`); waits
+// for the copy, so the old array can be freed. rows/cols: a 2-D array [rows][n] widened to [rows][m].
+template <class T>
+void grow(T*& ptr, int64_t n, int64_t m, int fill, cudaStream_t stream, int64_t rows = 1) {
+  void* fresh = nullptr;
+  const size_t bytes = size_t(rows * m) * sizeof(T);
+  if (cudaMalloc(&fresh, bytes) != cudaSuccess) {
+    cudaGetLastError();  // not sticky: the cache stays as it was
+    char msg[160];
+    std::snprintf(msg, sizeof msg, "PagedKVCache: out of GPU memory growing a pool from %.2f to %.2f GiB",
+                  double(size_t(rows * n) * sizeof(T)) / (1 << 30), double(bytes) / (1 << 30));
+    throw Error(msg);
+  }
+  check(cudaMemsetAsync(fresh, fill, size_t(rows * m) * sizeof(T), stream), "KV cache device pool");
+  if (ptr && n > 0) {
+    check(cudaMemcpy2DAsync(fresh, size_t(m) * sizeof(T), ptr, size_t(n) * sizeof(T), size_t(n) * sizeof(T),
+                            size_t(rows), cudaMemcpyDeviceToDevice, stream),
+          "KV cache pool copy");
+  }
+  check(cudaStreamSynchronize(stream), "KV cache pool copy");
+  cudaFree(ptr);
+  ptr = static_cast<T*>(fresh);
+}
+
+}  // namespace
+
+struct PagedKVCache::Impl {
+  int device = 0;
+  int64_t heads = 0, d = 0;
+  Policy policy;
+  cuda::kv::Pools pools;
+  int64_t page_bytes = 0, page_cap = 0, pages_made = 0, kept_cap = 0, kept_made = 0, seq_cap = 0;
+  struct Seq {
+    std::vector<int32_t> table, kept;  // physical page and kept slot (-1: none) of each logical page
+    int64_t length = 0;
+    int64_t kept_from = 0;             // pages before it keep no keys (kept pages trail: the window's)
+    int tail = 0;                      // which V tail buffer holds the open block
+    bool live = false;
+  };
+  std::vector<Seq> seqs;
+  std::vector<int32_t> free_pages, free_kept;
+  UploadRing ring;
+
+  ~Impl() {
+    cudaFree(pools.rec);
+    cudaFree(pools.slot);
+    cudaFree(pools.kept_of);
+    cudaFree(pools.pending);
+    cudaFree(pools.kept);
+    cudaFree(pools.vtail);
+    cudaFree(pools.table);
+    cudaFree(pools.length);
+  }
+
+  Seq& seq(int id) {
+    if (id < 0 || size_t(id) >= seqs.size() || !seqs[size_t(id)].live)
+      throw Error("PagedKVCache: no sequence " + std::to_string(id));
+    return seqs[size_t(id)];
+  }
+
+  int32_t new_page(cudaStream_t stream) {
+    if (!free_pages.empty()) {
+      const int32_t p = free_pages.back();
+      free_pages.pop_back();
+      return p;
+    }
+    reserve_pages(1, stream);
+    return int32_t(pages_made++);
+  }
+
+  // Room for n more pages than the free list holds: the pool grows once for a whole append, to at
+  // least 1.5x (the old pool and the new one coexist while it grows: 2.5x the old at the peak).
+  void reserve_pages(int64_t n, cudaStream_t stream) {
+    const int64_t need = pages_made + std::max<int64_t>(0, n - int64_t(free_pages.size()));
+    if (need > INT32_MAX) throw Error("PagedKVCache: more than 2^31 pages");
+    if (need <= page_cap) return;
+    const int64_t cap = std::max<int64_t>({16, need, page_cap + page_cap / 2});
+    grow(pools.rec, page_cap * page_bytes, cap * page_bytes, 0, stream);
+    grow(pools.slot, page_cap, cap, 0, stream);
+    grow(pools.kept_of, page_cap, cap, 0xFF, stream);  // -1
+    grow(pools.pending, page_cap, cap, 0, stream);
+    page_cap = cap;
+  }
+
+  int32_t new_kept(cudaStream_t stream) {
+    if (!free_kept.empty()) {
+      const int32_t k = free_kept.back();
+      free_kept.pop_back();
+      return k;
+    }
+    if (kept_made == kept_cap) {
+      const int64_t cap = std::max<int64_t>(4, 2 * kept_cap), per = heads * kPage * d;
+      grow(pools.kept, kept_cap * per, cap * per, 0, stream);
+      kept_cap = cap;
+    }
+    return int32_t(kept_made++);
+  }
+
+  // Room for sequence ids below n and tables of `cols` pages.
+  void reserve_sequences(int64_t n, int64_t cols, cudaStream_t stream) {
+    if (cols > pools.cols) {
+      const int64_t c = std::max<int64_t>(cols, 2 * int64_t(pools.cols));
+      if (c > INT32_MAX) throw Error("PagedKVCache: sequence too long");
+      grow(pools.table, pools.cols, c, 0, stream, seq_cap);
+      pools.cols = int(c);
+    }
+    if (n > seq_cap) {
+      const int64_t cap = std::max<int64_t>(n, 2 * seq_cap), tail = 2 * heads * 32 * d;
+      grow(pools.table, seq_cap * pools.cols, cap * pools.cols, 0, stream);
+      grow(pools.length, seq_cap, cap, 0, stream);
+      if (pools.vbits != 16) grow(pools.vtail, seq_cap * tail, cap * tail, 0, stream);
+      seq_cap = cap;
+    }
+  }
+};
+
+PagedKVCache::PagedKVCache(int64_t kv_heads, int64_t head_dim, const Policy& policy) : impl_(std::make_unique<Impl>()) {
+  cuda::require_device();
+  if (kv_heads < 1) throw Error("PagedKVCache: kv_heads must be >= 1");
+  require(cuda_kv_cache_capabilities(), policy, head_dim);
+  policy.validate();
+  Impl& m = *impl_;
+  m.device = cuda::current_device();
+  m.heads = kv_heads;
+  m.d = head_dim;
+  m.policy = policy;
+  m.pools.Hkv = int(kv_heads);
+  m.pools.d = int(head_dim);
+  m.pools.vbits = cuda::v_bits(policy.pv);
+  m.pools.record = cuda::record_bytes(int(head_dim), m.pools.vbits);
+  m.page_bytes = kv_heads * (kPage / cuda::kRecordKeys) * m.pools.record;
+  if (m.page_bytes >= (int64_t(1) << 32)) throw Error("PagedKVCache: a page's records exceed 4 GiB (too many KV heads)");
+}
+
+PagedKVCache::~PagedKVCache() = default;
+
+int PagedKVCache::new_sequence() {
+  Impl& m = *impl_;
+  for (size_t i = 0; i < m.seqs.size(); ++i)
+    if (!m.seqs[i].live) {
+      m.seqs[i] = Impl::Seq{};
+      m.seqs[i].live = true;
+      return int(i);
+    }
+  m.seqs.emplace_back();
+  m.seqs.back().live = true;
+  return int(m.seqs.size() - 1);
+}
+
+void PagedKVCache::free_sequence(int id) {
+  Impl& m = *impl_;
+  Impl::Seq& s = m.seq(id);
+  m.free_pages.insert(m.free_pages.end(), s.table.begin(), s.table.end());
+  for (int32_t k : s.kept)
+    if (k >= 0) m.free_kept.push_back(k);
+  s = Impl::Seq{};
+}
+
+int64_t PagedKVCache::length(int seq) const { return impl_->seq(seq).length; }
+const std::vector<int32_t>& PagedKVCache::page_table(int seq) const { return impl_->seq(seq).table; }
+int64_t PagedKVCache::kv_heads() const { return impl_->heads; }
+int64_t PagedKVCache::head_dim() const { return impl_->d; }
+const Policy& PagedKVCache::policy() const { return impl_->policy; }
+int PagedKVCache::device() const { return impl_->device; }
+int64_t PagedKVCache::page_bytes() const { return impl_->page_bytes; }
+
+std::vector<uint8_t> PagedKVCache::page_records(int32_t page) const {
+  const Impl& m = *impl_;
+  if (page < 0 || page >= m.pages_made) throw Error("PagedKVCache: no page " + std::to_string(page));
+  std::vector<uint8_t> out(size_t(m.page_bytes));
+  check(cudaDeviceSynchronize(), "PagedKVCache::page_records");
+  cuda::download(out.data(), m.pools.rec + page * m.page_bytes, out.size());
+  return out;
+}
+
+namespace {
+void require_on(const PagedKVCache& c, const TensorView& t, const char* what, const char* name) {
+  if (t.device != Device::cuda || !cuda::is_device_pointer(t.data))
+    throw Error(std::string(what) + ": " + name + " must be a CUDA tensor (the cache lives in GPU memory)");
+  if (t.stride[3] != 1) throw Error(std::string(what) + ": " + name + " needs unit stride on the head dim");
+  if (cuda::current_device() != c.device())
+    throw Error(std::string(what) + ": the current CUDA device is not the cache's (device " + std::to_string(c.device()) + ")");
+}
+}  // namespace
+
+void PagedKVCache::append(const std::vector<int>& ids, const TensorView& k, const TensorView& v, void* stream_ptr) {
+  Impl& m = *impl_;
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  const char* what = "PagedKVCache::append";
+  require_on(*this, k, what, "k");
+  require_on(*this, v, what, "v");
+  const int64_t S = int64_t(ids.size());
+  for (const TensorView* t : {&k, &v})
+    if (t->shape[0] != S || t->shape[1] != m.heads || t->shape[3] != m.d)
+      throw Error(std::string(what) + ": k and v must be [" + std::to_string(S) + " sequences, " +
+                  std::to_string(m.heads) + ", n, " + std::to_string(m.d) + "]");
+  if (k.shape[2] != v.shape[2]) throw Error(std::string(what) + ": k and v hold different token counts");
+  if (k.dtype != v.dtype) throw Error(std::string(what) + ": k and v must have one dtype");
+  std::unordered_set<int> seen;
+  for (int id : ids) {
+    m.seq(id);
+    if (!seen.insert(id).second) throw Error(std::string(what) + ": sequence " + std::to_string(id) + " appears twice");
+  }
+  const int64_t n = k.shape[2];
+  if (n == 0 || S == 0) return;
+  int64_t cols = 0;
+  for (int id : ids) {
+    if (m.seq(id).length + n > INT32_MAX - kPage) throw Error(std::string(what) + ": sequence too long");
+    cols = std::max<int64_t>(cols, (m.seq(id).length + n + kPage - 1) / kPage);
+  }
+  m.reserve_sequences(int64_t(*std::max_element(ids.begin(), ids.end())) + 1, cols, stream);
+  int64_t fresh = 0;  // pages this append opens
+  for (int id : ids) fresh += (m.seq(id).length + n + kPage - 1) / kPage - int64_t(m.seq(id).table.size());
+  m.reserve_pages(fresh, stream);
+
+  // The plan: every decision the device carries out.
+  std::vector<int32_t> batch, table, meta, zero, reenc;
+  std::vector<int32_t> released;  // kept slots free once the re-encoding is enqueued
+  int blocks = 0;                 // V blocks the longest-reaching sequence touches
+  const Policy& pol = m.policy;
+  for (int id : ids) {
+    Impl::Seq& s = m.seq(id);
+    const int64_t pos0 = s.length, end = pos0 + n, last = (end - 1) / kPage;
+    batch.insert(batch.end(), {id, int32_t(pos0), s.tail});
+    blocks = std::max<int>(blocks, int((end - 1) / 32 - pos0 / 32 + 1));
+    if (end % 32 != 0) s.tail ^= 1;  // the open block lands in the other buffer
+    // Pages that leave the window: re-encoded from their kept keys (the new rows join them first).
+    for (size_t j = size_t(s.kept_from); j < s.table.size(); ++j)
+      if (s.kept[j] >= 0 && !pol.is_high(last, int64_t(j))) {
+        meta.insert(meta.end(), {s.table[j], 1, s.kept[j], 1});
+        reenc.insert(reenc.end(), {s.table[j], s.kept[j], int32_t(std::min<int64_t>(kPage, end - int64_t(j) * kPage))});
+        released.push_back(s.kept[j]);
+        s.kept[j] = -1;
+      }
+    // New pages, each in the format it has at the end of this append; the keys of a high page
+    // that will leave the window are kept for its re-encoding.
+    for (int64_t j = int64_t(s.table.size()); j <= last; ++j) {
+      const int32_t page = m.new_page(stream);
+      const bool high = pol.is_high(last, j);
+      const int32_t kslot = high && j >= pol.sink_tiles && pol.high != pol.low ? m.new_kept(stream) : -1;
+      meta.insert(meta.end(), {page, high ? 0 : 1, kslot, 0});
+      zero.push_back(page);
+      table.insert(table.end(), {int32_t(int64_t(id) * m.pools.cols + j), page});
+      s.table.push_back(page);
+      s.kept.push_back(kslot);
+    }
+    while (s.kept_from < int64_t(s.kept.size()) && s.kept[size_t(s.kept_from)] < 0) ++s.kept_from;
+    s.length = end;
+  }
+  m.free_kept.insert(m.free_kept.end(), released.begin(), released.end());
+
+  cuda::Buffers buf(stream);
+  std::vector<int32_t> all;
+  auto put = [&](const std::vector<int32_t>& x) {
+    const size_t at = all.size();
+    all.insert(all.end(), x.begin(), x.end());
+    return at;
+  };
+  const size_t ob = put(batch), ot = put(table), om = put(meta), oz = put(zero), orr = put(reenc);
+  const int32_t* dev = m.ring.upload(all, buf, stream);
+  const cuda::kv::Plan plan{dev + ob, dev + ot, dev + om, dev + oz, dev + orr, int(S), int(n),
+                            int(table.size() / 2), int(meta.size() / 4), int(zero.size()), int(reenc.size() / 3)};
+  const cuda::kv::Pools& p = m.pools;
+  const Elem high = format_info(pol.high).elem, low = format_info(pol.low).elem;
+  auto grid = [](int64_t warps) { return unsigned((warps * 32 + 255) / 256); };
+  // One thread an item of the plan's largest list (a one-token step: one block), at most 1024 blocks.
+  const int64_t items = std::max<int64_t>({int64_t(plan.nt), plan.S, plan.nm, plan.nz * (m.page_bytes / 16)});
+  cuda::kv::apply_plan<<<unsigned(std::clamp<int64_t>((items + 255) / 256, 1, 1024)), 256, 0, stream>>>(p, plan, m.page_bytes);
+  check(cudaGetLastError(), "KV cache append");
+  cuda::with_head_dim(m.d, "PagedKVCache", [&](auto dc) {
+    constexpr int D = decltype(dc)::value;
+    with_typed(k, [&](auto* kt) {
+      using T = std::remove_pointer_t<decltype(kt)>;
+      const T* vt = static_cast<const T*>(v.data);
+      cuda::kv::append_rows<D, T><<<grid(S * m.heads * n), 256, 0, stream>>>(
+          p, plan, kt, vt, k.stride[0], k.stride[1], k.stride[2], v.stride[0], v.stride[1], v.stride[2], high, low,
+          pol.scale_rule);
+      check(cudaGetLastError(), "KV cache append");
+      if (p.vbits != 16) {
+        const Elem ve = format_info(pv_values_format(pol.pv)).elem;
+        cuda::kv::append_values<D, T><<<grid(S * m.heads * blocks * (D / 32)), 256, 0, stream>>>(
+            p, plan, vt, v.stride[0], v.stride[1], v.stride[2], blocks, ve, pol.scale_rule);
+        check(cudaGetLastError(), "KV cache append");
+      }
+    });
+    if (plan.nr > 0) {
+      cuda::kv::reencode_pages<D><<<grid(int64_t(plan.nr) * m.heads * kPage), 256, 0, stream>>>(p, plan, low, pol.scale_rule);
+      check(cudaGetLastError(), "KV cache re-encode");
+    }
+  });
+}
+
+void decode_attention(const PagedKVCache& cache, const std::vector<int>& seqs, const TensorView& q,
+                      const TensorView& out, float* lse, const DecodeOptions& opts) {
+  PagedKVCache::Impl& m = cache.impl();
+  const cudaStream_t stream = static_cast<cudaStream_t>(opts.stream);
+  const char* what = "decode_attention";
+  require_on(cache, q, what, "q");
+  require_on(cache, out, what, "out");
+  if (lse && !cuda::is_device_pointer(lse)) throw Error("decode_attention: lse must be device memory");
+  const int64_t S = int64_t(seqs.size()), Nq = q.shape[2];
+  if (S == 0) return;
+  if (Nq < 1 || Nq > 16) throw Error("decode_attention: 1 to 16 new queries per sequence (got " + std::to_string(Nq) + ")");
+  if (opts.splits < 0) throw Error("decode_attention: splits must be >= 0 (0 = automatic)");
+  int64_t max_pages = 1;
+  for (int id : seqs) {
+    const PagedKVCache::Impl::Seq& s = m.seq(id);
+    if (s.length < Nq)
+      throw Error("decode_attention: sequence " + std::to_string(id) + " holds " + std::to_string(s.length) +
+                  " tokens, fewer than the " + std::to_string(Nq) + " queries (append their keys first)");
+    max_pages = std::max<int64_t>(max_pages, int64_t(s.table.size()));
+  }
+  const float scale = opts.softmax_scale.value_or(1.0f / std::sqrt(float(m.d)));
+  if (!(scale > 0.0f && std::isfinite(scale))) throw Error("decode_attention: softmax_scale must be positive and finite");
+  cuda::Buffers buf(stream);
+  const int32_t* ids = m.ring.upload(std::vector<int32_t>(seqs.begin(), seqs.end()), buf, stream);
+  int32_t* table = buf.alloc<int32_t>(size_t(S * max_pages) * sizeof(int32_t));
+  int32_t* length = buf.alloc<int32_t>(size_t(S) * sizeof(int32_t));
+  cuda::kv::gather_tables<<<unsigned((S * max_pages + 255) / 256), 256, 0, stream>>>(
+      m.pools.table, m.pools.length, m.pools.cols, ids, int(S), int(max_pages), table, length);
+  check(cudaGetLastError(), "decode table gather");
+  const cuda::PagedKV kv{m.pools.rec, m.pools.slot, table, length, int(S), int(max_pages), int(m.heads), int(m.d),
+                         m.pools.vbits};
+  int* nonfinite = buf.alloc<int>(sizeof(int));  // written on NaN/Inf in q, not read: no synchronisation
+  cuda::decode_paged_async(kv, m.policy, q, out, lse, scale, opts.splits, nonfinite, stream, {}, opts.window_left);
+}
+
+}  // namespace dmattn

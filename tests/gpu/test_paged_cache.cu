@@ -1,0 +1,199 @@
+// PagedKVCache (the KV cache in GPU memory) against KVCache (host memory), the reference for its
+// pages: the same appends (prompts of every length, batched one-token steps, chunks that cross
+// pages, pages leaving the diagonal window, freed and reused sequences) must leave every logical
+// page's records byte for byte as the host cache's device mirror packs them, and decode over the two
+// must return identical outputs. Policies cover every page format pair, the pv modes, both scale
+// rules, sink tiles and wider bands; inputs f32 and bf16.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include "gpu_test.hpp"
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "cuda/decode/decode.cuh"
+#include "dmattn/error.hpp"
+#include "dmattn/kv_cache.hpp"
+#include "dmattn/paged_kv_cache.hpp"
+#include "dmattn/synthetic.hpp"
+
+using namespace dmattn;
+
+namespace {
+
+// A device copy of a host tensor, freed on scope exit.
+struct OnDevice {
+  void* ptr = nullptr;
+  TensorView view;
+  explicit OnDevice(const HostTensor& t) {
+    EXPECT_EQ(cudaMalloc(&ptr, t.nbytes()), cudaSuccess);
+    cudaMemcpy(ptr, t.bytes(), t.nbytes(), cudaMemcpyHostToDevice);
+    view = TensorView::contiguous(ptr, t.dtype(), t.shape(), Device::cuda);
+  }
+  ~OnDevice() { cudaFree(ptr); }
+};
+
+// The tokens [from, from + n) of one sequence's [1, Hkv, L, d] keys (or values), contiguous.
+HostTensor tokens(const HostTensor& x, int64_t from, int64_t n, DType dtype) {
+  return HostTensor::copy_of(slice_tokens(x.view(), from, n), dtype);
+}
+
+// Token t[i] of each sequence's x[i], as one [S, Hkv, 1, d] batch.
+HostTensor one_each(const std::vector<const HostTensor*>& x, const std::vector<int64_t>& t, DType dtype) {
+  const Shape s = x[0]->shape();
+  const int64_t S = int64_t(x.size()), Hkv = s[1], d = s[3];
+  std::vector<float> rows(size_t(S * Hkv * d));
+  for (int64_t i = 0; i < S; ++i) {
+    const std::vector<float> all = x[size_t(i)]->to_floats();
+    const int64_t L = x[size_t(i)]->shape()[2];
+    for (int64_t h = 0; h < Hkv; ++h)
+      std::memcpy(rows.data() + (i * Hkv + h) * d, all.data() + (h * L + t[size_t(i)]) * d, size_t(d) * sizeof(float));
+  }
+  return HostTensor::from_floats(rows, {S, Hkv, 1, d}, dtype);
+}
+
+// Every logical page of every sequence: the device cache's records against the host page packed.
+void expect_same_pages(const KVCache& host, const PagedKVCache& dev, const std::vector<int>& hs,
+                       const std::vector<int>& ds, const std::string& what) {
+  const int vbits = cuda::v_bits(host.policy().pv);
+  for (size_t i = 0; i < hs.size(); ++i) {
+    ASSERT_EQ(host.length(hs[i]), dev.length(ds[i])) << what;
+    ASSERT_EQ(host.page_table(hs[i]).size(), dev.page_table(ds[i]).size()) << what;
+    for (size_t j = 0; j < host.page_table(hs[i]).size(); ++j) {
+      std::vector<uint8_t> want(size_t(dev.page_bytes()));
+      cuda::pack_page(host.page(host.page_table(hs[i])[j]), host.kv_heads(), int(host.head_dim()), vbits, want.data());
+      const std::vector<uint8_t> got = dev.page_records(dev.page_table(ds[i])[j]);
+      size_t at = 0;
+      while (at < want.size() && want[at] == got[at]) ++at;
+      EXPECT_EQ(at, want.size()) << what << ": sequence " << i << " page " << j << " differs first at byte " << at
+                                 << " (of " << want.size() << ")";
+    }
+  }
+}
+
+// Decode over both caches, GPU q: identical outputs and LSE.
+void expect_same_decode(const KVCache& host, const PagedKVCache& dev, const std::vector<int>& hs,
+                        const std::vector<int>& ds, int64_t Hq, int64_t Nq, int splits, const std::string& what) {
+  const QKV x = random_qkv({int64_t(hs.size()), Hq, host.kv_heads(), Nq, Nq, host.head_dim()}, uint64_t(Nq + 31 * splits),
+                           DType::f32, 2.0f);
+  OnDevice q(x.q), a(x.q), b(x.q);
+  const size_t rows = size_t(hs.size()) * size_t(Hq * Nq);
+  float *la, *lb;
+  cudaMalloc(&la, rows * 4);
+  cudaMalloc(&lb, rows * 4);
+  cudaMemset(a.ptr, 0xFF, x.q.nbytes());  // poisoned: NaN
+  cudaMemset(b.ptr, 0xFF, x.q.nbytes());
+  DecodeOptions o;
+  o.splits = splits;
+  decode_attention(host, hs, q.view, a.view, la, o);
+  decode_attention(dev, ds, q.view, b.view, lb, o);
+  std::vector<float> oa(size_t(x.q.numel())), ob(oa.size()), sa(rows), sb(rows);
+  cudaMemcpy(oa.data(), a.ptr, x.q.nbytes(), cudaMemcpyDeviceToHost);
+  cudaMemcpy(ob.data(), b.ptr, x.q.nbytes(), cudaMemcpyDeviceToHost);
+  cudaMemcpy(sa.data(), la, rows * 4, cudaMemcpyDeviceToHost);
+  cudaMemcpy(sb.data(), lb, rows * 4, cudaMemcpyDeviceToHost);
+  cudaFree(la);
+  cudaFree(lb);
+  for (size_t i = 0; i < oa.size(); ++i)
+    if (std::isnan(oa[i]) || std::isnan(ob[i])) {
+      ADD_FAILURE() << what << ": NaN at " << i << " (the poison survived)";
+      break;
+    }
+  EXPECT_EQ(std::memcmp(oa.data(), ob.data(), oa.size() * 4), 0) << what << ": decode outputs differ";
+  EXPECT_EQ(std::memcmp(sa.data(), sb.data(), rows * 4), 0) << what << ": decode LSE differs";
+}
+
+Policy pv_of(Policy p, PV pv) {
+  p.pv = pv;
+  return p;
+}
+
+}  // namespace
+
+TEST(GpuPagedCache, PagesAndDecodeMatchHostCache) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const Format e4 = Format::mxfp8_e4m3, e5 = Format::mxfp8_e5m2, f4 = Format::mxfp4;
+  Policy ceil_wide{e4, f4, 3, 1, ScaleRule::ceil};
+  const std::vector<Policy> policies = {
+      Policy{}, Policy{e4, f4, 2, 1}, pv_of(Policy{}, PV::mxfp8), pv_of(ceil_wide, PV::mxfp4),
+      Policy{e5, Format::mxfp6_e3m2, 1, 0}, Policy{f4, e4, 1, 0}, Policy{e4, e4, 1, 0}, pv_of(Policy{f4, f4, 1, 1}, PV::mxfp4)};
+  for (int64_t d : {64, 128})
+    for (size_t pi = 0; pi < policies.size(); ++pi) {
+      const Policy& pol = policies[pi];
+      const DType dt = pi % 2 ? DType::bf16 : DType::f32;
+      const std::string what = "d=" + std::to_string(d) + " " + pol.describe() + (dt == DType::bf16 ? " bf16" : " f32");
+      const int64_t Hkv = 2, total[3] = {700, 300, 1301};
+      std::vector<HostTensor> k, v;
+      for (int i = 0; i < 3; ++i) {
+        QKV x = llm_like_qkv({1, 4, Hkv, total[i], total[i], d}, uint64_t(100 * d + i + 7 * pi));
+        k.push_back(std::move(x.k));
+        v.push_back(std::move(x.v));
+      }
+      KVCache host(Hkv, d, pol);
+      PagedKVCache dev(Hkv, d, pol);
+      std::vector<int> hs, ds;
+      auto append_one = [&](int i, int64_t from, int64_t n) {
+        const HostTensor kt = tokens(k[size_t(i)], from, n, dt), vt = tokens(v[size_t(i)], from, n, dt);
+        host.append(hs[size_t(i)], kt.view(), vt.view());
+        OnDevice dk(kt), dv(vt);
+        dev.append({ds[size_t(i)]}, dk.view, dv.view);
+      };
+      // Prompts: 1, 300 (ends mid-page, mid-block), 600 then 100 (a chunk that crosses pages and
+      // sends pages out of the window).
+      for (int i = 0; i < 3; ++i) {
+        hs.push_back(host.new_sequence());
+        ds.push_back(dev.new_sequence());
+      }
+      append_one(0, 0, 600);
+      append_one(0, 600, 1);
+      append_one(1, 0, 1);
+      append_one(2, 0, 300);
+      // One-token steps for all three at once, crossing page and block boundaries.
+      std::vector<int64_t> at = {601, 1, 300};
+      for (int step = 0; step < 99; ++step) {
+        const std::vector<const HostTensor*> ks = {&k[0], &k[1], &k[2]}, vs = {&v[0], &v[1], &v[2]};
+        const HostTensor kb = one_each(ks, at, dt), vb = one_each(vs, at, dt);
+        for (int i = 0; i < 3; ++i) {
+          const HostTensor k1 = tokens(k[size_t(i)], at[size_t(i)], 1, dt), v1 = tokens(v[size_t(i)], at[size_t(i)], 1, dt);
+          host.append(hs[size_t(i)], k1.view(), v1.view());
+          ++at[size_t(i)];
+        }
+        OnDevice dk(kb), dv(vb);
+        dev.append(ds, dk.view, dv.view);
+      }
+      expect_same_pages(host, dev, hs, ds, what + " after steps");
+      expect_same_decode(host, dev, hs, ds, 8, 1, 1, what + " Nq=1");
+      expect_same_decode(host, dev, hs, ds, 8, 5, 3, what + " Nq=5 splits=3");
+      // A freed sequence's pages go to a new one, which must not see their old contents.
+      host.free_sequence(hs[1]);
+      dev.free_sequence(ds[1]);
+      hs[1] = host.new_sequence();
+      ds[1] = dev.new_sequence();
+      append_one(1, 0, 200);
+      append_one(2, at[2], total[2] - at[2]);
+      expect_same_pages(host, dev, hs, ds, what + " after reuse");
+      expect_same_decode(host, dev, hs, ds, 4, 16, 2, what + " Nq=16 Hq=4");
+    }
+}
+
+TEST(GpuPagedCache, RejectsWhatItCannotHold) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  Policy rot;
+  rot.rotate = true;
+  EXPECT_THROW(PagedKVCache(2, 64, rot), Error);
+  EXPECT_THROW(PagedKVCache(2, 96, Policy{}), Error);
+  EXPECT_THROW(PagedKVCache(2, 64, Policy{Format::mxfp8_e4m3, Format::nvfp4, 1, 0}), Error);
+  PagedKVCache c(2, 64, Policy{});
+  const int s = c.new_sequence();
+  const QKV x = random_qkv({1, 2, 2, 4, 4, 64}, 1);
+  EXPECT_THROW(c.append({s}, x.k.view(), x.v.view()), Error);  // host tensors
+  OnDevice k(x.k), v(x.v);
+  EXPECT_THROW(c.append({s, s}, k.view, v.view), Error);  // shape / twice
+  EXPECT_THROW(c.append({s + 1}, k.view, v.view), Error);  // no such sequence
+  OnDevice q(random_qkv({1, 4, 2, 8, 8, 64}, 2).q), o(random_qkv({1, 4, 2, 8, 8, 64}, 2).q);
+  c.append({s}, k.view, v.view);                                    // 4 tokens
+  EXPECT_THROW(decode_attention(c, {s}, q.view, o.view, nullptr), Error);  // 8 queries, 4 tokens
+}
