@@ -120,10 +120,13 @@ __global__ void append_rows(Pools p, Plan plan, const T* k, const T* v, int64_t 
 }
 
 // pv MX: each warp 32 channels of one 32-key V block an append touches, a lane a channel (so every
-// load and store of a key's row is coalesced): the block quantized again from its originals
-// (earlier tokens from the sequence's tail buffer, zeros past the last token), written transposed
-// (kv_record.hpp); the last block, if still open, goes to the other tail buffer. Warp w is (batch
-// entry, head, block, channel group), reversed.
+// load and store of a key's row is coalesced), the block's codes and scale written transposed
+// (kv_record.hpp); the last block, if still open, goes to the other tail buffer. The scale is
+// monotone in the block's amax, so the block's new scale is the larger of its stored one and the new
+// values' own: where that leaves it unchanged (a decode step, mostly) only the new keys' codes are
+// written; else the block is quantized again from its originals (earlier tokens from the
+// sequence's tail buffer, zeros past the last token). Warp w is (batch entry, head, block, channel
+// group), reversed.
 template <int D, class T>
 __global__ void append_values(Pools p, Plan plan, const T* v, int64_t vs0, int64_t vs1, int64_t vs2, int blocks,
                               Elem ve, ScaleRule rule) {
@@ -135,43 +138,56 @@ __global__ void append_values(Pools p, Plan plan, const T* v, int64_t vs0, int64
   const int seq = plan.batch[3 * i], pos0 = plan.batch[3 * i + 1], buf = plan.batch[3 * i + 2];
   const int end = pos0 + plan.n, b = pos0 / kRecordKeys + bi, k0 = b * kRecordKeys;
   if (k0 >= end) return;  // this sequence touches fewer blocks (uniform across the warp)
-  const int64_t tail = (int64_t(seq) * 2 * p.Hkv + h) * kRecordKeys * D + c;  // buffer 0 of (seq, h), column c
-  const int64_t other = int64_t(p.Hkv) * kRecordKeys * D;                    // buffer 1 - 0
+  const int from = max(pos0, k0) - k0, to = min(end - k0, kRecordKeys);  // the new keys' slots in the block
+  const int32_t page = p.table[int64_t(seq) * p.cols + k0 / kPage];
+  uint8_t* col = record_at(p, page, h, k0 % kPage) + record_v(D);
+  const int vt_row = record_vt_row(p.vbits);
   float x[kRecordKeys];
   float amax = 0.0f;
   bool bad = false;
 #pragma unroll
   for (int j = 0; j < kRecordKeys; ++j) {
-    const int g = k0 + j;
-    x[j] = g < pos0 ? p.vtail[tail + buf * other + j * D] : g < end ? to_float(v[i * vs0 + h * vs1 + (g - pos0) * vs2 + c]) : 0.0f;
+    x[j] = j >= from && j < to ? to_float(v[i * vs0 + h * vs1 + (k0 + j - pos0) * vs2 + c]) : 0.0f;
     bad |= !hd::is_finite(x[j]);
     amax = fmaxf(amax, hd::abs_f(x[j]));
   }
-  const uint8_t sc = bad ? kE8M0NaN : choose_e8m0(amax, ve, rule);
-  uint8_t code[kRecordKeys];
+  const uint8_t mine = bad ? kE8M0NaN : choose_e8m0(amax, ve, rule), old = from > 0 ? col[D * vt_row + c] : uint8_t(0);
+  const uint8_t sc = max(mine, old);  // NaN (0xFF) is the largest code
+  const ElemSpec spec = elem_spec(ve);
+  auto code_of = [&](float y) { return sc == kE8M0NaN ? uint8_t(0) : encode_elem(spec, hd::ldexp2(y, -(int(sc) - 127))); };
+  const int64_t tail = (int64_t(seq) * 2 * p.Hkv + h) * kRecordKeys * D + c;  // buffer 0 of (seq, h), column c
+  const int64_t other = int64_t(p.Hkv) * kRecordKeys * D;                    // buffer 1 - 0
+  const bool whole = from > 0 && sc != old;  // the earlier keys' codes change with the scale
+  if (whole)
 #pragma unroll
-  for (int j = 0; j < kRecordKeys; ++j)
-    code[j] = sc == kE8M0NaN ? uint8_t(0) : encode_elem(elem_spec(ve), hd::ldexp2(x[j], -(int(sc) - 127)));
-  const int32_t page = p.table[int64_t(seq) * p.cols + k0 / kPage];
-  uint8_t* col = record_at(p, page, h, k0 % kPage) + record_v(D);
-  const int vt_row = record_vt_row(p.vbits);
+    for (int j = 0; j < kRecordKeys; ++j)
+      if (j < from) x[j] = p.vtail[tail + buf * other + j * D];
+  const int lo = whole ? 0 : from;  // the keys whose codes are written
   if (ve == Elem::e2m1) {  // word t of a column: keys 8j + 2t (+1), j = 0..3, packed for f16
+    uint32_t* words = reinterpret_cast<uint32_t*>(col + c * vt_row);
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
-      uint8_t codes[8];
+      uint8_t codes[8], ones[8];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) codes[j] = code[8 * (j / 2) + 2 * t + j % 2];
-      *reinterpret_cast<uint32_t*>(col + c * vt_row + 4 * t) = e2m1x8_f16_pack(codes);
+      for (int j = 0; j < 8; ++j) {
+        const int key = 8 * (j / 2) + 2 * t + j % 2;
+        const bool written = key >= lo && key < to;
+        codes[j] = written ? code_of(x[key]) : uint8_t(0);
+        ones[j] = written ? uint8_t(0xF) : uint8_t(0);
+      }
+      const uint32_t mask = e2m1x8_f16_pack(ones);
+      if (mask) words[t] = (lo > 0 ? words[t] & ~mask : 0u) | e2m1x8_f16_pack(codes);
     }
   } else {
 #pragma unroll
-    for (int j = 0; j < kRecordKeys; ++j) col[c * vt_row + vt_position(j)] = code[j];
+    for (int j = 0; j < kRecordKeys; ++j)
+      if (j >= lo && j < to) col[c * vt_row + vt_position(j)] = code_of(x[j]);
   }
   col[D * vt_row + c] = sc;
-  if (end % kRecordKeys != 0 && b == (end - 1) / kRecordKeys)
+  if (end % kRecordKeys != 0 && b == (end - 1) / kRecordKeys)  // the open block's originals, for the next append
 #pragma unroll
     for (int j = 0; j < kRecordKeys; ++j)
-      if (k0 + j < end) p.vtail[tail + (1 - buf) * other + j * D] = x[j];
+      if (j < to) p.vtail[tail + (1 - buf) * other + j * D] = j < from && !whole ? p.vtail[tail + buf * other + j * D] : x[j];
 }
 
 // Pages that left the window: K re-encoded in the low format from the kept originals. Warp w is
