@@ -38,6 +38,19 @@ struct Plan {
   int S, n, nt, nm, nz, nr;
 };
 
+// The appended tokens: k and v [S][Hkv][n][d] with these element strides (unit on d).
+template <class T>
+struct NewTokens {
+  const T *k, *v;
+  int64_t ks0, ks1, ks2, vs0, vs1, vs2;
+};
+
+// The element types an append writes: K in the policy's high and low formats, V's (pv MX).
+struct Codes {
+  Elem high, low, v;
+  ScaleRule rule;
+};
+
 __device__ __forceinline__ uint8_t* record_at(const Pools& p, int32_t page, int h, int key) {
   return p.rec + ((int64_t(page) * p.Hkv + h) * (kPage / kRecordKeys) + key / kRecordKeys) * p.record;
 }
@@ -86,18 +99,16 @@ __device__ __forceinline__ void write_key_row(const Pools& p, int32_t page, int 
     for (int i = lane; i < D / 2; i += 32) r[k * (D / 2) + i] = 0;
 }
 
-// Each warp one new token's K row (and its bf16 V row): warp w of the grid is (batch entry, head,
+// One new token's K row (and its bf16 V row) by a warp: w (< S x Hkv x n) is (batch entry, head,
 // token) in that order of significance, reversed.
 template <int D, class T>
-__global__ void append_rows(Pools p, Plan plan, const T* k, const T* v, int64_t ks0, int64_t ks1, int64_t ks2,
-                            int64_t vs0, int64_t vs1, int64_t vs2, Elem high, Elem low, ScaleRule rule) {
-  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  if (w >= int64_t(plan.S) * p.Hkv * plan.n) return;
+__device__ __forceinline__ void append_row(const Pools& p, const Plan& plan, const NewTokens<T>& x, const Codes& cd,
+                                           int64_t w) {
   const int t = int(w % plan.n), h = int(w / plan.n % p.Hkv), i = int(w / plan.n / p.Hkv);
   const int lane = threadIdx.x % 32;
   const int seq = plan.batch[3 * i], pos = plan.batch[3 * i + 1] + t, key = pos % kPage;
   const int32_t page = p.table[int64_t(seq) * p.cols + pos / kPage];
-  const T* krow = k + i * ks0 + h * ks1 + t * ks2;
+  const T* krow = x.k + i * x.ks0 + h * x.ks1 + t * x.ks2;
   float vals[D / 32];
 #pragma unroll
   for (int b = 0; b < D / 32; ++b) vals[b] = to_float(krow[32 * b + lane]);
@@ -107,9 +118,9 @@ __global__ void append_rows(Pools p, Plan plan, const T* k, const T* v, int64_t 
 #pragma unroll
     for (int b = 0; b < D / 32; ++b) kept[32 * b + lane] = vals[b];
   }
-  if (!p.pending[page]) write_key_row<D>(p, page, h, key, vals, p.slot[page] ? low : high, rule);
+  if (!p.pending[page]) write_key_row<D>(p, page, h, key, vals, p.slot[page] ? cd.low : cd.high, cd.rule);
   if (p.vbits == 16) {  // V rows in bf16, 16-byte chunks swizzled
-    const T* vrow = v + i * vs0 + h * vs1 + t * vs2;
+    const T* vrow = x.v + i * x.vs0 + h * x.vs1 + t * x.vs2;
     uint8_t* dst = record_at(p, page, h, key) + record_v(D) + (key % kRecordKeys) * 2 * D;
 #pragma unroll
     for (int b = 0; b < D / 32; ++b) {
@@ -128,11 +139,11 @@ __global__ void append_rows(Pools p, Plan plan, const T* k, const T* v, int64_t 
 // sequence's tail buffer, zeros past the last token). Warp w is (batch entry, head, block, channel
 // group), reversed.
 template <int D, class T>
-__global__ void append_values(Pools p, Plan plan, const T* v, int64_t vs0, int64_t vs1, int64_t vs2, int blocks,
-                              Elem ve, ScaleRule rule) {
+__device__ __forceinline__ void append_value_block(const Pools& p, const Plan& plan, const NewTokens<T>& nt,
+                                                   const Codes& cd, int blocks, int64_t w) {
   constexpr int CG = D / 32;
-  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  if (w >= int64_t(plan.S) * p.Hkv * blocks * CG) return;
+  const Elem ve = cd.v;
+  const ScaleRule rule = cd.rule;
   const int lane = threadIdx.x % 32, c = 32 * int(w % CG) + lane;
   const int bi = int(w / CG % blocks), h = int(w / CG / blocks % p.Hkv), i = int(w / CG / blocks / p.Hkv);
   const int seq = plan.batch[3 * i], pos0 = plan.batch[3 * i + 1], buf = plan.batch[3 * i + 2];
@@ -147,7 +158,7 @@ __global__ void append_values(Pools p, Plan plan, const T* v, int64_t vs0, int64
   bool bad = false;
 #pragma unroll
   for (int j = 0; j < kRecordKeys; ++j) {
-    x[j] = j >= from && j < to ? to_float(v[i * vs0 + h * vs1 + (k0 + j - pos0) * vs2 + c]) : 0.0f;
+    x[j] = j >= from && j < to ? to_float(nt.v[i * nt.vs0 + h * nt.vs1 + (k0 + j - pos0) * nt.vs2 + c]) : 0.0f;
     bad |= !hd::is_finite(x[j]);
     amax = fmaxf(amax, hd::abs_f(x[j]));
   }
@@ -190,6 +201,48 @@ __global__ void append_values(Pools p, Plan plan, const T* v, int64_t vs0, int64
       if (j < to) p.vtail[tail + (1 - buf) * other + j * D] = j < from && !whole ? p.vtail[tail + buf * other + j * D] : x[j];
 }
 
+// The general append's two writers, a warp an item: K rows (and bf16 V rows), then V blocks (pv MX).
+template <int D, class T>
+__global__ void append_rows(Pools p, Plan plan, NewTokens<T> x, Codes cd) {
+  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (w < int64_t(plan.S) * p.Hkv * plan.n) append_row<D>(p, plan, x, cd, w);
+}
+template <int D, class T>
+__global__ void append_values(Pools p, Plan plan, NewTokens<T> x, Codes cd, int blocks) {
+  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (w < int64_t(plan.S) * p.Hkv * blocks * (D / 32)) append_value_block<D>(p, plan, x, cd, blocks, w);
+}
+
+// An append that opens no page and re-encodes none (a decode step, 127 times in 128): one launch
+// with its batch in the parameters (no upload), the lengths, the K rows and the V blocks together.
+constexpr int kStepSeqs = 256;  // batch entries a step launch carries (3 KB of its 4 KB of parameters)
+template <class T>
+struct StepArgs {
+  Pools p;
+  NewTokens<T> x;
+  Codes cd;
+  int S, n, blocks;
+  int32_t batch[3 * kStepSeqs];  // as Plan::batch
+};
+template <int D, class T>
+__global__ void append_step(const __grid_constant__ StepArgs<T> a) {
+  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  Plan plan{};
+  plan.batch = a.batch;  // parameter space: readable through a generic pointer (__grid_constant__)
+  plan.S = a.S;
+  plan.n = a.n;
+  const int64_t rows = int64_t(a.S) * a.p.Hkv * a.n;
+  if (w < rows) {
+    append_row<D>(a.p, plan, a.x, a.cd, w);
+    if (w % (int64_t(a.p.Hkv) * a.n) == 0 && threadIdx.x % 32 == 0) {  // the entry's first warp
+      const int i = int(w / (int64_t(a.p.Hkv) * a.n));
+      a.p.length[a.batch[3 * i]] = a.batch[3 * i + 1] + a.n;
+    }
+  } else if (a.p.vbits != 16 && w - rows < int64_t(a.S) * a.p.Hkv * a.blocks * (D / 32)) {
+    append_value_block<D>(a.p, plan, a.x, a.cd, a.blocks, w - rows);
+  }
+}
+
 // Pages that left the window: K re-encoded in the low format from the kept originals. Warp w is
 // (entry, head, key), reversed; keys past the page's rows encode zeros (codes and scales 0, as a
 // fresh page holds).
@@ -223,15 +276,24 @@ __global__ void apply_plan(Pools p, Plan plan, int64_t page_bytes) {
     reinterpret_cast<uint4*>(p.rec + int64_t(plan.zero[i / words]) * page_bytes)[i % words] = make_uint4(0, 0, 0, 0);
 }
 
-// Rows of the page table and the lengths of the decode's sequences, gathered in call order.
-__global__ void gather_tables(const int32_t* table, const int32_t* length, int cols, const int32_t* seqs, int S,
-                              int max_pages, int32_t* out_table, int32_t* out_length) {
+// Rows of the page table and the lengths of the decode's sequences, gathered in call order. The ids
+// travel in the parameters where they fit (no upload), else in device memory.
+constexpr int kGatherIds = 896;
+struct Gather {
+  const int32_t *table, *length;
+  int cols, S, max_pages;
+  int32_t *out_table, *out_length;
+  const int32_t* seqs;  // the ids in device memory, or null: they are `ids`
+  int32_t ids[kGatherIds];
+};
+__global__ void gather_tables(const __grid_constant__ Gather g) {
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (tid < int64_t(S) * max_pages) {
-    const int s = int(tid / max_pages), j = int(tid % max_pages);
-    out_table[tid] = table[int64_t(seqs[s]) * cols + j];
+  const int32_t* seqs = g.seqs ? g.seqs : g.ids;
+  if (tid < int64_t(g.S) * g.max_pages) {
+    const int s = int(tid / g.max_pages), j = int(tid % g.max_pages);
+    g.out_table[tid] = g.table[int64_t(seqs[s]) * g.cols + j];
   }
-  if (tid < S) out_length[tid] = length[seqs[tid]];
+  if (tid < g.S) g.out_length[tid] = g.length[seqs[tid]];
 }
 
 }  // namespace dmattn::cuda::kv

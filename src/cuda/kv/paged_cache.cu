@@ -323,6 +323,29 @@ void PagedKVCache::append(const std::vector<int>& ids, const TensorView& k, cons
   }
   m.free_kept.insert(m.free_kept.end(), released.begin(), released.end());
 
+  const cuda::kv::Pools& p = m.pools;
+  const cuda::kv::Codes cd{format_info(pol.high).elem, format_info(pol.low).elem,
+                           p.vbits == 16 ? Elem::e4m3 : format_info(pv_values_format(pol.pv)).elem, pol.scale_rule};
+  auto grid = [](int64_t warps) { return unsigned((warps * 32 + 255) / 256); };
+  auto tokens = [&](auto* kt) {
+    using T = std::remove_pointer_t<decltype(kt)>;
+    return cuda::kv::NewTokens<T>{kt, static_cast<const T*>(v.data), k.stride[0], k.stride[1], k.stride[2],
+                                  v.stride[0], v.stride[1], v.stride[2]};
+  };
+  const int64_t rows = S * m.heads * n, vwarps = p.vbits == 16 ? 0 : S * m.heads * blocks * (m.d / 32);
+  if (table.empty() && meta.empty() && S <= cuda::kv::kStepSeqs) {  // no page opens or leaves the window
+    cuda::with_head_dim(m.d, "PagedKVCache", [&](auto dc) {
+      constexpr int D = decltype(dc)::value;
+      with_typed(k, [&](auto* kt) {
+        using T = std::remove_pointer_t<decltype(kt)>;
+        cuda::kv::StepArgs<T> a{p, tokens(kt), cd, int(S), int(n), blocks, {}};
+        std::copy(batch.begin(), batch.end(), a.batch);
+        cuda::kv::append_step<D, T><<<grid(rows + vwarps), 256, 0, stream>>>(a);
+      });
+    });
+    check(cudaGetLastError(), "KV cache append");
+    return;
+  }
   cuda::Buffers buf(stream);
   std::vector<int32_t> all;
   auto put = [&](const std::vector<int32_t>& x) {
@@ -334,31 +357,22 @@ void PagedKVCache::append(const std::vector<int>& ids, const TensorView& k, cons
   const int32_t* dev = m.ring.upload(all, buf, stream);
   const cuda::kv::Plan plan{dev + ob, dev + ot, dev + om, dev + oz, dev + orr, int(S), int(n),
                             int(table.size() / 2), int(meta.size() / 4), int(zero.size()), int(reenc.size() / 3)};
-  const cuda::kv::Pools& p = m.pools;
-  const Elem high = format_info(pol.high).elem, low = format_info(pol.low).elem;
-  auto grid = [](int64_t warps) { return unsigned((warps * 32 + 255) / 256); };
-  // One thread an item of the plan's largest list (a one-token step: one block), at most 1024 blocks.
+  // One thread an item of the plan's largest list, at most 1024 blocks.
   const int64_t items = std::max<int64_t>({int64_t(plan.nt), plan.S, plan.nm, plan.nz * (m.page_bytes / 16)});
   cuda::kv::apply_plan<<<unsigned(std::clamp<int64_t>((items + 255) / 256, 1, 1024)), 256, 0, stream>>>(p, plan, m.page_bytes);
   check(cudaGetLastError(), "KV cache append");
   cuda::with_head_dim(m.d, "PagedKVCache", [&](auto dc) {
     constexpr int D = decltype(dc)::value;
     with_typed(k, [&](auto* kt) {
-      using T = std::remove_pointer_t<decltype(kt)>;
-      const T* vt = static_cast<const T*>(v.data);
-      cuda::kv::append_rows<D, T><<<grid(S * m.heads * n), 256, 0, stream>>>(
-          p, plan, kt, vt, k.stride[0], k.stride[1], k.stride[2], v.stride[0], v.stride[1], v.stride[2], high, low,
-          pol.scale_rule);
+      cuda::kv::append_rows<D><<<grid(rows), 256, 0, stream>>>(p, plan, tokens(kt), cd);
       check(cudaGetLastError(), "KV cache append");
-      if (p.vbits != 16) {
-        const Elem ve = format_info(pv_values_format(pol.pv)).elem;
-        cuda::kv::append_values<D, T><<<grid(S * m.heads * blocks * (D / 32)), 256, 0, stream>>>(
-            p, plan, vt, v.stride[0], v.stride[1], v.stride[2], blocks, ve, pol.scale_rule);
+      if (vwarps > 0) {
+        cuda::kv::append_values<D><<<grid(vwarps), 256, 0, stream>>>(p, plan, tokens(kt), cd, blocks);
         check(cudaGetLastError(), "KV cache append");
       }
     });
     if (plan.nr > 0) {
-      cuda::kv::reencode_pages<D><<<grid(int64_t(plan.nr) * m.heads * kPage), 256, 0, stream>>>(p, plan, low, pol.scale_rule);
+      cuda::kv::reencode_pages<D><<<grid(int64_t(plan.nr) * m.heads * kPage), 256, 0, stream>>>(p, plan, cd.low, pol.scale_rule);
       check(cudaGetLastError(), "KV cache re-encode");
     }
   });
@@ -387,12 +401,16 @@ void decode_attention(const PagedKVCache& cache, const std::vector<int>& seqs, c
   const float scale = opts.softmax_scale.value_or(1.0f / std::sqrt(float(m.d)));
   if (!(scale > 0.0f && std::isfinite(scale))) throw Error("decode_attention: softmax_scale must be positive and finite");
   cuda::Buffers buf(stream);
-  const int32_t* ids = m.ring.upload(std::vector<int32_t>(seqs.begin(), seqs.end()), buf, stream);
-  int32_t* table = buf.alloc<int32_t>(size_t(S * max_pages) * sizeof(int32_t));
-  int32_t* length = buf.alloc<int32_t>(size_t(S) * sizeof(int32_t));
-  cuda::kv::gather_tables<<<unsigned((S * max_pages + 255) / 256), 256, 0, stream>>>(
-      m.pools.table, m.pools.length, m.pools.cols, ids, int(S), int(max_pages), table, length);
+  cuda::kv::Gather g{m.pools.table, m.pools.length, m.pools.cols, int(S), int(max_pages), nullptr, nullptr, nullptr, {}};
+  g.out_table = buf.alloc<int32_t>(size_t(S * max_pages) * sizeof(int32_t));
+  g.out_length = buf.alloc<int32_t>(size_t(S) * sizeof(int32_t));
+  if (S <= cuda::kv::kGatherIds)
+    std::copy(seqs.begin(), seqs.end(), g.ids);
+  else
+    g.seqs = m.ring.upload(std::vector<int32_t>(seqs.begin(), seqs.end()), buf, stream);
+  cuda::kv::gather_tables<<<unsigned((S * max_pages + 255) / 256), 256, 0, stream>>>(g);
   check(cudaGetLastError(), "decode table gather");
+  const int32_t *table = g.out_table, *length = g.out_length;
   const cuda::PagedKV kv{m.pools.rec, m.pools.slot, table, length, int(S), int(max_pages), int(m.heads), int(m.d),
                          m.pools.vbits};
   int* nonfinite = buf.alloc<int>(sizeof(int));  // written on NaN/Inf in q, not read: no synchronisation
