@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "cuda/common/rotate_lanes.cuh"
 #include "cuda/decode/kv_record.hpp"
 #include "cuda/ptx/e2m1_bytes.hpp"
 #include "dmattn/mx_codec.hpp"
@@ -25,8 +26,13 @@ struct Pools {
   float* vtail = nullptr;      // [sequences][2][Hkv][32][d] originals of the open V block (pv MX), two buffers
   int32_t* table = nullptr;    // [sequences][cols] physical page of each logical page
   int32_t* length = nullptr;   // [sequences] tokens
+  float* state = nullptr;      // [pages][Hkv][srows][d] the transforms' key state, at each sequence's first page:
+                               // smooth_k's mean (the first append's), then the sink keys' rows
   int cols = 0, Hkv = 0, d = 0, vbits = 16;
   int64_t record = 0;          // bytes of one record
+  bool transformed = false;    // any transform on: keys enter quantization as bf16 values
+  bool rotate = false, smooth_k = false;  // the policy's key transforms (KVCache::transform_keys)
+  int sink_keys = 0, srows = 0;
 };
 
 // An append's work, as the host planned it (int32 arrays, device copies):
@@ -109,9 +115,35 @@ __device__ __forceinline__ void append_row(const Pools& p, const Plan& plan, con
   const int seq = plan.batch[3 * i], pos = plan.batch[3 * i + 1] + t, key = pos % kPage;
   const int32_t page = p.table[int64_t(seq) * p.cols + pos / kPage];
   const T* krow = x.k + i * x.ks0 + h * x.ks1 + t * x.ks2;
-  float vals[D / 32];
+  float vals[D / 32];  // the codec's layout: element 32 b + lane
+  if (p.transformed) {
+    // The transforms as the host cache runs them: rotated (in rotate_lanes' layout, E channels a
+    // lane), smooth_k's mean subtracted, rounded to bf16; the sink keys' rows into the state.
+    constexpr int E = D / 32;
+    float r[E];
 #pragma unroll
-  for (int b = 0; b < D / 32; ++b) vals[b] = to_float(krow[32 * b + lane]);
+    for (int e = 0; e < E; ++e) r[e] = to_float(krow[E * lane + e]);
+    if (p.rotate) rotate_lanes<E>(r);
+    float* st = p.state + (int64_t(p.table[int64_t(seq) * p.cols]) * p.Hkv + h) * p.srows * D;
+#pragma unroll
+    for (int e = 0; e < E; ++e) r[e] = round_bf16(p.smooth_k ? r[e] - st[E * lane + e] : r[e]);
+    if (pos < p.sink_keys)
+#pragma unroll
+      for (int e = 0; e < E; ++e) st[(int(p.smooth_k) + pos) * D + E * lane + e] = r[e];
+#pragma unroll
+    for (int b = 0; b < D / 32; ++b) {  // element 32 b + lane: lane (32 b + lane) / E's register (32 b + lane) % E
+      float y = 0.0f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const float z = __shfl_sync(0xffffffffu, r[e], (32 * b + lane) / E);
+        if ((32 * b + lane) % E == e) y = z;
+      }
+      vals[b] = y;
+    }
+  } else {
+#pragma unroll
+    for (int b = 0; b < D / 32; ++b) vals[b] = to_float(krow[32 * b + lane]);
+  }
   const int32_t ks = p.kept_of[page];
   if (ks >= 0) {
     float* kept = p.kept + ((int64_t(ks) * p.Hkv + h) * kPage + key) * D;
@@ -201,6 +233,43 @@ __device__ __forceinline__ void append_value_block(const Pools& p, const Plan& p
       if (j < to) p.vtail[tail + (1 - buf) * other + j * D] = j < from && !whole ? p.vtail[tail + buf * other + j * D] : x[j];
 }
 
+// smooth_k: a sequence's first append fixes its keys' mean (KVCache::transform_keys): per channel
+// the mean of the rotated rows, summed in fp64. Partial sums of kMeanRows-row chunks, a warp a
+// (batch entry, head, chunk), lanes holding rotate_lanes' channels; only entries starting at 0.
+constexpr int kMeanRows = 256;
+template <int D, class T>
+__global__ void key_mean_parts(Pools p, Plan plan, NewTokens<T> x, int chunks, double* part) {
+  constexpr int E = D / 32;
+  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (w >= int64_t(plan.S) * p.Hkv * chunks) return;
+  const int ch = int(w % chunks), h = int(w / chunks % p.Hkv), i = int(w / chunks / p.Hkv), lane = threadIdx.x % 32;
+  if (plan.batch[3 * i + 1] != 0) return;
+  double acc[E] = {};
+  for (int t = ch * kMeanRows; t < min(plan.n, (ch + 1) * kMeanRows); ++t) {
+    float r[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) r[e] = to_float(x.k[i * x.ks0 + h * x.ks1 + t * x.ks2 + E * lane + e]);
+    if (p.rotate) rotate_lanes<E>(r);
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[e] += r[e];
+  }
+#pragma unroll
+  for (int e = 0; e < E; ++e) part[w * D + E * lane + e] = acc[e];
+}
+// The chunks' sums in order, / n, into row 0 of the state at the sequence's first page (a thread a
+// channel of a (batch entry, head)).
+template <int D>
+__global__ void key_mean_finish(Pools p, Plan plan, int chunks, const double* part) {
+  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (tid >= int64_t(plan.S) * p.Hkv * D) return;
+  const int c = int(tid % D), h = int(tid / D % p.Hkv), i = int(tid / D / p.Hkv);
+  if (plan.batch[3 * i + 1] != 0) return;
+  double sum = 0;
+  for (int ch = 0; ch < chunks; ++ch) sum += part[((int64_t(i) * p.Hkv + h) * chunks + ch) * D + c];
+  const int seq = plan.batch[3 * i];
+  p.state[(int64_t(p.table[int64_t(seq) * p.cols]) * p.Hkv + h) * p.srows * D + c] = float(sum / double(plan.n));
+}
+
 // The general append's two writers, a warp an item: K rows (and bf16 V rows), then V blocks (pv MX).
 template <int D, class T>
 __global__ void append_rows(Pools p, Plan plan, NewTokens<T> x, Codes cd) {
@@ -274,6 +343,8 @@ __global__ void apply_plan(Pools p, Plan plan, int64_t page_bytes) {
   const int64_t words = page_bytes / 16;
   for (int64_t i = tid; i < int64_t(plan.nz) * words; i += stride)
     reinterpret_cast<uint4*>(p.rec + int64_t(plan.zero[i / words]) * page_bytes)[i % words] = make_uint4(0, 0, 0, 0);
+  const int64_t sf = int64_t(p.Hkv) * p.srows * p.d;  // a page's state floats (a first page's: zeros, as the host's)
+  for (int64_t i = tid; i < int64_t(plan.nz) * sf; i += stride) p.state[int64_t(plan.zero[i / sf]) * sf + i % sf] = 0.0f;
 }
 
 // Rows of the page table and the lengths of the decode's sequences, gathered in call order. The ids

@@ -121,6 +121,7 @@ struct PagedKVCache::Impl {
     cudaFree(pools.kept_of);
     cudaFree(pools.pending);
     cudaFree(pools.kept);
+    cudaFree(pools.state);
     cudaFree(pools.vtail);
     cudaFree(pools.table);
     cudaFree(pools.length);
@@ -144,6 +145,8 @@ struct PagedKVCache::Impl {
 
   // Room for n more pages than the free list holds: the pool grows once for a whole append, to at
   // least 1.5x (the old pool and the new one coexist while it grows: 2.5x the old at the peak).
+  int64_t state_floats() const { return heads * pools.srows * d; }  // a page's share of the state pool
+
   void reserve_pages(int64_t n, cudaStream_t stream) {
     const int64_t need = pages_made + std::max<int64_t>(0, n - int64_t(free_pages.size()));
     if (need > INT32_MAX) throw Error("PagedKVCache: more than 2^31 pages");
@@ -153,6 +156,7 @@ struct PagedKVCache::Impl {
     grow(pools.slot, page_cap, cap, 0, stream);
     grow(pools.kept_of, page_cap, cap, 0xFF, stream);  // -1
     grow(pools.pending, page_cap, cap, 0, stream);
+    if (pools.srows > 0) grow(pools.state, page_cap * state_floats(), cap * state_floats(), 0, stream);
     page_cap = cap;
   }
 
@@ -202,6 +206,11 @@ PagedKVCache::PagedKVCache(int64_t kv_heads, int64_t head_dim, const Policy& pol
   m.pools.d = int(head_dim);
   m.pools.vbits = cuda::v_bits(policy.pv);
   m.pools.record = cuda::record_bytes(int(head_dim), m.pools.vbits);
+  m.pools.transformed = !policy.transforms().empty();
+  m.pools.rotate = policy.rotate;
+  m.pools.smooth_k = policy.smooth_k;
+  m.pools.sink_keys = policy.sink_keys;
+  m.pools.srows = (policy.smooth_k ? 1 : 0) + policy.sink_keys;
   m.page_bytes = kv_heads * (kPage / cuda::kRecordKeys) * m.pools.record;
   if (m.page_bytes >= (int64_t(1) << 32)) throw Error("PagedKVCache: a page's records exceed 4 GiB (too many KV heads)");
 }
@@ -361,9 +370,17 @@ void PagedKVCache::append(const std::vector<int>& ids, const TensorView& k, cons
   const int64_t items = std::max<int64_t>({int64_t(plan.nt), plan.S, plan.nm, plan.nz * (m.page_bytes / 16)});
   cuda::kv::apply_plan<<<unsigned(std::clamp<int64_t>((items + 255) / 256, 1, 1024)), 256, 0, stream>>>(p, plan, m.page_bytes);
   check(cudaGetLastError(), "KV cache append");
+  const bool first = std::any_of(ids.begin(), ids.end(), [&](int id) { return m.seq(id).length == n; });
   cuda::with_head_dim(m.d, "PagedKVCache", [&](auto dc) {
     constexpr int D = decltype(dc)::value;
     with_typed(k, [&](auto* kt) {
+      if (p.smooth_k && first) {  // the first append of some sequence fixes its keys' mean
+        const int chunks = int((n + cuda::kv::kMeanRows - 1) / cuda::kv::kMeanRows);
+        double* part = buf.alloc<double>(size_t(S * m.heads * chunks * D) * sizeof(double));
+        cuda::kv::key_mean_parts<D><<<grid(S * m.heads * chunks), 256, 0, stream>>>(p, plan, tokens(kt), chunks, part);
+        cuda::kv::key_mean_finish<D><<<unsigned((S * m.heads * D + 255) / 256), 256, 0, stream>>>(p, plan, chunks, part);
+        check(cudaGetLastError(), "KV cache key mean");
+      }
       cuda::kv::append_rows<D><<<grid(rows), 256, 0, stream>>>(p, plan, tokens(kt), cd);
       check(cudaGetLastError(), "KV cache append");
       if (vwarps > 0) {
@@ -414,7 +431,14 @@ void decode_attention(const PagedKVCache& cache, const std::vector<int>& seqs, c
   const cuda::PagedKV kv{m.pools.rec, m.pools.slot, table, length, int(S), int(max_pages), int(m.heads), int(m.d),
                          m.pools.vbits};
   int* nonfinite = buf.alloc<int>(sizeof(int));  // written on NaN/Inf in q, not read: no synchronisation
-  cuda::decode_paged_async(kv, m.policy, q, out, lse, scale, opts.splits, nonfinite, stream, {}, opts.window_left);
+  cuda::QueryTransform qt;  // the query side of the transforms, over the state at each sequence's first page
+  qt.on = m.pools.transformed;
+  qt.rotate = m.pools.rotate;
+  qt.smooth_k = m.pools.smooth_k;
+  qt.sink_keys = m.pools.sink_keys;
+  qt.state = m.pools.state;
+  qt.rows = m.pools.srows;
+  cuda::decode_paged_async(kv, m.policy, q, out, lse, scale, opts.splits, nonfinite, stream, qt, opts.window_left);
 }
 
 }  // namespace dmattn
