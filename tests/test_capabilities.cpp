@@ -57,9 +57,11 @@ TEST(Capabilities, AcceptWhatTheTableListsAndNameTheRest) {
   pv8.pv = PV::fp8;
   EXPECT_NE(refusal(kv_cache_capabilities(), pv8, 64).find("pv=fp8"), std::string::npos);
   Policy rotk;
-  rotk.rotate = true;
-  EXPECT_NE(refusal(cuda_kv_cache_capabilities(), rotk, 64).find("not rotate"), std::string::npos);
-  EXPECT_EQ(refusal(cuda_kv_cache_capabilities(), Policy{}, 128), "");
+  rotk.rotate = rotk.smooth_k = true;
+  rotk.sink_keys = 4;
+  EXPECT_EQ(refusal(cuda_kv_cache_capabilities(), rotk, 64), "");
+  EXPECT_NE(refusal(cuda_kv_cache_capabilities(), Policy{}, 96).find("96"), std::string::npos);
+  EXPECT_NE(refusal(cuda_kv_cache_capabilities(), pv8, 128).find("pv=fp8"), std::string::npos);
   EXPECT_NE(refusal(cuda_decode_capabilities(), Policy{Format::mxfp8_e4m3, Format::nvfp4, 1, 0}, 64).find("not nvfp4"),
             std::string::npos);
   for (const Capabilities* c : {&cpu_capabilities(), &kv_cache_capabilities(), &cuda_prefill_capabilities(),

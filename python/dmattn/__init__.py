@@ -198,7 +198,8 @@ class PagedKVCache:
     place, on torch's current stream, and decode() reads the device page tables, so a generation
     step does no host work beyond its launches and never waits for the GPU. NaN or Inf in k or v
     are not checked (that would need a synchronisation): decode returns NaN for the rows that see
-    them. The accuracy transforms (rotate, smooth_k, sink_keys) are not taken yet: KVCache has them.
+    them. The accuracy transforms run on the GPU as KVCache runs them (smooth_k's mean is fixed by each
+    sequence's first append).
 
     Args:
       kv_heads, head_dim: the KV heads and their dimension (64 or 128).

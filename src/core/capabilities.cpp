@@ -105,10 +105,9 @@ const Capabilities& cuda_decode_capabilities() {
 }
 
 const Capabilities& cuda_kv_cache_capabilities() {
-  static const Capabilities c{"the CUDA KV cache", kCudaHeadDims, kMx32, {PV::bf16, PV::mxfp8, PV::mxfp4}, {},
-                              {}, kDecodeMasks, "",
-                              "its appends quantize on the GPU, which does not run the transforms' key state yet",
-                              "the KV cache (host memory) takes the transforms"};
+  static const Capabilities c{"the CUDA KV cache", kCudaHeadDims, kMx32, {PV::bf16, PV::mxfp8, PV::mxfp4},
+                              kAllTransforms, {}, kDecodeMasks, kv_cache_capabilities().note, "",
+                              "the KV cache (host memory) takes every head dim"};
   return c;
 }
 

@@ -3,7 +3,7 @@
 // pages, pages leaving the diagonal window, freed and reused sequences) must leave every logical
 // page's records byte for byte as the host cache's device mirror packs them, and decode over the two
 // must return identical outputs. Policies cover every page format pair, the pv modes, both scale
-// rules, sink tiles and wider bands; inputs f32 and bf16.
+// rules, sink tiles and wider bands, and the accuracy transforms; inputs f32 and bf16.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -111,6 +111,16 @@ Policy pv_of(Policy p, PV pv) {
   return p;
 }
 
+// The accuracy transforms: the rotation, smooth_k's mean (fixed by each sequence's first append),
+// exact sink keys (their rows kept in the state; 160 spans two pages), smooth_q (keys rounded to bf16).
+Policy transformed(Policy p, bool rotate, bool smooth_k, int sink_keys, bool smooth_q) {
+  p.rotate = rotate;
+  p.smooth_k = smooth_k;
+  p.sink_keys = sink_keys;
+  p.smooth_q = smooth_q;
+  return p;
+}
+
 }  // namespace
 
 TEST(GpuPagedCache, PagesAndDecodeMatchHostCache) {
@@ -119,7 +129,10 @@ TEST(GpuPagedCache, PagesAndDecodeMatchHostCache) {
   Policy ceil_wide{e4, f4, 3, 1, ScaleRule::ceil};
   const std::vector<Policy> policies = {
       Policy{}, Policy{e4, f4, 2, 1}, pv_of(Policy{}, PV::mxfp8), pv_of(ceil_wide, PV::mxfp4),
-      Policy{e5, Format::mxfp6_e3m2, 1, 0}, Policy{f4, e4, 1, 0}, Policy{e4, e4, 1, 0}, pv_of(Policy{f4, f4, 1, 1}, PV::mxfp4)};
+      Policy{e5, Format::mxfp6_e3m2, 1, 0}, Policy{f4, e4, 1, 0}, Policy{e4, e4, 1, 0}, pv_of(Policy{f4, f4, 1, 1}, PV::mxfp4),
+      transformed(Policy{}, true, false, 0, false), transformed(ceil_wide, true, true, 4, false),
+      transformed(pv_of(Policy{e4, f4, 1, 1}, PV::mxfp8), false, true, 160, false),
+      transformed(pv_of(Policy{}, PV::mxfp4), false, false, 0, true)};
   for (int64_t d : {64, 128})
     for (size_t pi = 0; pi < policies.size(); ++pi) {
       const Policy& pol = policies[pi];
@@ -181,9 +194,6 @@ TEST(GpuPagedCache, PagesAndDecodeMatchHostCache) {
 
 TEST(GpuPagedCache, RejectsWhatItCannotHold) {
   SKIP_WITHOUT_CUDA_DEVICE();
-  Policy rot;
-  rot.rotate = true;
-  EXPECT_THROW(PagedKVCache(2, 64, rot), Error);
   EXPECT_THROW(PagedKVCache(2, 96, Policy{}), Error);
   EXPECT_THROW(PagedKVCache(2, 64, Policy{Format::mxfp8_e4m3, Format::nvfp4, 1, 0}), Error);
   PagedKVCache c(2, 64, Policy{});

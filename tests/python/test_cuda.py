@@ -146,7 +146,8 @@ def test_decode_sliding_window_on_cuda_matches_cpu():
     assert torch.allclose(lse.cpu(), ref_lse, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("policy", [{}, {"pv": "mxfp4", "diag_tiles": 2, "sink_tiles": 1}, {"pv": "mxfp8"}])
+@pytest.mark.parametrize("policy", [{}, {"pv": "mxfp4", "diag_tiles": 2, "sink_tiles": 1}, {"pv": "mxfp8"},
+                                    {"diag_tiles": 4, "sink_tiles": 1, "rotate": True, "smooth_k": True, "sink_keys": 4}])
 def test_paged_cache_decodes_as_the_host_cache(policy):
     # A prompt then one-token steps for a batch, appended as a generation loop does (CUDA tensors on
     # the current stream): decode over the GPU cache equals decode over the host cache, bit for bit.

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "cuda/common/rotate_lanes.cuh"
 #include "cuda/decode/kv_record.hpp"
 #include "cuda/ptx/e2m1_bytes.hpp"
 #include "dmattn/mx_codec.hpp"
@@ -25,8 +26,13 @@ struct Pools {
   float* vtail = nullptr;      // [sequences][2][Hkv][32][d] originals of the open V block (pv MX), two buffers
   int32_t* table = nullptr;    // [sequences][cols] physical page of each logical page
   int32_t* length = nullptr;   // [sequences] tokens
+  float* state = nullptr;      // [pages][Hkv][srows][d] the transforms' key state, at each sequence's first page:
+                               // smooth_k's mean (the first append's), then the sink keys' rows
   int cols = 0, Hkv = 0, d = 0, vbits = 16;
   int64_t record = 0;          // bytes of one record
+  bool transformed = false;    // any transform on: keys enter quantization as bf16 values
+  bool rotate = false, smooth_k = false;  // the policy's key transforms (KVCache::transform_keys)
+  int sink_keys = 0, srows = 0;
 };
 
 // An append's work, as the host planned it (int32 arrays, device copies):
@@ -36,6 +42,19 @@ struct Pools {
 struct Plan {
   const int32_t *batch, *table, *meta, *zero, *reenc;
   int S, n, nt, nm, nz, nr;
+};
+
+// The appended tokens: k and v [S][Hkv][n][d] with these element strides (unit on d).
+template <class T>
+struct NewTokens {
+  const T *k, *v;
+  int64_t ks0, ks1, ks2, vs0, vs1, vs2;
+};
+
+// The element types an append writes: K in the policy's high and low formats, V's (pv MX).
+struct Codes {
+  Elem high, low, v;
+  ScaleRule rule;
 };
 
 __device__ __forceinline__ uint8_t* record_at(const Pools& p, int32_t page, int h, int key) {
@@ -86,30 +105,54 @@ __device__ __forceinline__ void write_key_row(const Pools& p, int32_t page, int 
     for (int i = lane; i < D / 2; i += 32) r[k * (D / 2) + i] = 0;
 }
 
-// Each warp one new token's K row (and its bf16 V row): warp w of the grid is (batch entry, head,
+// One new token's K row (and its bf16 V row) by a warp: w (< S x Hkv x n) is (batch entry, head,
 // token) in that order of significance, reversed.
 template <int D, class T>
-__global__ void append_rows(Pools p, Plan plan, const T* k, const T* v, int64_t ks0, int64_t ks1, int64_t ks2,
-                            int64_t vs0, int64_t vs1, int64_t vs2, Elem high, Elem low, ScaleRule rule) {
-  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  if (w >= int64_t(plan.S) * p.Hkv * plan.n) return;
+__device__ __forceinline__ void append_row(const Pools& p, const Plan& plan, const NewTokens<T>& x, const Codes& cd,
+                                           int64_t w) {
   const int t = int(w % plan.n), h = int(w / plan.n % p.Hkv), i = int(w / plan.n / p.Hkv);
   const int lane = threadIdx.x % 32;
   const int seq = plan.batch[3 * i], pos = plan.batch[3 * i + 1] + t, key = pos % kPage;
   const int32_t page = p.table[int64_t(seq) * p.cols + pos / kPage];
-  const T* krow = k + i * ks0 + h * ks1 + t * ks2;
-  float vals[D / 32];
+  const T* krow = x.k + i * x.ks0 + h * x.ks1 + t * x.ks2;
+  float vals[D / 32];  // the codec's layout: element 32 b + lane
+  if (p.transformed) {
+    // The transforms as the host cache runs them: rotated (in rotate_lanes' layout, E channels a
+    // lane), smooth_k's mean subtracted, rounded to bf16; the sink keys' rows into the state.
+    constexpr int E = D / 32;
+    float r[E];
 #pragma unroll
-  for (int b = 0; b < D / 32; ++b) vals[b] = to_float(krow[32 * b + lane]);
+    for (int e = 0; e < E; ++e) r[e] = to_float(krow[E * lane + e]);
+    if (p.rotate) rotate_lanes<E>(r);
+    float* st = p.state + (int64_t(p.table[int64_t(seq) * p.cols]) * p.Hkv + h) * p.srows * D;
+#pragma unroll
+    for (int e = 0; e < E; ++e) r[e] = round_bf16(p.smooth_k ? r[e] - st[E * lane + e] : r[e]);
+    if (pos < p.sink_keys)
+#pragma unroll
+      for (int e = 0; e < E; ++e) st[(int(p.smooth_k) + pos) * D + E * lane + e] = r[e];
+#pragma unroll
+    for (int b = 0; b < D / 32; ++b) {  // element 32 b + lane: lane (32 b + lane) / E's register (32 b + lane) % E
+      float y = 0.0f;
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        const float z = __shfl_sync(0xffffffffu, r[e], (32 * b + lane) / E);
+        if ((32 * b + lane) % E == e) y = z;
+      }
+      vals[b] = y;
+    }
+  } else {
+#pragma unroll
+    for (int b = 0; b < D / 32; ++b) vals[b] = to_float(krow[32 * b + lane]);
+  }
   const int32_t ks = p.kept_of[page];
   if (ks >= 0) {
     float* kept = p.kept + ((int64_t(ks) * p.Hkv + h) * kPage + key) * D;
 #pragma unroll
     for (int b = 0; b < D / 32; ++b) kept[32 * b + lane] = vals[b];
   }
-  if (!p.pending[page]) write_key_row<D>(p, page, h, key, vals, p.slot[page] ? low : high, rule);
+  if (!p.pending[page]) write_key_row<D>(p, page, h, key, vals, p.slot[page] ? cd.low : cd.high, cd.rule);
   if (p.vbits == 16) {  // V rows in bf16, 16-byte chunks swizzled
-    const T* vrow = v + i * vs0 + h * vs1 + t * vs2;
+    const T* vrow = x.v + i * x.vs0 + h * x.vs1 + t * x.vs2;
     uint8_t* dst = record_at(p, page, h, key) + record_v(D) + (key % kRecordKeys) * 2 * D;
 #pragma unroll
     for (int b = 0; b < D / 32; ++b) {
@@ -120,58 +163,153 @@ __global__ void append_rows(Pools p, Plan plan, const T* k, const T* v, int64_t 
 }
 
 // pv MX: each warp 32 channels of one 32-key V block an append touches, a lane a channel (so every
-// load and store of a key's row is coalesced): the block quantized again from its originals
-// (earlier tokens from the sequence's tail buffer, zeros past the last token), written transposed
-// (kv_record.hpp); the last block, if still open, goes to the other tail buffer. Warp w is (batch
-// entry, head, block, channel group), reversed.
+// load and store of a key's row is coalesced), the block's codes and scale written transposed
+// (kv_record.hpp); the last block, if still open, goes to the other tail buffer. The scale is
+// monotone in the block's amax, so the block's new scale is the larger of its stored one and the new
+// values' own: where that leaves it unchanged (a decode step, mostly) only the new keys' codes are
+// written; else the block is quantized again from its originals (earlier tokens from the
+// sequence's tail buffer, zeros past the last token). Warp w is (batch entry, head, block, channel
+// group), reversed.
 template <int D, class T>
-__global__ void append_values(Pools p, Plan plan, const T* v, int64_t vs0, int64_t vs1, int64_t vs2, int blocks,
-                              Elem ve, ScaleRule rule) {
+__device__ __forceinline__ void append_value_block(const Pools& p, const Plan& plan, const NewTokens<T>& nt,
+                                                   const Codes& cd, int blocks, int64_t w) {
   constexpr int CG = D / 32;
-  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  if (w >= int64_t(plan.S) * p.Hkv * blocks * CG) return;
+  const Elem ve = cd.v;
+  const ScaleRule rule = cd.rule;
   const int lane = threadIdx.x % 32, c = 32 * int(w % CG) + lane;
   const int bi = int(w / CG % blocks), h = int(w / CG / blocks % p.Hkv), i = int(w / CG / blocks / p.Hkv);
   const int seq = plan.batch[3 * i], pos0 = plan.batch[3 * i + 1], buf = plan.batch[3 * i + 2];
   const int end = pos0 + plan.n, b = pos0 / kRecordKeys + bi, k0 = b * kRecordKeys;
   if (k0 >= end) return;  // this sequence touches fewer blocks (uniform across the warp)
-  const int64_t tail = (int64_t(seq) * 2 * p.Hkv + h) * kRecordKeys * D + c;  // buffer 0 of (seq, h), column c
-  const int64_t other = int64_t(p.Hkv) * kRecordKeys * D;                    // buffer 1 - 0
+  const int from = max(pos0, k0) - k0, to = min(end - k0, kRecordKeys);  // the new keys' slots in the block
+  const int32_t page = p.table[int64_t(seq) * p.cols + k0 / kPage];
+  uint8_t* col = record_at(p, page, h, k0 % kPage) + record_v(D);
+  const int vt_row = record_vt_row(p.vbits);
   float x[kRecordKeys];
   float amax = 0.0f;
   bool bad = false;
 #pragma unroll
   for (int j = 0; j < kRecordKeys; ++j) {
-    const int g = k0 + j;
-    x[j] = g < pos0 ? p.vtail[tail + buf * other + j * D] : g < end ? to_float(v[i * vs0 + h * vs1 + (g - pos0) * vs2 + c]) : 0.0f;
+    x[j] = j >= from && j < to ? to_float(nt.v[i * nt.vs0 + h * nt.vs1 + (k0 + j - pos0) * nt.vs2 + c]) : 0.0f;
     bad |= !hd::is_finite(x[j]);
     amax = fmaxf(amax, hd::abs_f(x[j]));
   }
-  const uint8_t sc = bad ? kE8M0NaN : choose_e8m0(amax, ve, rule);
-  uint8_t code[kRecordKeys];
+  const uint8_t mine = bad ? kE8M0NaN : choose_e8m0(amax, ve, rule), old = from > 0 ? col[D * vt_row + c] : uint8_t(0);
+  const uint8_t sc = max(mine, old);  // NaN (0xFF) is the largest code
+  const ElemSpec spec = elem_spec(ve);
+  auto code_of = [&](float y) { return sc == kE8M0NaN ? uint8_t(0) : encode_elem(spec, hd::ldexp2(y, -(int(sc) - 127))); };
+  const int64_t tail = (int64_t(seq) * 2 * p.Hkv + h) * kRecordKeys * D + c;  // buffer 0 of (seq, h), column c
+  const int64_t other = int64_t(p.Hkv) * kRecordKeys * D;                    // buffer 1 - 0
+  const bool whole = from > 0 && sc != old;  // the earlier keys' codes change with the scale
+  if (whole)
 #pragma unroll
-  for (int j = 0; j < kRecordKeys; ++j)
-    code[j] = sc == kE8M0NaN ? uint8_t(0) : encode_elem(elem_spec(ve), hd::ldexp2(x[j], -(int(sc) - 127)));
-  const int32_t page = p.table[int64_t(seq) * p.cols + k0 / kPage];
-  uint8_t* col = record_at(p, page, h, k0 % kPage) + record_v(D);
-  const int vt_row = record_vt_row(p.vbits);
+    for (int j = 0; j < kRecordKeys; ++j)
+      if (j < from) x[j] = p.vtail[tail + buf * other + j * D];
+  const int lo = whole ? 0 : from;  // the keys whose codes are written
   if (ve == Elem::e2m1) {  // word t of a column: keys 8j + 2t (+1), j = 0..3, packed for f16
+    uint32_t* words = reinterpret_cast<uint32_t*>(col + c * vt_row);
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
-      uint8_t codes[8];
+      uint8_t codes[8], ones[8];
 #pragma unroll
-      for (int j = 0; j < 8; ++j) codes[j] = code[8 * (j / 2) + 2 * t + j % 2];
-      *reinterpret_cast<uint32_t*>(col + c * vt_row + 4 * t) = e2m1x8_f16_pack(codes);
+      for (int j = 0; j < 8; ++j) {
+        const int key = 8 * (j / 2) + 2 * t + j % 2;
+        const bool written = key >= lo && key < to;
+        codes[j] = written ? code_of(x[key]) : uint8_t(0);
+        ones[j] = written ? uint8_t(0xF) : uint8_t(0);
+      }
+      const uint32_t mask = e2m1x8_f16_pack(ones);
+      if (mask) words[t] = (lo > 0 ? words[t] & ~mask : 0u) | e2m1x8_f16_pack(codes);
     }
   } else {
 #pragma unroll
-    for (int j = 0; j < kRecordKeys; ++j) col[c * vt_row + vt_position(j)] = code[j];
+    for (int j = 0; j < kRecordKeys; ++j)
+      if (j >= lo && j < to) col[c * vt_row + vt_position(j)] = code_of(x[j]);
   }
   col[D * vt_row + c] = sc;
-  if (end % kRecordKeys != 0 && b == (end - 1) / kRecordKeys)
+  if (end % kRecordKeys != 0 && b == (end - 1) / kRecordKeys)  // the open block's originals, for the next append
 #pragma unroll
     for (int j = 0; j < kRecordKeys; ++j)
-      if (k0 + j < end) p.vtail[tail + (1 - buf) * other + j * D] = x[j];
+      if (j < to) p.vtail[tail + (1 - buf) * other + j * D] = j < from && !whole ? p.vtail[tail + buf * other + j * D] : x[j];
+}
+
+// smooth_k: a sequence's first append fixes its keys' mean (KVCache::transform_keys): per channel
+// the mean of the rotated rows, summed in fp64. Partial sums of kMeanRows-row chunks, a warp a
+// (batch entry, head, chunk), lanes holding rotate_lanes' channels; only entries starting at 0.
+constexpr int kMeanRows = 256;
+template <int D, class T>
+__global__ void key_mean_parts(Pools p, Plan plan, NewTokens<T> x, int chunks, double* part) {
+  constexpr int E = D / 32;
+  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (w >= int64_t(plan.S) * p.Hkv * chunks) return;
+  const int ch = int(w % chunks), h = int(w / chunks % p.Hkv), i = int(w / chunks / p.Hkv), lane = threadIdx.x % 32;
+  if (plan.batch[3 * i + 1] != 0) return;
+  double acc[E] = {};
+  for (int t = ch * kMeanRows; t < min(plan.n, (ch + 1) * kMeanRows); ++t) {
+    float r[E];
+#pragma unroll
+    for (int e = 0; e < E; ++e) r[e] = to_float(x.k[i * x.ks0 + h * x.ks1 + t * x.ks2 + E * lane + e]);
+    if (p.rotate) rotate_lanes<E>(r);
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[e] += r[e];
+  }
+#pragma unroll
+  for (int e = 0; e < E; ++e) part[w * D + E * lane + e] = acc[e];
+}
+// The chunks' sums in order, / n, into row 0 of the state at the sequence's first page (a thread a
+// channel of a (batch entry, head)).
+template <int D>
+__global__ void key_mean_finish(Pools p, Plan plan, int chunks, const double* part) {
+  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (tid >= int64_t(plan.S) * p.Hkv * D) return;
+  const int c = int(tid % D), h = int(tid / D % p.Hkv), i = int(tid / D / p.Hkv);
+  if (plan.batch[3 * i + 1] != 0) return;
+  double sum = 0;
+  for (int ch = 0; ch < chunks; ++ch) sum += part[((int64_t(i) * p.Hkv + h) * chunks + ch) * D + c];
+  const int seq = plan.batch[3 * i];
+  p.state[(int64_t(p.table[int64_t(seq) * p.cols]) * p.Hkv + h) * p.srows * D + c] = float(sum / double(plan.n));
+}
+
+// The general append's two writers, a warp an item: K rows (and bf16 V rows), then V blocks (pv MX).
+template <int D, class T>
+__global__ void append_rows(Pools p, Plan plan, NewTokens<T> x, Codes cd) {
+  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (w < int64_t(plan.S) * p.Hkv * plan.n) append_row<D>(p, plan, x, cd, w);
+}
+template <int D, class T>
+__global__ void append_values(Pools p, Plan plan, NewTokens<T> x, Codes cd, int blocks) {
+  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  if (w < int64_t(plan.S) * p.Hkv * blocks * (D / 32)) append_value_block<D>(p, plan, x, cd, blocks, w);
+}
+
+// An append that opens no page and re-encodes none (a decode step, 127 times in 128): one launch
+// with its batch in the parameters (no upload), the lengths, the K rows and the V blocks together.
+constexpr int kStepSeqs = 256;  // batch entries a step launch carries (3 KB of its 4 KB of parameters)
+template <class T>
+struct StepArgs {
+  Pools p;
+  NewTokens<T> x;
+  Codes cd;
+  int S, n, blocks;
+  int32_t batch[3 * kStepSeqs];  // as Plan::batch
+};
+template <int D, class T>
+__global__ void append_step(const __grid_constant__ StepArgs<T> a) {
+  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  Plan plan{};
+  plan.batch = a.batch;  // parameter space: readable through a generic pointer (__grid_constant__)
+  plan.S = a.S;
+  plan.n = a.n;
+  const int64_t rows = int64_t(a.S) * a.p.Hkv * a.n;
+  if (w < rows) {
+    append_row<D>(a.p, plan, a.x, a.cd, w);
+    if (w % (int64_t(a.p.Hkv) * a.n) == 0 && threadIdx.x % 32 == 0) {  // the entry's first warp
+      const int i = int(w / (int64_t(a.p.Hkv) * a.n));
+      a.p.length[a.batch[3 * i]] = a.batch[3 * i + 1] + a.n;
+    }
+  } else if (a.p.vbits != 16 && w - rows < int64_t(a.S) * a.p.Hkv * a.blocks * (D / 32)) {
+    append_value_block<D>(a.p, plan, a.x, a.cd, a.blocks, w - rows);
+  }
 }
 
 // Pages that left the window: K re-encoded in the low format from the kept originals. Warp w is
@@ -205,17 +343,28 @@ __global__ void apply_plan(Pools p, Plan plan, int64_t page_bytes) {
   const int64_t words = page_bytes / 16;
   for (int64_t i = tid; i < int64_t(plan.nz) * words; i += stride)
     reinterpret_cast<uint4*>(p.rec + int64_t(plan.zero[i / words]) * page_bytes)[i % words] = make_uint4(0, 0, 0, 0);
+  const int64_t sf = int64_t(p.Hkv) * p.srows * p.d;  // a page's state floats (a first page's: zeros, as the host's)
+  for (int64_t i = tid; i < int64_t(plan.nz) * sf; i += stride) p.state[int64_t(plan.zero[i / sf]) * sf + i % sf] = 0.0f;
 }
 
-// Rows of the page table and the lengths of the decode's sequences, gathered in call order.
-__global__ void gather_tables(const int32_t* table, const int32_t* length, int cols, const int32_t* seqs, int S,
-                              int max_pages, int32_t* out_table, int32_t* out_length) {
+// Rows of the page table and the lengths of the decode's sequences, gathered in call order. The ids
+// travel in the parameters where they fit (no upload), else in device memory.
+constexpr int kGatherIds = 896;
+struct Gather {
+  const int32_t *table, *length;
+  int cols, S, max_pages;
+  int32_t *out_table, *out_length;
+  const int32_t* seqs;  // the ids in device memory, or null: they are `ids`
+  int32_t ids[kGatherIds];
+};
+__global__ void gather_tables(const __grid_constant__ Gather g) {
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-  if (tid < int64_t(S) * max_pages) {
-    const int s = int(tid / max_pages), j = int(tid % max_pages);
-    out_table[tid] = table[int64_t(seqs[s]) * cols + j];
+  const int32_t* seqs = g.seqs ? g.seqs : g.ids;
+  if (tid < int64_t(g.S) * g.max_pages) {
+    const int s = int(tid / g.max_pages), j = int(tid % g.max_pages);
+    g.out_table[tid] = g.table[int64_t(seqs[s]) * g.cols + j];
   }
-  if (tid < S) out_length[tid] = length[seqs[tid]];
+  if (tid < g.S) g.out_length[tid] = g.length[seqs[tid]];
 }
 
 }  // namespace dmattn::cuda::kv

@@ -121,6 +121,7 @@ struct PagedKVCache::Impl {
     cudaFree(pools.kept_of);
     cudaFree(pools.pending);
     cudaFree(pools.kept);
+    cudaFree(pools.state);
     cudaFree(pools.vtail);
     cudaFree(pools.table);
     cudaFree(pools.length);
@@ -144,6 +145,8 @@ struct PagedKVCache::Impl {
 
   // Room for n more pages than the free list holds: the pool grows once for a whole append, to at
   // least 1.5x (the old pool and the new one coexist while it grows: 2.5x the old at the peak).
+  int64_t state_floats() const { return heads * pools.srows * d; }  // a page's share of the state pool
+
   void reserve_pages(int64_t n, cudaStream_t stream) {
     const int64_t need = pages_made + std::max<int64_t>(0, n - int64_t(free_pages.size()));
     if (need > INT32_MAX) throw Error("PagedKVCache: more than 2^31 pages");
@@ -153,6 +156,7 @@ struct PagedKVCache::Impl {
     grow(pools.slot, page_cap, cap, 0, stream);
     grow(pools.kept_of, page_cap, cap, 0xFF, stream);  // -1
     grow(pools.pending, page_cap, cap, 0, stream);
+    if (pools.srows > 0) grow(pools.state, page_cap * state_floats(), cap * state_floats(), 0, stream);
     page_cap = cap;
   }
 
@@ -202,6 +206,11 @@ PagedKVCache::PagedKVCache(int64_t kv_heads, int64_t head_dim, const Policy& pol
   m.pools.d = int(head_dim);
   m.pools.vbits = cuda::v_bits(policy.pv);
   m.pools.record = cuda::record_bytes(int(head_dim), m.pools.vbits);
+  m.pools.transformed = !policy.transforms().empty();
+  m.pools.rotate = policy.rotate;
+  m.pools.smooth_k = policy.smooth_k;
+  m.pools.sink_keys = policy.sink_keys;
+  m.pools.srows = (policy.smooth_k ? 1 : 0) + policy.sink_keys;
   m.page_bytes = kv_heads * (kPage / cuda::kRecordKeys) * m.pools.record;
   if (m.page_bytes >= (int64_t(1) << 32)) throw Error("PagedKVCache: a page's records exceed 4 GiB (too many KV heads)");
 }
@@ -323,6 +332,29 @@ void PagedKVCache::append(const std::vector<int>& ids, const TensorView& k, cons
   }
   m.free_kept.insert(m.free_kept.end(), released.begin(), released.end());
 
+  const cuda::kv::Pools& p = m.pools;
+  const cuda::kv::Codes cd{format_info(pol.high).elem, format_info(pol.low).elem,
+                           p.vbits == 16 ? Elem::e4m3 : format_info(pv_values_format(pol.pv)).elem, pol.scale_rule};
+  auto grid = [](int64_t warps) { return unsigned((warps * 32 + 255) / 256); };
+  auto tokens = [&](auto* kt) {
+    using T = std::remove_pointer_t<decltype(kt)>;
+    return cuda::kv::NewTokens<T>{kt, static_cast<const T*>(v.data), k.stride[0], k.stride[1], k.stride[2],
+                                  v.stride[0], v.stride[1], v.stride[2]};
+  };
+  const int64_t rows = S * m.heads * n, vwarps = p.vbits == 16 ? 0 : S * m.heads * blocks * (m.d / 32);
+  if (table.empty() && meta.empty() && S <= cuda::kv::kStepSeqs) {  // no page opens or leaves the window
+    cuda::with_head_dim(m.d, "PagedKVCache", [&](auto dc) {
+      constexpr int D = decltype(dc)::value;
+      with_typed(k, [&](auto* kt) {
+        using T = std::remove_pointer_t<decltype(kt)>;
+        cuda::kv::StepArgs<T> a{p, tokens(kt), cd, int(S), int(n), blocks, {}};
+        std::copy(batch.begin(), batch.end(), a.batch);
+        cuda::kv::append_step<D, T><<<grid(rows + vwarps), 256, 0, stream>>>(a);
+      });
+    });
+    check(cudaGetLastError(), "KV cache append");
+    return;
+  }
   cuda::Buffers buf(stream);
   std::vector<int32_t> all;
   auto put = [&](const std::vector<int32_t>& x) {
@@ -334,31 +366,30 @@ void PagedKVCache::append(const std::vector<int>& ids, const TensorView& k, cons
   const int32_t* dev = m.ring.upload(all, buf, stream);
   const cuda::kv::Plan plan{dev + ob, dev + ot, dev + om, dev + oz, dev + orr, int(S), int(n),
                             int(table.size() / 2), int(meta.size() / 4), int(zero.size()), int(reenc.size() / 3)};
-  const cuda::kv::Pools& p = m.pools;
-  const Elem high = format_info(pol.high).elem, low = format_info(pol.low).elem;
-  auto grid = [](int64_t warps) { return unsigned((warps * 32 + 255) / 256); };
-  // One thread an item of the plan's largest list (a one-token step: one block), at most 1024 blocks.
+  // One thread an item of the plan's largest list, at most 1024 blocks.
   const int64_t items = std::max<int64_t>({int64_t(plan.nt), plan.S, plan.nm, plan.nz * (m.page_bytes / 16)});
   cuda::kv::apply_plan<<<unsigned(std::clamp<int64_t>((items + 255) / 256, 1, 1024)), 256, 0, stream>>>(p, plan, m.page_bytes);
   check(cudaGetLastError(), "KV cache append");
+  const bool first = std::any_of(ids.begin(), ids.end(), [&](int id) { return m.seq(id).length == n; });
   cuda::with_head_dim(m.d, "PagedKVCache", [&](auto dc) {
     constexpr int D = decltype(dc)::value;
     with_typed(k, [&](auto* kt) {
-      using T = std::remove_pointer_t<decltype(kt)>;
-      const T* vt = static_cast<const T*>(v.data);
-      cuda::kv::append_rows<D, T><<<grid(S * m.heads * n), 256, 0, stream>>>(
-          p, plan, kt, vt, k.stride[0], k.stride[1], k.stride[2], v.stride[0], v.stride[1], v.stride[2], high, low,
-          pol.scale_rule);
+      if (p.smooth_k && first) {  // the first append of some sequence fixes its keys' mean
+        const int chunks = int((n + cuda::kv::kMeanRows - 1) / cuda::kv::kMeanRows);
+        double* part = buf.alloc<double>(size_t(S * m.heads * chunks * D) * sizeof(double));
+        cuda::kv::key_mean_parts<D><<<grid(S * m.heads * chunks), 256, 0, stream>>>(p, plan, tokens(kt), chunks, part);
+        cuda::kv::key_mean_finish<D><<<unsigned((S * m.heads * D + 255) / 256), 256, 0, stream>>>(p, plan, chunks, part);
+        check(cudaGetLastError(), "KV cache key mean");
+      }
+      cuda::kv::append_rows<D><<<grid(rows), 256, 0, stream>>>(p, plan, tokens(kt), cd);
       check(cudaGetLastError(), "KV cache append");
-      if (p.vbits != 16) {
-        const Elem ve = format_info(pv_values_format(pol.pv)).elem;
-        cuda::kv::append_values<D, T><<<grid(S * m.heads * blocks * (D / 32)), 256, 0, stream>>>(
-            p, plan, vt, v.stride[0], v.stride[1], v.stride[2], blocks, ve, pol.scale_rule);
+      if (vwarps > 0) {
+        cuda::kv::append_values<D><<<grid(vwarps), 256, 0, stream>>>(p, plan, tokens(kt), cd, blocks);
         check(cudaGetLastError(), "KV cache append");
       }
     });
     if (plan.nr > 0) {
-      cuda::kv::reencode_pages<D><<<grid(int64_t(plan.nr) * m.heads * kPage), 256, 0, stream>>>(p, plan, low, pol.scale_rule);
+      cuda::kv::reencode_pages<D><<<grid(int64_t(plan.nr) * m.heads * kPage), 256, 0, stream>>>(p, plan, cd.low, pol.scale_rule);
       check(cudaGetLastError(), "KV cache re-encode");
     }
   });
@@ -387,16 +418,27 @@ void decode_attention(const PagedKVCache& cache, const std::vector<int>& seqs, c
   const float scale = opts.softmax_scale.value_or(1.0f / std::sqrt(float(m.d)));
   if (!(scale > 0.0f && std::isfinite(scale))) throw Error("decode_attention: softmax_scale must be positive and finite");
   cuda::Buffers buf(stream);
-  const int32_t* ids = m.ring.upload(std::vector<int32_t>(seqs.begin(), seqs.end()), buf, stream);
-  int32_t* table = buf.alloc<int32_t>(size_t(S * max_pages) * sizeof(int32_t));
-  int32_t* length = buf.alloc<int32_t>(size_t(S) * sizeof(int32_t));
-  cuda::kv::gather_tables<<<unsigned((S * max_pages + 255) / 256), 256, 0, stream>>>(
-      m.pools.table, m.pools.length, m.pools.cols, ids, int(S), int(max_pages), table, length);
+  cuda::kv::Gather g{m.pools.table, m.pools.length, m.pools.cols, int(S), int(max_pages), nullptr, nullptr, nullptr, {}};
+  g.out_table = buf.alloc<int32_t>(size_t(S * max_pages) * sizeof(int32_t));
+  g.out_length = buf.alloc<int32_t>(size_t(S) * sizeof(int32_t));
+  if (S <= cuda::kv::kGatherIds)
+    std::copy(seqs.begin(), seqs.end(), g.ids);
+  else
+    g.seqs = m.ring.upload(std::vector<int32_t>(seqs.begin(), seqs.end()), buf, stream);
+  cuda::kv::gather_tables<<<unsigned((S * max_pages + 255) / 256), 256, 0, stream>>>(g);
   check(cudaGetLastError(), "decode table gather");
+  const int32_t *table = g.out_table, *length = g.out_length;
   const cuda::PagedKV kv{m.pools.rec, m.pools.slot, table, length, int(S), int(max_pages), int(m.heads), int(m.d),
                          m.pools.vbits};
   int* nonfinite = buf.alloc<int>(sizeof(int));  // written on NaN/Inf in q, not read: no synchronisation
-  cuda::decode_paged_async(kv, m.policy, q, out, lse, scale, opts.splits, nonfinite, stream, {}, opts.window_left);
+  cuda::QueryTransform qt;  // the query side of the transforms, over the state at each sequence's first page
+  qt.on = m.pools.transformed;
+  qt.rotate = m.pools.rotate;
+  qt.smooth_k = m.pools.smooth_k;
+  qt.sink_keys = m.pools.sink_keys;
+  qt.state = m.pools.state;
+  qt.rows = m.pools.srows;
+  cuda::decode_paged_async(kv, m.policy, q, out, lse, scale, opts.splits, nonfinite, stream, qt, opts.window_left);
 }
 
 }  // namespace dmattn
