@@ -233,22 +233,11 @@ class PagedKVCache:
     def page_table(self, seq: int) -> list[int]:
         return self._c.page_table(int(seq))
 
-    @property
-    def page_bytes(self) -> int:
-        """Device bytes of one 128-token page, all KV heads (K codes, K scales, V)."""
-        return self._c.page_bytes
-
-    @property
-    def kv_heads(self) -> int:
-        return self._c.kv_heads
-
-    @property
-    def head_dim(self) -> int:
-        return self._c.head_dim
-
-    @property
-    def policy(self) -> Policy:
-        return self._c.policy
+    page_bytes = property(lambda self: self._c.page_bytes,
+                          doc="Device bytes of one 128-token page, all KV heads (K codes, K scales, V).")
+    kv_heads = property(lambda self: self._c.kv_heads)
+    head_dim = property(lambda self: self._c.head_dim)
+    policy = property(lambda self: self._c.policy)
 
 
 def decode(cache: KVCache | PagedKVCache, seqs, q, *, scale: float | None = None, splits: int = 0, return_lse: bool = False,

@@ -76,6 +76,16 @@ float* lse_of(const std::optional<nb::ndarray<>>& lse, const TensorView& q) {
   return static_cast<float*>(l.data());
 }
 
+// What attention's and decode's options share: the scale, the window's left side, the stream.
+template <class Options>
+Options shared_options(std::optional<float> scale, int64_t window_left, uintptr_t stream) {
+  Options o;
+  o.softmax_scale = scale;
+  o.window_left = window_left;
+  o.stream = reinterpret_cast<void*>(stream);
+  return o;
+}
+
 void attention_into(const In& q, const In& k, const In& v, const nb::ndarray<>& out,
                     std::optional<nb::ndarray<>> lse, bool causal, std::optional<float> scale, const Policy& policy,
                     const std::string& layout, uintptr_t stream, std::optional<int64_t> q_offset,
@@ -83,15 +93,12 @@ void attention_into(const In& q, const In& k, const In& v, const nb::ndarray<>& 
   const TensorView tq = view_of(q, "q", layout), tk = view_of(k, "k", layout), tv = view_of(v, "v", layout),
                    to = view_of(out, "out", layout);
   float* lse_ptr = lse_of(lse, tq);
-  AttentionOptions o;
+  AttentionOptions o = shared_options<AttentionOptions>(scale, window.first, stream);
   o.causal = causal;
-  o.softmax_scale = scale;
   o.policy = policy;
-  o.stream = reinterpret_cast<void*>(stream);
   o.q_offset = q_offset;
   o.k_offset = k_offset;
   o.check_finite = check_finite;
-  o.window_left = window.first;
   o.window_right = window.second;
   nb::gil_scoped_release unlocked;  // compute without holding the GIL
   attention(tq, tk, tv, to, lse_ptr, o);
@@ -150,11 +157,8 @@ void decode_into(const Cache& cache, const std::vector<int>& seqs, const In& q, 
                  uintptr_t stream) {
   const TensorView tq = view_of(q, "q", "bhnd"), to = view_of(out, "out", "bhnd");
   float* lse_ptr = lse_of(lse, tq);
-  DecodeOptions o;
-  o.softmax_scale = scale;
+  DecodeOptions o = shared_options<DecodeOptions>(scale, window_left, stream);
   o.splits = splits;
-  o.window_left = window_left;
-  o.stream = reinterpret_cast<void*>(stream);
   nb::gil_scoped_release unlocked;
   decode_attention(cache, seqs, tq, to, lse_ptr, o);
 }
@@ -173,6 +177,21 @@ auto format_getter(Format Policy::*field) {
 }
 auto format_setter(Format Policy::*field) {
   return [field](Policy& p, const std::string& name) { p.*field = parse_format(name); };
+}
+
+// What both caches share: construction from (kv_heads, head_dim, policy), sequences, lengths, page
+// tables and their shape.
+template <class Cache>
+nb::class_<Cache>& bind_cache(nb::class_<Cache>& c) {
+  return c.def(nb::init<int64_t, int64_t, const Policy&>(), nb::arg("kv_heads"), nb::arg("head_dim"),
+               nb::arg("policy") = Policy{})
+      .def("new_sequence", &Cache::new_sequence, "An empty sequence; returns its id.")
+      .def("free_sequence", &Cache::free_sequence, nb::arg("seq"), "Returns the sequence's pages to the pool.")
+      .def("length", &Cache::length, nb::arg("seq"))
+      .def("page_table", &Cache::page_table, nb::arg("seq"), "Logical page -> physical page.")
+      .def_prop_ro("kv_heads", &Cache::kv_heads)
+      .def_prop_ro("head_dim", &Cache::head_dim)
+      .def_prop_ro("policy", &Cache::policy);
 }
 
 }  // namespace
@@ -225,13 +244,10 @@ NB_MODULE(_dmattn, m) {
       .def("__repr__", &policy_repr)
       .def("__eq__", [](const Policy& a, const Policy& b) { return policy_repr(a) == policy_repr(b); });
 
-  nb::class_<KVCache>(m, "KVCache",
-                      "Paged MX-quantized KV cache (CPU): 128-token pages, K in the page's format (high for the "
-                      "newest diag_tiles pages and the sink pages, low otherwise), V in bf16.")
-      .def(nb::init<int64_t, int64_t, const Policy&>(), nb::arg("kv_heads"), nb::arg("head_dim"),
-           nb::arg("policy") = Policy{})
-      .def("new_sequence", &KVCache::new_sequence, "An empty sequence; returns its id.")
-      .def("free_sequence", &KVCache::free_sequence, nb::arg("seq"), "Returns the sequence's pages to the pool.")
+  nb::class_<KVCache> host(m, "KVCache",
+                           "Paged MX-quantized KV cache (CPU): 128-token pages, K in the page's format (high for "
+                           "the newest diag_tiles pages and the sink pages, low otherwise), V in bf16.");
+  bind_cache(host)
       .def(
           "append",
           [](KVCache& c, int seq, const In& k, const In& v) {
@@ -240,19 +256,11 @@ NB_MODULE(_dmattn, m) {
             c.append(seq, tk, tv);
           },
           nb::arg("seq"), nb::arg("k"), nb::arg("v"), "Appends k, v: [1, kv_heads, n, head_dim] arrays.")
-      .def("length", &KVCache::length, nb::arg("seq"))
-      .def("bytes", &KVCache::bytes, nb::arg("seq"), "Bytes the sequence holds (codes, scales, V, kept originals).")
-      .def("page_table", &KVCache::page_table, nb::arg("seq"), "Logical page -> physical page.")
-      .def_prop_ro("kv_heads", &KVCache::kv_heads)
-      .def_prop_ro("head_dim", &KVCache::head_dim)
-      .def_prop_ro("policy", &KVCache::policy);
-  nb::class_<PagedKVCache>(m, "PagedKVCache",
-                           "Paged MX-quantized KV cache in GPU memory: appends quantize on the GPU, decode reads "
-                           "device page tables; the pages equal KVCache's for the same appends.")
-      .def(nb::init<int64_t, int64_t, const Policy&>(), nb::arg("kv_heads"), nb::arg("head_dim"),
-           nb::arg("policy") = Policy{})
-      .def("new_sequence", &PagedKVCache::new_sequence, "An empty sequence; returns its id.")
-      .def("free_sequence", &PagedKVCache::free_sequence, nb::arg("seq"), "Returns the sequence's pages to the pool.")
+      .def("bytes", &KVCache::bytes, nb::arg("seq"), "Bytes the sequence holds (codes, scales, V, kept originals).");
+  nb::class_<PagedKVCache> device(m, "PagedKVCache",
+                                  "Paged MX-quantized KV cache in GPU memory: appends quantize on the GPU, decode "
+                                  "reads device page tables; the pages equal KVCache's for the same appends.");
+  bind_cache(device)
       .def(
           "append",
           [](PagedKVCache& c, const std::vector<int>& seqs, const In& k, const In& v, uintptr_t stream) {
@@ -262,12 +270,7 @@ NB_MODULE(_dmattn, m) {
           },
           nb::arg("seqs"), nb::arg("k"), nb::arg("v"), nb::arg("stream") = 0,
           "Appends k, v: [len(seqs), kv_heads, n, head_dim] CUDA tensors, enqueued on `stream`.")
-      .def("length", &PagedKVCache::length, nb::arg("seq"))
-      .def("page_table", &PagedKVCache::page_table, nb::arg("seq"), "Logical page -> physical page.")
-      .def_prop_ro("page_bytes", &PagedKVCache::page_bytes, "Device bytes of one 128-token page (all KV heads).")
-      .def_prop_ro("kv_heads", &PagedKVCache::kv_heads)
-      .def_prop_ro("head_dim", &PagedKVCache::head_dim)
-      .def_prop_ro("policy", &PagedKVCache::policy);
+      .def_prop_ro("page_bytes", &PagedKVCache::page_bytes, "Device bytes of one 128-token page (all KV heads).");
   m.def("decode_into", &decode_into<PagedKVCache>, nb::arg("cache"), nb::arg("seqs"), nb::arg("q"), nb::arg("out"),
         nb::arg("lse").none(), nb::arg("scale").none(), nb::arg("splits"), nb::arg("window_left") = -1,
         nb::arg("stream") = 0);

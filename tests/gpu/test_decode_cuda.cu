@@ -91,6 +91,19 @@ void append_all(KVCache& cache, int id, const QKV& x, int64_t from, int64_t n) {
   cache.append(id, slice_tokens(x.k.view(), from, n), slice_tokens(x.v.view(), from, n));
 }
 
+// Three sequences of LLM-like keys and values of lengths lens (seeds seed, seed + 1, seed + 2) for Hq
+// query heads, each appended whole, or with its last `last` tokens as a second append.
+std::vector<int> fill_three(KVCache& cache, int64_t Hq, const int64_t (&lens)[3], uint64_t seed, int64_t last = 0) {
+  std::vector<int> ids;
+  for (int i = 0; i < 3; ++i) {
+    const QKV x = llm_like_qkv({1, Hq, cache.kv_heads(), lens[i], lens[i], cache.head_dim()}, seed + uint64_t(i));
+    ids.push_back(cache.new_sequence());
+    append_all(cache, ids.back(), x, 0, lens[i] - last);
+    if (last > 0) append_all(cache, ids.back(), x, lens[i] - last, last);
+  }
+  return ids;
+}
+
 }  // namespace
 
 TEST(GpuDecode, MatchesCpuDecode) {
@@ -143,12 +156,7 @@ TEST(GpuDecode, SlidingWindowsMatchCpuDecode) {
     for (const Policy& pol : {Policy{}, with_pv(Policy{}, PV::mxfp4), sinks}) {
       const int64_t Hkv = 2, Hq = 8, lens[3] = {16, 700, 1301};
       KVCache cache(Hkv, d, pol);
-      std::vector<int> ids;
-      for (int i = 0; i < 3; ++i) {
-        const QKV x = llm_like_qkv({1, Hq, Hkv, lens[i], lens[i], d}, uint64_t(30 * d + i));
-        ids.push_back(cache.new_sequence());
-        append_all(cache, ids.back(), x, 0, lens[i]);
-      }
+      const std::vector<int> ids = fill_three(cache, Hq, lens, uint64_t(30 * d));
       for (int64_t Nq : {1, 5, 16})
         for (int64_t left : {0, 3, 100, 333, 4096}) {
           const QKV qs = random_qkv({3, Hq, Hkv, Nq, Nq, d}, uint64_t(d + Nq + left), DType::f32, 2.0f);
@@ -183,13 +191,7 @@ TEST(GpuDecode, TransformsMatchCpuDecode) {
     for (const Policy& pol : pols) {
       const int64_t Hkv = 2, Hq = 8, lens[3] = {3, 300, 1301};
       KVCache cache(Hkv, d, pol);
-      std::vector<int> ids;
-      for (int i = 0; i < 3; ++i) {
-        const QKV x = llm_like_qkv({1, Hq, Hkv, lens[i], lens[i], d}, uint64_t(40 * d + i));
-        ids.push_back(cache.new_sequence());
-        append_all(cache, ids.back(), x, 0, lens[i] - 1);
-        append_all(cache, ids.back(), x, lens[i] - 1, 1);
-      }
+      const std::vector<int> ids = fill_three(cache, Hq, lens, uint64_t(40 * d), 1);
       for (int64_t Nq : {1, 3}) {
         const QKV qs = llm_like_qkv({3, Hq, Hkv, Nq, Nq, d}, uint64_t(d + Nq + 100));
         check_decode(cache, ids, qs.q, 2, 1e-5, ("transforms d=" + std::to_string(d) + " Nq=" + std::to_string(Nq)).c_str());

@@ -30,9 +30,7 @@ void add_decode(CLI::App& app) {
   cmd->add_option("--splits", args->splits, "split-KV count (0 = automatic: 1 on the CPU, enough to fill the GPU)")
       ->capture_default_str()
       ->check(CLI::Range(0, 4096));
-  cmd->add_option("--repeat", args->repeat, "run N times and report the median time (benchmarking)")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 1000));
+  add_repeat(*cmd, args->repeat);
   add_window(*cmd, args->window, "; decode is causal: RIGHT has no effect");
   args->policy.add_to(*cmd);
   cmd->callback([args] {

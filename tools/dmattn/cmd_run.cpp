@@ -24,9 +24,7 @@ void add_run(CLI::App& app) {
   cmd->add_flag("--causal", args->causal, "causal mask, last query aligned with last key");
   cmd->add_option("--softmax-scale", args->softmax_scale, "scale of QK^T (default 1/sqrt(d))");
   cmd->add_flag("--exact", args->exact, "fp64 reference attention instead of DMA");
-  cmd->add_option("--repeat", args->repeat, "run N times and report the median time (benchmarking)")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 1000));
+  add_repeat(*cmd, args->repeat);
   add_window(*cmd, args->window, "");
   args->policy.add_to(*cmd);
   cmd->callback([args] {

@@ -22,6 +22,8 @@ struct PolicyArgs {
 
 // --threads, 0 (all) up to this machine's hardware threads.
 void add_threads(CLI::App& app, int& threads);
+// --repeat N: run N times and report the median time.
+void add_repeat(CLI::App& app, int& repeat);
 // --window LEFT,RIGHT: a sliding window as flash-attn's window_size (-1: that side unbounded).
 void add_window(CLI::App& app, std::pair<int64_t, int64_t>& window, const char* note);
 

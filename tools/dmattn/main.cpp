@@ -38,6 +38,12 @@ bool PolicyArgs::policy_given() const {
   return false;
 }
 
+void add_repeat(CLI::App& app, int& repeat) {
+  app.add_option("--repeat", repeat, "run N times and report the median time (benchmarking)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
+}
+
 void add_window(CLI::App& app, std::pair<int64_t, int64_t>& window, const char* note) {
   app.add_option("--window", window, std::string("sliding window LEFT,RIGHT: a query at position p sees keys p-LEFT..p+RIGHT (-1: unbounded)") + note)
       ->delimiter(',')
