@@ -105,14 +105,18 @@ __device__ __forceinline__ void write_key_row(const Pools& p, int32_t page, int 
     for (int i = lane; i < D / 2; i += 32) r[k * (D / 2) + i] = 0;
 }
 
-// One new token's K row (and its bf16 V row) by a warp: w (< S x Hkv x n) is (batch entry, head,
-// token) in that order of significance, reversed.
+// A batch entry of an append: the sequence, its length before the append, which V tail buffer holds
+// its open block (Plan::batch's three ints).
+struct Entry {
+  int seq, pos0, buf;
+};
+
+// One new token's K row (and its bf16 V row) by a warp: token t of head h of batch entry i (e).
 template <int D, class T>
-__device__ __forceinline__ void append_row(const Pools& p, const Plan& plan, const NewTokens<T>& x, const Codes& cd,
-                                           int64_t w) {
-  const int t = int(w % plan.n), h = int(w / plan.n % p.Hkv), i = int(w / plan.n / p.Hkv);
+__device__ __forceinline__ void append_row(const Pools& p, const NewTokens<T>& x, const Codes& cd, int i, int h, int t,
+                                           Entry e) {
   const int lane = threadIdx.x % 32;
-  const int seq = plan.batch[3 * i], pos = plan.batch[3 * i + 1] + t, key = pos % kPage;
+  const int seq = e.seq, pos = e.pos0 + t, key = pos % kPage;
   const int32_t page = p.table[int64_t(seq) * p.cols + pos / kPage];
   const T* krow = x.k + i * x.ks0 + h * x.ks1 + t * x.ks2;
   float vals[D / 32];  // the codec's layout: element 32 b + lane
@@ -169,17 +173,16 @@ __device__ __forceinline__ void append_row(const Pools& p, const Plan& plan, con
 // values' own: where that leaves it unchanged (a decode step, mostly) only the new keys' codes are
 // written; else the block is quantized again from its originals (earlier tokens from the
 // sequence's tail buffer, zeros past the last token). Warp w is (batch entry, head, block, channel
-// group), reversed.
+// group): block bi from the entry's first and channels 32 cg .. 32 cg + 31 of head h of entry i (e),
+// n tokens appended.
 template <int D, class T>
-__device__ __forceinline__ void append_value_block(const Pools& p, const Plan& plan, const NewTokens<T>& nt,
-                                                   const Codes& cd, int blocks, int64_t w) {
-  constexpr int CG = D / 32;
+__device__ __forceinline__ void append_value_block(const Pools& p, const NewTokens<T>& nt, const Codes& cd, int n, int i,
+                                                   int h, int bi, int cg, Entry e) {
   const Elem ve = cd.v;
   const ScaleRule rule = cd.rule;
-  const int lane = threadIdx.x % 32, c = 32 * int(w % CG) + lane;
-  const int bi = int(w / CG % blocks), h = int(w / CG / blocks % p.Hkv), i = int(w / CG / blocks / p.Hkv);
-  const int seq = plan.batch[3 * i], pos0 = plan.batch[3 * i + 1], buf = plan.batch[3 * i + 2];
-  const int end = pos0 + plan.n, b = pos0 / kRecordKeys + bi, k0 = b * kRecordKeys;
+  const int lane = threadIdx.x % 32, c = 32 * cg + lane;
+  const int seq = e.seq, pos0 = e.pos0, buf = e.buf;
+  const int end = pos0 + n, b = pos0 / kRecordKeys + bi, k0 = b * kRecordKeys;
   if (k0 >= end) return;  // this sequence touches fewer blocks (uniform across the warp)
   const int from = max(pos0, k0) - k0, to = min(end - k0, kRecordKeys);  // the new keys' slots in the block
   const int32_t page = p.table[int64_t(seq) * p.cols + k0 / kPage];
@@ -271,15 +274,22 @@ __global__ void key_mean_finish(Pools p, Plan plan, int chunks, const double* pa
 }
 
 // The general append's two writers, a warp an item: K rows (and bf16 V rows), then V blocks (pv MX).
+// Warp w of the rows is (batch entry, head, token), of the V blocks (batch entry, head, block,
+// channel group), in that order of significance, reversed.
 template <int D, class T>
 __global__ void append_rows(Pools p, Plan plan, NewTokens<T> x, Codes cd) {
   const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  if (w < int64_t(plan.S) * p.Hkv * plan.n) append_row<D>(p, plan, x, cd, w);
+  if (w >= int64_t(plan.S) * p.Hkv * plan.n) return;
+  const int t = int(w % plan.n), h = int(w / plan.n % p.Hkv), i = int(w / plan.n / p.Hkv);
+  append_row<D>(p, x, cd, i, h, t, Entry{plan.batch[3 * i], plan.batch[3 * i + 1], plan.batch[3 * i + 2]});
 }
 template <int D, class T>
 __global__ void append_values(Pools p, Plan plan, NewTokens<T> x, Codes cd, int blocks) {
+  constexpr int CG = D / 32;
   const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  if (w < int64_t(plan.S) * p.Hkv * blocks * (D / 32)) append_value_block<D>(p, plan, x, cd, blocks, w);
+  if (w >= int64_t(plan.S) * p.Hkv * blocks * CG) return;
+  const int cg = int(w % CG), bi = int(w / CG % blocks), h = int(w / CG / blocks % p.Hkv), i = int(w / CG / blocks / p.Hkv);
+  append_value_block<D>(p, x, cd, plan.n, i, h, bi, cg, Entry{plan.batch[3 * i], plan.batch[3 * i + 1], plan.batch[3 * i + 2]});
 }
 
 // An append that opens no page and re-encodes none (a decode step, 127 times in 128): one launch
@@ -295,20 +305,23 @@ struct StepArgs {
 };
 template <int D, class T>
 __global__ void append_step(const __grid_constant__ StepArgs<T> a) {
+  constexpr int CG = D / 32;
   const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  Plan plan{};
-  plan.batch = a.batch;  // parameter space: readable through a generic pointer (__grid_constant__)
-  plan.S = a.S;
-  plan.n = a.n;
-  const int64_t rows = int64_t(a.S) * a.p.Hkv * a.n;
+  const Pools p = a.p;  // copies, read from the parameter bank: their fields stay plain loads
+  const NewTokens<T> x = a.x;
+  const Codes cd = a.cd;
+  const int n = a.n;
+  const int64_t rows = int64_t(a.S) * p.Hkv * n;
   if (w < rows) {
-    append_row<D>(a.p, plan, a.x, a.cd, w);
-    if (w % (int64_t(a.p.Hkv) * a.n) == 0 && threadIdx.x % 32 == 0) {  // the entry's first warp
-      const int i = int(w / (int64_t(a.p.Hkv) * a.n));
-      a.p.length[a.batch[3 * i]] = a.batch[3 * i + 1] + a.n;
-    }
-  } else if (a.p.vbits != 16 && w - rows < int64_t(a.S) * a.p.Hkv * a.blocks * (D / 32)) {
-    append_value_block<D>(a.p, plan, a.x, a.cd, a.blocks, w - rows);
+    const int t = int(w % n), h = int(w / n % p.Hkv), i = int(w / n / p.Hkv);
+    const Entry e{a.batch[3 * i], a.batch[3 * i + 1], a.batch[3 * i + 2]};
+    append_row<D>(p, x, cd, i, h, t, e);
+    if (t == 0 && h == 0 && threadIdx.x % 32 == 0) p.length[e.seq] = e.pos0 + n;  // the entry's first warp
+  } else if (p.vbits != 16 && w - rows < int64_t(a.S) * p.Hkv * a.blocks * CG) {
+    const int64_t v = w - rows;
+    const int cg = int(v % CG), bi = int(v / CG % a.blocks), h = int(v / CG / a.blocks % p.Hkv),
+              i = int(v / CG / a.blocks / p.Hkv);
+    append_value_block<D>(p, x, cd, n, i, h, bi, cg, Entry{a.batch[3 * i], a.batch[3 * i + 1], a.batch[3 * i + 2]});
   }
 }
 
