@@ -116,6 +116,53 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v, co
     cpu::dma_attention(p);
 }
 
+void varlen_attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                      float* lse, const std::vector<int32_t>& cu_q, const std::vector<int32_t>& cu_k,
+                      const AttentionOptions& opts) {
+  const char* what = "varlen attention";
+  if (q.shape[0] != 1 || k.shape[0] != 1 || v.shape[0] != 1 || out.shape[0] != 1)
+    throw Error(std::string(what) + ": q, k, v and out hold packed tokens: [1, H, total, d] views");
+  if (opts.q_offset || opts.k_offset) throw Error(std::string(what) + ": q_offset and k_offset are per call, not per sequence");
+  if (cu_q.size() != cu_k.size() || cu_q.size() < 2)
+    throw Error(std::string(what) + ": cu_seqlens_q and cu_seqlens_k need the same length, batch + 1 >= 2");
+  for (const auto* cu : {&cu_q, &cu_k}) {
+    const bool is_q = cu == &cu_q;
+    const int64_t total = is_q ? q.shape[2] : k.shape[2];
+    if ((*cu)[0] != 0 || (*cu).back() != total)
+      throw Error(std::string(what) + ": cu_seqlens_" + (is_q ? "q" : "k") + " must run from 0 to " +
+                  std::to_string(total) + " (the packed tokens), got " + std::to_string((*cu)[0]) + " .. " +
+                  std::to_string((*cu).back()));
+    for (size_t i = 1; i < cu->size(); ++i)
+      if ((*cu)[i] < (*cu)[i - 1])
+        throw Error(std::string(what) + ": cu_seqlens_" + (is_q ? "q" : "k") + " decreases at " + std::to_string(i));
+  }
+  const int64_t Hq = q.shape[1], total_q = q.shape[2];
+  for (size_t i = 0; i + 1 < cu_q.size(); ++i) {
+    const int64_t q0 = cu_q[i], nq = cu_q[i + 1] - q0, k0 = cu_k[i], nk = cu_k[i + 1] - k0;
+    if (nq == 0) continue;
+    if (nk == 0) throw Error(std::string(what) + ": sequence " + std::to_string(i) + " has queries but no keys");
+    const TensorView qi = slice_tokens(q, q0, nq), ki = slice_tokens(k, k0, nk), vi = slice_tokens(v, k0, nk),
+                     oi = slice_tokens(out, q0, nq);
+    if (!lse) {
+      attention(qi, ki, vi, oi, nullptr, opts);
+    } else if (q.device == Device::cuda) {
+#if defined(DMATTN_HAVE_CUDA)
+      if (opts.backend == Backend::cpu) throw Error("the CPU backend needs host tensors (these are on the GPU)");
+      if (opts.exact) throw Error("the exact fp64 reference runs on the CPU only");
+      if (k.device != q.device || v.device != q.device || out.device != q.device)
+        throw Error("Q, K, V and out must live on the same device");
+      cuda::dma_attention_lse_rows(validate(qi, ki, vi, oi, nullptr, opts), lse + q0, total_q);
+#else
+      throw Error("this build has no CUDA backend (configure with -DDMATTN_CUDA=ON on a machine with nvcc)");
+#endif
+    } else {  // the sequence's [Hq, nq] rows into their columns of [Hq, total_q]
+      std::vector<float> rows(size_t(Hq * nq));
+      attention(qi, ki, vi, oi, rows.data(), opts);
+      for (int64_t h = 0; h < Hq; ++h) std::copy_n(rows.data() + h * nq, nq, lse + h * total_q + q0);
+    }
+  }
+}
+
 #if !defined(DMATTN_HAVE_CUDA)
 bool cuda_device_available() { return false; }
 

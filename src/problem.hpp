@@ -52,6 +52,8 @@ namespace cuda {
 void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const TensorView& q, const TensorView& out,
                       float* lse, float scale, const DecodeOptions& opts);
 void dma_attention(const Problem& p);  // all tensors on the current CUDA device; ordered on p.stream
+// dma_attention with p.lse's [B][Hq][Nq] rows written at dst, rows `stride` floats apart (varlen's [Hq, total_q]).
+void dma_attention_lse_rows(Problem p, float* dst, int64_t stride);
 }  // namespace cuda
 
 }  // namespace dmattn

@@ -33,7 +33,9 @@
 //    Means and these dots accumulate in fp64 and round once to fp32.
 // `exact` ignores the policy and computes softmax(QK^T * scale) V in fp64 (the quality oracle).
 #pragma once
+#include <cstdint>
 #include <optional>
+#include <vector>
 
 #include "dmattn/policy.hpp"
 #include "dmattn/tensor.hpp"
@@ -66,7 +68,7 @@ struct AttentionOptions {
   // policy's tiles then use these positions. k_offset must be a multiple of 128 (whole key tiles).
   std::optional<int64_t> q_offset, k_offset;
   // Sliding window (flash-attn's window_size): a query at position p sees keys in [p - left,
-  // p + right]; -1 leaves that side unbounded. Key tiles wholly outside it are skipped. CPU backend.
+  // p + right]; -1 leaves that side unbounded. Key tiles wholly outside it are skipped.
   int64_t window_left = -1, window_right = -1;
 };
 
@@ -77,6 +79,18 @@ struct AttentionOptions {
 // events per host thread, kernel attributes): a cudaDeviceReset() in between calls is not supported.
 void attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                float* lse, const AttentionOptions& opts);
+
+// Packed variable-length batches (flash-attn's varlen): q and out hold total_q tokens of all the
+// sequences one after another, [1, Hq, total_q, d] views (a packed [total_q, Hq, d] array is the view
+// with strides {0, d, Hq d, 1}), k and v [1, Hkv, total_k, d]. Sequence i owns query rows
+// [cu_seqlens_q[i], cu_seqlens_q[i+1]) and key rows [cu_seqlens_k[i], cu_seqlens_k[i+1]), and is
+// attended alone, exactly as attention() attends it (bottom-right causal alignment, the window and
+// the policy's tiles from its own first token). lse, if given, is [Hq, total_q] (flash-attn's layout).
+// A sequence with queries but no keys is an error; one with no queries is skipped. Each sequence is
+// one attention() call on opts.stream (a kernel over all sequences at once is not built yet).
+void varlen_attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                      float* lse, const std::vector<int32_t>& cu_seqlens_q, const std::vector<int32_t>& cu_seqlens_k,
+                      const AttentionOptions& opts);
 
 // Copies contiguous host tensors to the current CUDA device, runs attention() there (the CUDA
 // backend), and copies out and lse back. Returns the device time of the attention call alone, in

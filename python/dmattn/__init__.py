@@ -15,7 +15,7 @@ import contextlib
 
 
 from ._dmattn import (DmattnError, KVCache, Policy, attention_into, cuda_available, decode_into, dequantize_rows,
-                      quantize_rows)
+                      quantize_rows, varlen_attention_into)
 from ._dmattn import PagedKVCache as _PagedKVCache
 
 __all__ = ["attention", "sdpa", "decode", "ring_attention", "KVCache", "PagedKVCache", "quantize", "dequantize", "Policy", "DmattnError",
@@ -89,6 +89,7 @@ def _policy(policy, fields, who):
 def attention(q, k, v, *, causal: bool = False, scale: float | None = None, return_lse: bool = False,
               layout: str = "bhnd", policy: Policy | None = None, q_offset: int | None = None,
               k_offset: int | None = None, check_finite: bool = True, window: tuple[int, int] = (-1, -1),
+              cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
               **policy_fields):
     """DMA attention of q, k, v; returns an array of q's kind, dtype and device (and the LSE).
 
@@ -123,6 +124,14 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
         the queries are the last Nq of the Nk positions.
       window: sliding window (left, right), flash-attn's window_size: a query at position p sees the
         keys at p - left .. p + right; -1 leaves a side unbounded (default: no window).
+      cu_seqlens_q, cu_seqlens_k: packed variable-length sequences, as flash-attn's
+        flash_attn_varlen_func: q [total_q, Hq, d], k and v [total_k, Hkv, d] hold the sequences one
+        after another; sequence i owns rows cu_seqlens_q[i]:cu_seqlens_q[i+1] of q and
+        cu_seqlens_k[i]:cu_seqlens_k[i+1] of k and v (int sequences or int32 tensors of batch + 1
+        offsets from 0; CUDA tensors are read back to the host). Each sequence is attended alone
+        (causal aligned bottom-right within it, its own tiles); out is [total_q, Hq, d], lse
+        [Hq, total_q]. max_seqlen_q / max_seqlen_k, if given, must be at least the longest
+        sequence's. Each sequence is one call on the stream (no single kernel over all of them yet).
       check_finite: raise on NaN/Inf inputs (default). On CUDA this reads flags back from the GPU,
         so the call waits for its quantize pass (not for its attention kernel: the result is
         stream-ordered like any torch op's either way); False skips the check (and that wait), and
@@ -138,6 +147,11 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
     _check_inputs((q, k, v))
     _check_same_kind(q, k, v)
     policy = _policy(policy, policy_fields, "attention")
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        if q_offset is not None or k_offset is not None:
+            raise DmattnError("attention: q_offset and k_offset do not apply to packed sequences")
+        return _varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale, return_lse,
+                       policy, check_finite, window)
     if layout not in ("bhnd", "bnhd"):
         raise ValueError(f"layout must be 'bhnd' or 'bnhd' (got {layout!r})")
     if getattr(q, "ndim", None) != 4:
@@ -162,6 +176,45 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
         lse = np.empty((B, Hq, Nq), dtype=np.float32) if return_lse else None
         attention_into(q, k, v, out, lse, causal, scale, policy, layout, stream, q_offset, k_offset, check_finite,
                        (int(window[0]), int(window[1])))
+    return (out, lse) if return_lse else out
+
+
+def _offsets(cu, name, longest):
+    """cu_seqlens as a list of ints (a CUDA tensor is read back), checked against max_seqlen."""
+    if cu is None:
+        raise DmattnError(f"attention: packed sequences need both cu_seqlens_q and cu_seqlens_k ({name} is missing)")
+    cu = [int(x) for x in (cu.tolist() if hasattr(cu, "tolist") else cu)]
+    lens = [b - a for a, b in zip(cu, cu[1:])]
+    if longest is not None and lens and max(lens) > int(longest):
+        raise DmattnError(f"attention: a sequence of {max(lens)} tokens exceeds max_seqlen ({longest}) for {name}")
+    return cu
+
+
+def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse, policy, check_finite, window):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if getattr(t, "ndim", None) != 3:
+            raise DmattnError(f"{name}: packed sequences are [total, heads, d], got shape {tuple(t.shape)}")
+    cu_q, cu_k = _offsets(cu_q, "cu_seqlens_q", max_q), _offsets(cu_k, "cu_seqlens_k", max_k)
+    total_q, Hq = q.shape[0], q.shape[1]
+    win = (int(window[0]), int(window[1]))
+    if _is_torch(q):
+        import torch
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+        lse = torch.empty((Hq, total_q), dtype=torch.float32, device=q.device) if return_lse else None
+        stream, on_device = 0, contextlib.nullcontext()
+        if q.is_cuda:
+            stream = torch.cuda.current_stream(q.device).cuda_stream
+            on_device = torch.cuda.device(q.device)
+        with on_device:
+            varlen_attention_into(q.detach()[None], k.detach()[None], v.detach()[None], out[None],
+                                  None if lse is None else lse[None], cu_q, cu_k, causal, scale, policy, stream,
+                                  check_finite, win)
+    else:
+        import numpy as np
+        out = np.empty(q.shape, dtype=q.dtype)
+        lse = np.empty((Hq, total_q), dtype=np.float32) if return_lse else None
+        varlen_attention_into(q[None], k[None], v[None], out[None], None if lse is None else lse[None], cu_q, cu_k,
+                              causal, scale, policy, 0, check_finite, win)
     return (out, lse) if return_lse else out
 
 

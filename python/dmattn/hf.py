@@ -11,8 +11,8 @@ boolean mask (packed sequences, bidirectional spans, custom patterns), which the
 only where it equals the causal mask; every other mask raises NotImplementedError rather than being
 ignored.
 
-A padded batch runs each sequence's valid tokens as their own causal problem: the keys a padding
-mask keeps, and the queries among them. That is what the sequence computes alone (its tiles start at
+A padded batch runs each sequence's valid tokens as their own causal problem, all of them packed
+into one variable-length call: the keys a padding mask keeps, and the queries among them. That is what the sequence computes alone (its tiles start at
 its first real token), and it is exact for left padding (generation), right padding and holes alike;
 through a sliding window, which counts cache slots, for left and right padding (the kept tokens are
 contiguous) and not for holes, which raise. Query rows of padding tokens come back as zeros.
@@ -99,23 +99,31 @@ def _check_4d(mask, L, S, causal, left=-1):
 
 
 def _padded(query, key, value, keep, causal, scaling, left=-1):
-    """Each batch row over its own valid tokens: keep [B, S] bool, True for a real token."""
+    """Each batch row over its own valid tokens (keep [B, S] bool, True for a real token), packed into
+    one variable-length call."""
     import torch
+    from . import attention
     B, _, L, _ = query.shape
     S = key.shape[-2]
-    out = torch.zeros_like(query)
+    qs, ks, vs, rows, cq, ck = [], [], [], [], [0], [0]
     for b in range(B):
         kidx = torch.nonzero(keep[b], as_tuple=True)[0]
-        if kidx.numel() == 0:
-            continue
-        if left >= 0 and int(kidx[-1] - kidx[0]) + 1 != kidx.numel():
+        if left >= 0 and kidx.numel() > 0 and int(kidx[-1] - kidx[0]) + 1 != kidx.numel():
             raise NotImplementedError(_MASK_NOTE)  # a window over cache slots: holes would shift it
         qidx = kidx[kidx >= S - L] - (S - L)  # the queries are the last L positions
-        if qidx.numel() == 0:
-            continue
-        k_b, v_b = key[b:b + 1].index_select(2, kidx), value[b:b + 1].index_select(2, kidx)
-        q_b = query[b:b + 1].index_select(2, qidx)
-        out[b:b + 1].index_copy_(2, qidx, _attend(q_b, k_b, v_b, causal, scaling, left))
+        qs.append(query[b].index_select(1, qidx).transpose(0, 1))
+        ks.append(key[b].index_select(1, kidx).transpose(0, 1))
+        vs.append(value[b].index_select(1, kidx).transpose(0, 1))
+        rows.append(qidx)
+        cq.append(cq[-1] + qidx.numel())
+        ck.append(ck[-1] + kidx.numel())
+    out = torch.zeros_like(query)
+    if cq[-1] == 0:
+        return out
+    packed = attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), causal=causal, scale=scaling, policy=_policy(),
+                       window=(left, -1), cu_seqlens_q=cq, cu_seqlens_k=ck)
+    for b in range(B):
+        out[b].index_copy_(1, rows[b], packed[cq[b]:cq[b + 1]].transpose(0, 1))
     return out
 
 

@@ -68,8 +68,9 @@ float* lse_of(const std::optional<nb::ndarray<>>& lse, const TensorView& q) {
   if (!lse) return nullptr;
   const nb::ndarray<>& l = *lse;
   if (dtype_of(l, "lse") != DType::f32 || l.ndim() != 3 || int64_t(l.shape(0)) != q.shape[0] ||
-      int64_t(l.shape(1)) != q.shape[1] || int64_t(l.shape(2)) != q.shape[2] || l.stride(2) != 1 ||
-      l.stride(1) != int64_t(l.shape(2)) || l.stride(0) != int64_t(l.shape(1) * l.shape(2)))
+      int64_t(l.shape(1)) != q.shape[1] || int64_t(l.shape(2)) != q.shape[2] ||
+      (l.shape(2) > 1 && l.stride(2) != 1) || (l.shape(1) > 1 && l.stride(1) != int64_t(l.shape(2))) ||
+      (l.shape(0) > 1 && l.stride(0) != int64_t(l.shape(1) * l.shape(2))))  // an axis of extent 1 has any stride
     throw Error("lse: expected a contiguous float32 array of shape [B, Hq, Nq] (q's first three axes)");
   if ((l.device_type() == nb::device::cuda::value) != (q.device == Device::cuda))
     throw Error("lse: must live on the same device as q");
@@ -86,6 +87,16 @@ Options shared_options(std::optional<float> scale, int64_t window_left, uintptr_
   return o;
 }
 
+AttentionOptions attention_options(bool causal, std::optional<float> scale, const Policy& policy, uintptr_t stream,
+                                   bool check_finite, std::pair<int64_t, int64_t> window) {
+  AttentionOptions o = shared_options<AttentionOptions>(scale, window.first, stream);
+  o.causal = causal;
+  o.policy = policy;
+  o.check_finite = check_finite;
+  o.window_right = window.second;
+  return o;
+}
+
 void attention_into(const In& q, const In& k, const In& v, const nb::ndarray<>& out,
                     std::optional<nb::ndarray<>> lse, bool causal, std::optional<float> scale, const Policy& policy,
                     const std::string& layout, uintptr_t stream, std::optional<int64_t> q_offset,
@@ -93,15 +104,24 @@ void attention_into(const In& q, const In& k, const In& v, const nb::ndarray<>& 
   const TensorView tq = view_of(q, "q", layout), tk = view_of(k, "k", layout), tv = view_of(v, "v", layout),
                    to = view_of(out, "out", layout);
   float* lse_ptr = lse_of(lse, tq);
-  AttentionOptions o = shared_options<AttentionOptions>(scale, window.first, stream);
-  o.causal = causal;
-  o.policy = policy;
+  AttentionOptions o = attention_options(causal, scale, policy, stream, check_finite, window);
   o.q_offset = q_offset;
   o.k_offset = k_offset;
-  o.check_finite = check_finite;
-  o.window_right = window.second;
   nb::gil_scoped_release unlocked;  // compute without holding the GIL
   attention(tq, tk, tv, to, lse_ptr, o);
+}
+
+// Packed sequences: q, k, v, out [1, total, H, d] ("bnhd"), lse [1, Hq, total_q].
+void varlen_attention_into(const In& q, const In& k, const In& v, const nb::ndarray<>& out,
+                           std::optional<nb::ndarray<>> lse, const std::vector<int32_t>& cu_seqlens_q,
+                           const std::vector<int32_t>& cu_seqlens_k, bool causal, std::optional<float> scale,
+                           const Policy& policy, uintptr_t stream, bool check_finite, std::pair<int64_t, int64_t> window) {
+  const TensorView tq = view_of(q, "q", "bnhd"), tk = view_of(k, "k", "bnhd"), tv = view_of(v, "v", "bnhd"),
+                   to = view_of(out, "out", "bnhd");
+  float* lse_ptr = lse_of(lse, tq);
+  const AttentionOptions o = attention_options(causal, scale, policy, stream, check_finite, window);
+  nb::gil_scoped_release unlocked;
+  varlen_attention(tq, tk, tv, to, lse_ptr, cu_seqlens_q, cu_seqlens_k, o);
 }
 
 using F32Array = nb::ndarray<nb::numpy, const float, nb::ndim<2>, nb::c_contig, nb::device::cpu>;
@@ -283,6 +303,11 @@ NB_MODULE(_dmattn, m) {
         nb::arg("stream"), nb::arg("q_offset").none() = nb::none(), nb::arg("k_offset").none() = nb::none(),
         nb::arg("check_finite") = true, nb::arg("window") = std::pair<int64_t, int64_t>{-1, -1},
         "DMA attention of q, k, v into out (and lse), all of one device.");
+  m.def("varlen_attention_into", &varlen_attention_into, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"),
+        nb::arg("lse").none(), nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"), nb::arg("causal"),
+        nb::arg("scale").none(), nb::arg("policy"), nb::arg("stream"), nb::arg("check_finite") = true,
+        nb::arg("window") = std::pair<int64_t, int64_t>{-1, -1},
+        "Packed variable-length attention into out (and lse [1, Hq, total_q]), all of one device.");
   m.def("quantize_rows", &quantize_rows, nb::arg("x"), nb::arg("format"), nb::arg("scale_rule"),
         "float32 [rows, cols] -> (codes, scales, tensor_scale), the CPU codec.");
   m.def("dequantize_rows", &dequantize_rows, nb::arg("codes"), nb::arg("scales"), nb::arg("format"), nb::arg("cols"),

@@ -171,3 +171,22 @@ def test_paged_cache_decodes_as_the_host_cache(policy):
     assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
     with pytest.raises(dmattn.DmattnError, match="CUDA tensor"):
         dmattn.decode(dev, ds, q.cpu())
+
+
+def test_varlen_on_cuda_equals_each_sequence_alone():
+    """Packed sequences on the GPU (each sequence one call on the current stream): equal to the CUDA
+    attention of each sequence alone, the LSE in [Hq, total_q]."""
+    rng = np.random.default_rng(9)
+    lq, lk = [300, 1, 0, 700], [300, 129, 5, 1000]
+    mk = lambda n, h: torch.from_numpy(llm_like(rng, (1, n, h, 128))[0]).to(torch.bfloat16).cuda()  # noqa: E731
+    q, k, v = mk(sum(lq), 8), mk(sum(lk), 2), mk(sum(lk), 2)
+    cq, ck = np.cumsum([0] + lq), np.cumsum([0] + lk)
+    out, lse = dmattn.attention(q, k, v, causal=True, cu_seqlens_q=cq, cu_seqlens_k=ck, return_lse=True)
+    for i in range(len(lq)):
+        if lq[i] == 0:
+            continue
+        qi, ki, vi = (t[a:b].transpose(0, 1)[None].contiguous() for t, a, b in
+                      ((q, cq[i], cq[i + 1]), (k, ck[i], ck[i + 1]), (v, ck[i], ck[i + 1])))
+        want, want_lse = dmattn.attention(qi, ki, vi, causal=True, return_lse=True)
+        assert torch.equal(out[cq[i]:cq[i + 1]], want[0].transpose(0, 1))
+        assert torch.equal(lse[:, cq[i]:cq[i + 1]], want_lse[0])

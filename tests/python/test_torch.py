@@ -76,3 +76,44 @@ def test_tensors_that_need_gradients_are_refused():
     with torch.no_grad():
         out = dmattn.attention(q, k, v, causal=True)
     assert not out.requires_grad
+
+
+def _packed(seed, lq, lk, Hq=4, Hkv=2, d=64, dtype=torch.bfloat16, device="cpu"):
+    """Packed [total, H, d] q, k, v of sequences with lq queries and lk keys, and their offsets."""
+    rng = np.random.default_rng(seed)
+    mk = lambda n, h: torch.from_numpy(llm_like(rng, (1, n, h, d))[0]).to(dtype).to(device)  # noqa: E731
+    cq = torch.tensor(np.cumsum([0] + lq), dtype=torch.int32)
+    ck = torch.tensor(np.cumsum([0] + lk), dtype=torch.int32)
+    return mk(sum(lq), Hq), mk(sum(lk), Hkv), mk(sum(lk), Hkv), cq, ck
+
+
+def test_varlen_equals_each_sequence_alone():
+    """flash-attn's varlen convention: packed [total, H, d] tensors, int32 offsets, lse [Hq, total_q];
+    each sequence equals attention() over it alone (bottom-right causal within it), bit for bit."""
+    lq, lk = [7, 0, 200, 1], [7, 3, 260, 129]
+    q, k, v, cq, ck = _packed(4, lq, lk)
+    out, lse = dmattn.attention(q, k, v, causal=True, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=200,
+                                max_seqlen_k=260, return_lse=True, window=(150, -1))
+    assert out.shape == q.shape and out.dtype == q.dtype and lse.shape == (4, sum(lq))
+    for i in range(len(lq)):
+        if lq[i] == 0:
+            continue
+        qi, ki, vi = (t[a:b].transpose(0, 1)[None] for t, a, b in
+                      ((q, cq[i], cq[i + 1]), (k, ck[i], ck[i + 1]), (v, ck[i], ck[i + 1])))
+        want, want_lse = dmattn.attention(qi, ki, vi, causal=True, return_lse=True, window=(150, -1))
+        assert torch.equal(out[cq[i]:cq[i + 1]], want[0].transpose(0, 1))
+        assert torch.equal(lse[:, cq[i]:cq[i + 1]], want_lse[0])
+
+
+def test_varlen_says_what_is_wrong():
+    q, k, v, cq, ck = _packed(5, [4, 6], [4, 6])
+    with pytest.raises(dmattn.DmattnError, match="cu_seqlens_k"):
+        dmattn.attention(q, k, v, cu_seqlens_q=cq)
+    with pytest.raises(dmattn.DmattnError, match="max_seqlen"):
+        dmattn.attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=5)
+    with pytest.raises(dmattn.DmattnError, match="total, heads, d"):
+        dmattn.attention(q[None], k[None], v[None], cu_seqlens_q=cq, cu_seqlens_k=ck)
+    with pytest.raises(dmattn.DmattnError, match="from 0 to"):
+        dmattn.attention(q, k, v, cu_seqlens_q=[0, 4, 9], cu_seqlens_k=ck)
+    with pytest.raises(dmattn.DmattnError, match="no keys"):
+        dmattn.attention(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=[0, 0, 10])

@@ -368,6 +368,18 @@ void dma_attention(const Problem& p) {
     if (bad[i]) throw Error(std::string(names[i]) + " holds a non-finite value");
 }
 
+void dma_attention_lse_rows(Problem p, float* dst, int64_t stride) {
+  if (!is_device_pointer(dst)) throw Error("lse must be device memory for the CUDA backend");
+  const cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
+  Buffers buf(stream);  // stream-ordered: freed after the copy below
+  const int64_t rows = p.B * p.Hq;
+  p.lse = buf.alloc<float>(size_t(rows * p.Nq) * sizeof(float));
+  dma_attention(p);
+  check(cudaMemcpy2DAsync(dst, size_t(stride) * sizeof(float), p.lse, size_t(p.Nq) * sizeof(float),
+                          size_t(p.Nq) * sizeof(float), size_t(rows), cudaMemcpyDeviceToDevice, stream),
+        "lse rows");
+}
+
 }  // namespace cuda
 
 bool cuda_device_available() {
@@ -393,5 +405,6 @@ double attention_on_device(const TensorView& q, const TensorView& k, const Tenso
   if (lse) cuda::download(lse, dlse, rows * sizeof(float));
   return ms;
 }
+
 
 }  // namespace dmattn
