@@ -219,3 +219,6 @@ echo
 PYTHONUNBUFFERED=1 python3 bench/compare_decode.py $B "$OUT" 2>&1 | tee "$OUT/compare_decode.txt" | tail -12
 echo
 PYTHONUNBUFFERED=1 python3 bench/compare_sdpa.py $B "$OUT" 4096 16384 2>&1 | tee "$OUT/compare_sdpa.txt" | tail -20
+echo  # a generation step from Python over the KV cache in GPU memory (append + decode against SDPA)
+PYTHONPATH=$B/python${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 python3 bench/bench_decode_step.py ${STEP_SHAPES:-16:32768 64:8192 1:8192} \
+  2>&1 | tee "$OUT/decode_step.txt" | tail -8
