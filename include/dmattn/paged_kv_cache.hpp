@@ -10,7 +10,8 @@
 // after the same appends, so decode over it gives KVCache's results (the semantics are KVCache's:
 // kv_cache.hpp).
 //
-// Work is enqueued on the caller's stream and never waits for the device; NaN or Inf in k or v
+// Work is enqueued on the caller's stream and waits for the device only when the page pool grows (an
+// append that needs more pages than the pool holds: it grows 1.5x or more, once); NaN or Inf in k or v
 // gives that block a NaN scale (decode then returns NaN for the rows that see it) instead of an
 // error, which would need a synchronisation. Calls on one cache must be ordered on one stream (or
 // ordered by the caller) and come from one host thread at a time.
