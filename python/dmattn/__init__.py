@@ -16,6 +16,7 @@ import contextlib
 
 from ._dmattn import (DmattnError, KVCache, Policy, attention_into, cuda_available, decode_into, dequantize_rows,
                       quantize_rows, varlen_attention_into)
+from ._dmattn import AttentionOptions as _AttentionOptions, DecodeOptions as _DecodeOptions
 from ._dmattn import PagedKVCache as _PagedKVCache
 
 __all__ = ["attention", "sdpa", "decode", "ring_attention", "KVCache", "PagedKVCache", "quantize", "dequantize", "Policy", "DmattnError",
@@ -60,6 +61,17 @@ def _check_inputs(tensors, names="qkv"):
         if not dt.isnative:
             raise DmattnError(f"{name}: byte order {dt.byteorder!r} is not the machine's; convert with "
                               f"x.astype(x.dtype.newbyteorder('='))")
+
+
+def _options(cls, **fields):
+    """An options struct of the compiled layer (AttentionOptions, DecodeOptions) with these fields set:
+    a misspelt field is an AttributeError, not a silently ignored keyword."""
+    o = cls()
+    for name, value in fields.items():
+        if not hasattr(o, name):
+            raise AttributeError(f"{cls.__name__} has no field {name!r}")
+        setattr(o, name, value)
+    return o
 
 
 def _policy_fields():
@@ -168,15 +180,21 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
             stream = torch.cuda.current_stream(q.device).cuda_stream
             on_device = torch.cuda.device(q.device)
         with on_device:
-            attention_into(q.detach(), k.detach(), v.detach(), out, lse, causal, scale, policy, layout, stream,
-                           q_offset, k_offset, check_finite, (int(window[0]), int(window[1])))
+            attention_into(q.detach(), k.detach(), v.detach(), out, lse, layout,
+                           _attention_options(causal, scale, policy, check_finite, window, stream, q_offset, k_offset))
     else:
         import numpy as np
         out = np.empty(q.shape, dtype=q.dtype)
         lse = np.empty((B, Hq, Nq), dtype=np.float32) if return_lse else None
-        attention_into(q, k, v, out, lse, causal, scale, policy, layout, stream, q_offset, k_offset, check_finite,
-                       (int(window[0]), int(window[1])))
+        attention_into(q, k, v, out, lse, layout,
+                       _attention_options(causal, scale, policy, check_finite, window, stream, q_offset, k_offset))
     return (out, lse) if return_lse else out
+
+
+def _attention_options(causal, scale, policy, check_finite, window, stream=0, q_offset=None, k_offset=None):
+    return _options(_AttentionOptions, causal=bool(causal), softmax_scale=scale, policy=policy,
+                    check_finite=bool(check_finite), window_left=int(window[0]), window_right=int(window[1]),
+                    stream=stream, q_offset=q_offset, k_offset=k_offset)
 
 
 def _offsets(cu, name, longest):
@@ -196,7 +214,6 @@ def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse, policy
             raise DmattnError(f"{name}: packed sequences are [total, heads, d], got shape {tuple(t.shape)}")
     cu_q, cu_k = _offsets(cu_q, "cu_seqlens_q", max_q), _offsets(cu_k, "cu_seqlens_k", max_k)
     total_q, Hq = q.shape[0], q.shape[1]
-    win = (int(window[0]), int(window[1]))
     if _is_torch(q):
         import torch
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
@@ -207,14 +224,14 @@ def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse, policy
             on_device = torch.cuda.device(q.device)
         with on_device:
             varlen_attention_into(q.detach()[None], k.detach()[None], v.detach()[None], out[None],
-                                  None if lse is None else lse[None], cu_q, cu_k, causal, scale, policy, stream,
-                                  check_finite, win)
+                                  None if lse is None else lse[None], cu_q, cu_k,
+                                  _attention_options(causal, scale, policy, check_finite, window, stream))
     else:
         import numpy as np
         out = np.empty(q.shape, dtype=q.dtype)
         lse = np.empty((Hq, total_q), dtype=np.float32) if return_lse else None
         varlen_attention_into(q[None], k[None], v[None], out[None], None if lse is None else lse[None], cu_q, cu_k,
-                              causal, scale, policy, 0, check_finite, win)
+                              _attention_options(causal, scale, policy, check_finite, window))
     return (out, lse) if return_lse else out
 
 
@@ -330,12 +347,14 @@ def decode(cache: KVCache | PagedKVCache, seqs, q, *, scale: float | None = None
             stream = torch.cuda.current_stream(q.device).cuda_stream
             on_device = torch.cuda.device(q.device)
         with on_device:
-            decode_into(cache, seqs, q.detach(), out, lse, scale, splits, left, stream)
+            decode_into(cache, seqs, q.detach(), out, lse,
+                        _options(_DecodeOptions, softmax_scale=scale, splits=int(splits), window_left=left, stream=stream))
     else:
         import numpy as np
         out = np.empty(q.shape, dtype=q.dtype)
         lse = np.empty(q.shape[:3], dtype=np.float32) if return_lse else None
-        decode_into(cache, seqs, q, out, lse, scale, splits, left)
+        decode_into(cache, seqs, q, out, lse,
+                    _options(_DecodeOptions, softmax_scale=scale, splits=int(splits), window_left=left))
     return (out, lse) if return_lse else out
 
 

@@ -77,36 +77,11 @@ float* lse_of(const std::optional<nb::ndarray<>>& lse, const TensorView& q) {
   return static_cast<float*>(l.data());
 }
 
-// What attention's and decode's options share: the scale, the window's left side, the stream.
-template <class Options>
-Options shared_options(std::optional<float> scale, int64_t window_left, uintptr_t stream) {
-  Options o;
-  o.softmax_scale = scale;
-  o.window_left = window_left;
-  o.stream = reinterpret_cast<void*>(stream);
-  return o;
-}
-
-AttentionOptions attention_options(bool causal, std::optional<float> scale, const Policy& policy, uintptr_t stream,
-                                   bool check_finite, std::pair<int64_t, int64_t> window) {
-  AttentionOptions o = shared_options<AttentionOptions>(scale, window.first, stream);
-  o.causal = causal;
-  o.policy = policy;
-  o.check_finite = check_finite;
-  o.window_right = window.second;
-  return o;
-}
-
 void attention_into(const In& q, const In& k, const In& v, const nb::ndarray<>& out,
-                    std::optional<nb::ndarray<>> lse, bool causal, std::optional<float> scale, const Policy& policy,
-                    const std::string& layout, uintptr_t stream, std::optional<int64_t> q_offset,
-                    std::optional<int64_t> k_offset, bool check_finite, std::pair<int64_t, int64_t> window) {
+                    std::optional<nb::ndarray<>> lse, const std::string& layout, const AttentionOptions& o) {
   const TensorView tq = view_of(q, "q", layout), tk = view_of(k, "k", layout), tv = view_of(v, "v", layout),
                    to = view_of(out, "out", layout);
   float* lse_ptr = lse_of(lse, tq);
-  AttentionOptions o = attention_options(causal, scale, policy, stream, check_finite, window);
-  o.q_offset = q_offset;
-  o.k_offset = k_offset;
   nb::gil_scoped_release unlocked;  // compute without holding the GIL
   attention(tq, tk, tv, to, lse_ptr, o);
 }
@@ -114,12 +89,10 @@ void attention_into(const In& q, const In& k, const In& v, const nb::ndarray<>& 
 // Packed sequences: q, k, v, out [1, total, H, d] ("bnhd"), lse [1, Hq, total_q].
 void varlen_attention_into(const In& q, const In& k, const In& v, const nb::ndarray<>& out,
                            std::optional<nb::ndarray<>> lse, const std::vector<int32_t>& cu_seqlens_q,
-                           const std::vector<int32_t>& cu_seqlens_k, bool causal, std::optional<float> scale,
-                           const Policy& policy, uintptr_t stream, bool check_finite, std::pair<int64_t, int64_t> window) {
+                           const std::vector<int32_t>& cu_seqlens_k, const AttentionOptions& o) {
   const TensorView tq = view_of(q, "q", "bnhd"), tk = view_of(k, "k", "bnhd"), tv = view_of(v, "v", "bnhd"),
                    to = view_of(out, "out", "bnhd");
   float* lse_ptr = lse_of(lse, tq);
-  const AttentionOptions o = attention_options(causal, scale, policy, stream, check_finite, window);
   nb::gil_scoped_release unlocked;
   varlen_attention(tq, tk, tv, to, lse_ptr, cu_seqlens_q, cu_seqlens_k, o);
 }
@@ -173,12 +146,9 @@ TensorView cpu_view(const In& a, const char* name) {
 
 template <class Cache>
 void decode_into(const Cache& cache, const std::vector<int>& seqs, const In& q, const nb::ndarray<>& out,
-                 std::optional<nb::ndarray<>> lse, std::optional<float> scale, int splits, int64_t window_left,
-                 uintptr_t stream) {
+                 std::optional<nb::ndarray<>> lse, const DecodeOptions& o) {
   const TensorView tq = view_of(q, "q", "bhnd"), to = view_of(out, "out", "bhnd");
   float* lse_ptr = lse_of(lse, tq);
-  DecodeOptions o = shared_options<DecodeOptions>(scale, window_left, stream);
-  o.splits = splits;
   nb::gil_scoped_release unlocked;
   decode_attention(cache, seqs, tq, to, lse_ptr, o);
 }
@@ -291,22 +261,35 @@ NB_MODULE(_dmattn, m) {
           nb::arg("seqs"), nb::arg("k"), nb::arg("v"), nb::arg("stream") = 0,
           "Appends k, v: [len(seqs), kv_heads, n, head_dim] CUDA tensors, enqueued on `stream`.")
       .def_prop_ro("page_bytes", &PagedKVCache::page_bytes, "Device bytes of one 128-token page (all KV heads).");
+  // The options structs, bound once: Python sets their fields by name (dmattn/__init__.py).
+  nb::class_<AttentionOptions>(m, "AttentionOptions", "attention()'s options (include/dmattn/attention.hpp).")
+      .def(nb::init<>())
+      .def_rw("causal", &AttentionOptions::causal)
+      .def_rw("softmax_scale", &AttentionOptions::softmax_scale, nb::arg().none())
+      .def_rw("policy", &AttentionOptions::policy)
+      .def_rw("check_finite", &AttentionOptions::check_finite)
+      .def_rw("q_offset", &AttentionOptions::q_offset, nb::arg().none())
+      .def_rw("k_offset", &AttentionOptions::k_offset, nb::arg().none())
+      .def_rw("window_left", &AttentionOptions::window_left)
+      .def_rw("window_right", &AttentionOptions::window_right)
+      .def_prop_rw("stream", [](const AttentionOptions& o) { return reinterpret_cast<uintptr_t>(o.stream); },
+                   [](AttentionOptions& o, uintptr_t s) { o.stream = reinterpret_cast<void*>(s); });
+  nb::class_<DecodeOptions>(m, "DecodeOptions", "decode()'s options (include/dmattn/kv_cache.hpp).")
+      .def(nb::init<>())
+      .def_rw("softmax_scale", &DecodeOptions::softmax_scale, nb::arg().none())
+      .def_rw("splits", &DecodeOptions::splits)
+      .def_rw("window_left", &DecodeOptions::window_left)
+      .def_prop_rw("stream", [](const DecodeOptions& o) { return reinterpret_cast<uintptr_t>(o.stream); },
+                   [](DecodeOptions& o, uintptr_t s) { o.stream = reinterpret_cast<void*>(s); });
   m.def("decode_into", &decode_into<PagedKVCache>, nb::arg("cache"), nb::arg("seqs"), nb::arg("q"), nb::arg("out"),
-        nb::arg("lse").none(), nb::arg("scale").none(), nb::arg("splits"), nb::arg("window_left") = -1,
-        nb::arg("stream") = 0);
+        nb::arg("lse").none(), nb::arg("options"));
   m.def("decode_into", &decode_into<KVCache>, nb::arg("cache"), nb::arg("seqs"), nb::arg("q"), nb::arg("out"),
-        nb::arg("lse").none(), nb::arg("scale").none(), nb::arg("splits"), nb::arg("window_left") = -1,
-        nb::arg("stream") = 0,
-        "Decode attention over the cache.");
+        nb::arg("lse").none(), nb::arg("options"), "Decode attention over the cache.");
   m.def("attention_into", &attention_into, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"),
-        nb::arg("lse").none(), nb::arg("causal"), nb::arg("scale").none(), nb::arg("policy"), nb::arg("layout"),
-        nb::arg("stream"), nb::arg("q_offset").none() = nb::none(), nb::arg("k_offset").none() = nb::none(),
-        nb::arg("check_finite") = true, nb::arg("window") = std::pair<int64_t, int64_t>{-1, -1},
+        nb::arg("lse").none(), nb::arg("layout"), nb::arg("options"),
         "DMA attention of q, k, v into out (and lse), all of one device.");
   m.def("varlen_attention_into", &varlen_attention_into, nb::arg("q"), nb::arg("k"), nb::arg("v"), nb::arg("out"),
-        nb::arg("lse").none(), nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"), nb::arg("causal"),
-        nb::arg("scale").none(), nb::arg("policy"), nb::arg("stream"), nb::arg("check_finite") = true,
-        nb::arg("window") = std::pair<int64_t, int64_t>{-1, -1},
+        nb::arg("lse").none(), nb::arg("cu_seqlens_q"), nb::arg("cu_seqlens_k"), nb::arg("options"),
         "Packed variable-length attention into out (and lse [1, Hq, total_q]), all of one device.");
   m.def("quantize_rows", &quantize_rows, nb::arg("x"), nb::arg("format"), nb::arg("scale_rule"),
         "float32 [rows, cols] -> (codes, scales, tensor_scale), the CPU codec.");

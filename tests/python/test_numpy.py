@@ -264,3 +264,16 @@ def test_sliding_window_equals_a_masked_reference(window):
 def test_paged_cache_says_it_needs_a_gpu():
     with pytest.raises(dmattn.DmattnError, match="GPU memory|no CUDA device"):
         dmattn.PagedKVCache(2, 64)
+
+
+def test_options_are_set_by_name():
+    """The compiled layer takes one options struct per operation, its fields set by name: a misspelt
+    field raises instead of being dropped, and the defaults are the C++ structs' own."""
+    o = dmattn._AttentionOptions()
+    assert (o.causal, o.softmax_scale, o.check_finite, o.q_offset, o.window_left, o.window_right) == \
+        (False, None, True, None, -1, -1)
+    d = dmattn._DecodeOptions()
+    assert (d.softmax_scale, d.splits, d.window_left, d.stream) == (None, 0, -1, 0)
+    with pytest.raises(AttributeError, match="casual"):
+        dmattn._options(dmattn._AttentionOptions, casual=True)
+    assert dmattn._options(dmattn._AttentionOptions, causal=True, softmax_scale=0.5).softmax_scale == 0.5
