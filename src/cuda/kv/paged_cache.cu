@@ -1,7 +1,9 @@
 // PagedKVCache (include/dmattn/paged_kv_cache.hpp): the host's bookkeeping (page allocation,
 // lengths, which pages keep their original keys) and the launches that carry it out on the device
-// (kv/append.cuh). Each append uploads one small plan through a pinned ring and enqueues up to four
-// kernels; nothing waits for the device except a pool that has to grow.
+// (kv/append.cuh). An append that opens or re-encodes pages uploads one small plan through a pinned
+// ring and enqueues up to six kernels (a sequence's first append with smooth_k adds its mean's two);
+// a decode step's append is one launch carrying its batch in its parameters. Nothing waits for the
+// device except a pool that has to grow.
 #include <cuda_runtime.h>
 
 #include <algorithm>
