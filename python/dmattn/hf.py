@@ -132,8 +132,11 @@ def attention_function(module, query, key, value, attention_mask, scaling=None, 
     if dropout not in (0, 0.0) and module.training:
         raise NotImplementedError("dmattn: dropout in training is not supported (dmattn is inference-only)")
     causal = bool(getattr(module, "is_causal", True))
-    L, S = query.shape[-2], key.shape[-2]
     window = kwargs.get("sliding_window")
+    layer = getattr(key, "dmattn_layer", None)
+    if layer is not None:  # a PagedCache layer: key and value are this step's tokens alone
+        return layer.attend(query, key, value, attention_mask, causal, scaling, window)
+    L, S = query.shape[-2], key.shape[-2]
     left = int(window) - 1 if window is not None and window < S else -1
     if attention_mask is None:
         out = _attend(query, key, value, causal, scaling, left)
@@ -151,6 +154,124 @@ def attention_function(module, query, key, value, attention_mask, scaling=None, 
         _check_4d(attention_mask, L, S, causal, left)
         out = _attend(query, key, value, causal, scaling, left)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _cache_layer():
+    """PagedCache's layer class, built on first use (transformers is imported only then)."""
+    from transformers.cache_utils import CacheLayerMixin
+
+    class Layer(CacheLayerMixin):
+        """One model layer's keys and values in a dmattn cache: dmattn.PagedKVCache for CUDA tensors,
+        dmattn.KVCache for CPU ones, one sequence per batch row holding that row's real tokens only
+        (padding never enters it). update() hands the step's own tokens to the attention function,
+        tagged with the layer, which appends them and runs prefill (the first step) or decode."""
+        is_sliding = False
+
+        def __init__(self, **kwargs):
+            super().__init__()
+            self.length = 0  # tokens transformers has passed, padding included (its positions)
+            self.cache, self.seqs = None, None
+
+        def lazy_initialization(self, key_states, value_states):
+            self.dtype, self.device = key_states.dtype, key_states.device
+            self.is_initialized = True
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            self.length += key_states.shape[-2]
+            key_states.dmattn_layer = self
+            return key_states, value_states
+
+        def get_seq_length(self):
+            return self.length
+
+        def get_mask_sizes(self, query_length):
+            return self.length + query_length, 0
+
+        def get_max_length(self):
+            return -1
+
+        def reset(self):
+            self.length, self.cache, self.seqs = 0, None, None
+            self.is_initialized = False
+
+        def reorder_cache(self, beam_idx):
+            raise NotImplementedError("dmattn.hf.PagedCache: beam search (reordering the cache) is not supported")
+
+        def crop(self, tokens_to_remove):
+            raise NotImplementedError("dmattn.hf.PagedCache: cropping the cache is not supported")
+
+        def attend(self, query, key, value, attention_mask, causal, scaling, window):
+            import torch
+            from . import KVCache, PagedKVCache, decode
+            if not causal:
+                raise NotImplementedError("dmattn.hf.PagedCache holds causal (decoder) layers only")
+            B, L = query.shape[0], query.shape[-2]
+            S = self.length
+            keep = None
+            if attention_mask is not None:
+                if attention_mask.dim() != 2:
+                    raise NotImplementedError(_MASK_NOTE)
+                keep = attention_mask.bool()[:, -S:]
+            new = keep[:, S - L:] if keep is not None else None
+            first = self.cache is None
+            if first:
+                Hkv, E = key.shape[1], key.shape[-1]
+                on_gpu = key.is_cuda
+                self.cache = (PagedKVCache(Hkv, E, _policy()) if on_gpu else KVCache(Hkv, E, _policy()))
+                self.seqs = [self.cache.new_sequence() for _ in range(B)]
+            self._append(key, value, new)
+            if first:  # the prompt: attention over its own tokens, as without a cache
+                left = int(window) - 1 if window is not None and window < S else -1
+                if keep is None or bool(keep.all()):
+                    out = _attend(query, key, value, causal, scaling, left)
+                else:
+                    out = _padded(query, key, value, keep, causal, scaling, left)
+                return out.transpose(1, 2).contiguous(), None
+            if L > 16 or (new is not None and not bool(new.all())):
+                raise NotImplementedError("dmattn.hf.PagedCache: a step after the prompt takes 1 to 16 real tokens "
+                                          "a sequence (chunked prefill and padding after the prompt are not supported)")
+            left = int(window) - 1 if window is not None else -1
+            out = decode(self.cache, self.seqs, query.contiguous(), scale=scaling, window=(left, -1))
+            return out.transpose(1, 2).contiguous(), None
+
+        def _append(self, key, value, new):
+            """The step's real tokens into each row's sequence (all rows at once where they are whole)."""
+            from . import PagedKVCache
+            if isinstance(self.cache, PagedKVCache) and (new is None or bool(new.all())):
+                self.cache.append(self.seqs, key.contiguous(), value.contiguous())
+                return
+            for b, seq in enumerate(self.seqs):
+                idx = slice(None) if new is None else new[b].nonzero(as_tuple=True)[0]
+                k, v = key[b:b + 1, :, idx], value[b:b + 1, :, idx]
+                if k.shape[2] == 0:
+                    continue
+                if isinstance(self.cache, PagedKVCache):
+                    self.cache.append([seq], k.contiguous(), v.contiguous())
+                else:
+                    self.cache.append(seq, k.contiguous(), v.contiguous())
+
+    return Layer
+
+
+def PagedCache(model):
+    """A transformers Cache whose layers keep their keys and values in dmattn's paged MX cache (in GPU
+    memory for a model on the GPU): model.generate(..., past_key_values=dmattn.hf.PagedCache(model))
+    for a model loaded with dmattn's attention (register_transformers()). The prompt runs dmattn's
+    prefill and every later step dmattn's decode over the cache, under dmattn.hf_policy; padded
+    batches keep each sequence's real tokens only. Steps after the prompt take 1 to 16 tokens; beam
+    search and cache cropping raise NotImplementedError.
+
+    The model is checked, not kept: another attention implementation would read only each step's
+    own tokens from this cache, so it is refused here."""
+    from transformers.cache_utils import Cache
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    impl = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if ALL_ATTENTION_FUNCTIONS.get(impl) is not attention_function:
+        raise ValueError(f"dmattn.hf.PagedCache needs a model with dmattn's attention (attn_implementation="
+                         f"dmattn.register_transformers()); this one uses {impl!r}")
+    return Cache(layer_class_to_replicate=_cache_layer())
 
 
 def register(name: str = "dmattn") -> str:

@@ -190,3 +190,26 @@ def test_varlen_on_cuda_equals_each_sequence_alone():
         want, want_lse = dmattn.attention(qi, ki, vi, causal=True, return_lse=True)
         assert torch.equal(out[cq[i]:cq[i + 1]], want[0].transpose(0, 1))
         assert torch.equal(lse[:, cq[i]:cq[i + 1]], want_lse[0])
+
+
+def test_paged_cache_generate_on_cuda():
+    """generate() with dmattn.hf.PagedCache on the GPU: the layers' caches are PagedKVCache, and each
+    generated token's logits agree with the model's logits over the whole sequence (teacher-forced,
+    dmattn's prefill), padded batch included."""
+    pytest.importorskip("transformers")
+    from dmattn import hf
+    from test_transformers import padding_mask, tiny_llama
+    name = dmattn.register_transformers()
+    model = tiny_llama(name).cuda()
+    ids = torch.randint(0, 256, (2, 150), generator=torch.Generator().manual_seed(4)).cuda()
+    mask = padding_mask(150, "left", 37).cuda()
+    cache = hf.PagedCache(model)
+    with torch.no_grad():
+        res = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, past_key_values=cache,
+                             return_dict_in_generate=True, output_logits=True)
+        seq = res.sequences
+        full = model(seq, attention_mask=torch.cat([mask, torch.ones_like(seq[:, 150:])], 1)).logits
+    assert isinstance(cache.layers[0].cache, dmattn.PagedKVCache)
+    for step, logits in enumerate(res.logits):
+        want = full[:, 149 + step]
+        assert ((logits - want).norm() / want.norm()).item() < 2e-2, step

@@ -161,3 +161,23 @@ def test_training_mode_gradients_are_refused():
     ids = torch.randint(0, 100, (1, 64), generator=torch.Generator().manual_seed(5))
     with pytest.raises(dmattn.DmattnError, match="inference"):
         model(ids)
+
+
+@pytest.mark.parametrize("side", ["none", "left"])
+def test_paged_cache_generates_as_the_dynamic_cache(side):
+    """generate() with dmattn.hf.PagedCache: the prompt through dmattn's prefill, every later token
+    through dmattn's decode over the paged MX cache (the host KVCache for a CPU model, PagedKVCache on
+    a GPU). Decode over the cache returns prefill's last rows bit for bit, so greedy tokens equal the
+    default cache's (where each step recomputes attention over all the keys), padded batch included."""
+    from dmattn import hf
+    name = dmattn.register_transformers()
+    model = tiny_llama(name)
+    ids = torch.randint(0, 256, (2, 150), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids) if side == "none" else padding_mask(150, "left", 37)
+    with torch.no_grad():
+        want = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False)
+        got = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False,
+                             past_key_values=hf.PagedCache(model))
+    assert torch.equal(got, want)
+    with pytest.raises(ValueError, match="dmattn's attention"):
+        hf.PagedCache(tiny_llama("sdpa"))
