@@ -222,3 +222,7 @@ PYTHONUNBUFFERED=1 python3 bench/compare_sdpa.py $B "$OUT" 4096 16384 2>&1 | tee
 echo  # a generation step from Python over the KV cache in GPU memory (append + decode against SDPA)
 PYTHONPATH=$B/python${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 python3 bench/bench_decode_step.py ${STEP_SHAPES:-16:32768 64:8192 1:8192} \
   2>&1 | tee "$OUT/decode_step.txt" | tail -8
+if [ "${GENERATE:-0}" = 1 ]; then  # transformers generate() tokens/s: sdpa against dmattn + PagedCache
+  PYTHONPATH=$B/python${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 python3 bench/bench_generate.py ${GENERATE_ARGS:-} \
+    2>&1 | tee "$OUT/generate.txt" | tail -4
+fi
