@@ -266,10 +266,10 @@ class PagedKVCache:
     The pages equal KVCache's for the same appends (so decode returns what it returns over a
     KVCache), but they are written on the GPU: append() quantizes CUDA tensors of new tokens in
     place, on torch's current stream, and decode() reads the device page tables, so a generation
-    step does no host work beyond its launches and waits for the GPU only when the page pool grows. NaN or Inf in k or v
-    are not checked (that would need a synchronisation): decode returns NaN for the rows that see
-    them. The accuracy transforms run on the GPU as KVCache runs them (smooth_k's mean is fixed by each
-    sequence's first append).
+    step does no host work beyond its launches and waits for the GPU only when the page pool grows.
+    NaN or Inf in k or v are not checked (that would need a synchronisation): decode returns NaN for
+    the rows that see them. The accuracy transforms run on the GPU as KVCache runs them (smooth_k's
+    mean is fixed by each sequence's first append).
 
     Args:
       kv_heads, head_dim: the KV heads and their dimension (64 or 128).
