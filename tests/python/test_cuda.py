@@ -208,7 +208,8 @@ def test_paged_cache_generate_on_cuda():
         res = model.generate(ids, attention_mask=mask, max_new_tokens=12, do_sample=False, past_key_values=cache,
                              return_dict_in_generate=True, output_logits=True)
         seq = res.sequences
-        full = model(seq, attention_mask=torch.cat([mask, torch.ones_like(seq[:, 150:])], 1)).logits
+        whole = torch.cat([mask, torch.ones_like(seq[:, 150:])], 1)  # positions as generate() gives them
+        full = model(seq, attention_mask=whole, position_ids=(whole.cumsum(-1) - 1).clamp(min=0)).logits
     assert isinstance(cache.layers[0].cache, dmattn.PagedKVCache)
     for step, logits in enumerate(res.logits):
         want = full[:, 149 + step]
