@@ -11,9 +11,6 @@ on numpy arrays and PyTorch tensors (CPU, and CUDA on Hopper GPUs), without copy
 """
 from __future__ import annotations
 
-import contextlib
-
-
 from ._dmattn import (DmattnError, KVCache, Policy, attention_into, cuda_available, decode_into, dequantize_rows,
                       quantize_rows, varlen_attention_into)
 from ._dmattn import AttentionOptions as _AttentionOptions, DecodeOptions as _DecodeOptions
@@ -170,24 +167,33 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
         raise DmattnError(f"q: expected 4 dimensions, got shape {tuple(q.shape)}")
     B = q.shape[0]
     Hq, Nq = (q.shape[1], q.shape[2]) if layout == "bhnd" else (q.shape[2], q.shape[1])
-    stream = 0
+    return _call(q, (B, Hq, Nq), return_lse, lambda out, lse, stream: attention_into(
+        _plain(q), _plain(k), _plain(v), out, lse, layout,
+        _attention_options(causal, scale, policy, check_finite, window, stream, q_offset, k_offset)))
+
+
+def _plain(t):
+    """t as the compiled layer takes it: a torch tensor detached (it exports no autograd state)."""
+    return t.detach() if _is_torch(t) else t
+
+
+def _call(q, lse_shape, return_lse, run):
+    """out (q's kind, dtype, device and shape) and, when asked, lse (float32, lse_shape), filled by
+    run(out, lse, stream) on q's device and torch's current stream (0 for numpy and CPU tensors)."""
     if _is_torch(q):
         import torch
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        lse = torch.empty((B, Hq, Nq), dtype=torch.float32, device=q.device) if return_lse else None
-        on_device = contextlib.nullcontext()
+        lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
         if q.is_cuda:
-            stream = torch.cuda.current_stream(q.device).cuda_stream
-            on_device = torch.cuda.device(q.device)
-        with on_device:
-            attention_into(q.detach(), k.detach(), v.detach(), out, lse, layout,
-                           _attention_options(causal, scale, policy, check_finite, window, stream, q_offset, k_offset))
+            with torch.cuda.device(q.device):
+                run(out, lse, torch.cuda.current_stream(q.device).cuda_stream)
+        else:
+            run(out, lse, 0)
     else:
         import numpy as np
         out = np.empty(q.shape, dtype=q.dtype)
-        lse = np.empty((B, Hq, Nq), dtype=np.float32) if return_lse else None
-        attention_into(q, k, v, out, lse, layout,
-                       _attention_options(causal, scale, policy, check_finite, window, stream, q_offset, k_offset))
+        lse = np.empty(lse_shape, dtype=np.float32) if return_lse else None
+        run(out, lse, 0)
     return (out, lse) if return_lse else out
 
 
@@ -214,25 +220,9 @@ def _varlen(q, k, v, cu_q, cu_k, max_q, max_k, causal, scale, return_lse, policy
             raise DmattnError(f"{name}: packed sequences are [total, heads, d], got shape {tuple(t.shape)}")
     cu_q, cu_k = _offsets(cu_q, "cu_seqlens_q", max_q), _offsets(cu_k, "cu_seqlens_k", max_k)
     total_q, Hq = q.shape[0], q.shape[1]
-    if _is_torch(q):
-        import torch
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        lse = torch.empty((Hq, total_q), dtype=torch.float32, device=q.device) if return_lse else None
-        stream, on_device = 0, contextlib.nullcontext()
-        if q.is_cuda:
-            stream = torch.cuda.current_stream(q.device).cuda_stream
-            on_device = torch.cuda.device(q.device)
-        with on_device:
-            varlen_attention_into(q.detach()[None], k.detach()[None], v.detach()[None], out[None],
-                                  None if lse is None else lse[None], cu_q, cu_k,
-                                  _attention_options(causal, scale, policy, check_finite, window, stream))
-    else:
-        import numpy as np
-        out = np.empty(q.shape, dtype=q.dtype)
-        lse = np.empty((Hq, total_q), dtype=np.float32) if return_lse else None
-        varlen_attention_into(q[None], k[None], v[None], out[None], None if lse is None else lse[None], cu_q, cu_k,
-                              _attention_options(causal, scale, policy, check_finite, window))
-    return (out, lse) if return_lse else out
+    return _call(q, (Hq, total_q), return_lse, lambda out, lse, stream: varlen_attention_into(
+        _plain(q)[None], _plain(k)[None], _plain(v)[None], out[None], None if lse is None else lse[None], cu_q, cu_k,
+        _attention_options(causal, scale, policy, check_finite, window, stream)))
 
 
 def sdpa(query, key, value, attn_mask=None, dropout_p: float = 0.0, is_causal: bool = False,
@@ -338,24 +328,9 @@ def decode(cache: KVCache | PagedKVCache, seqs, q, *, scale: float | None = None
             raise DmattnError("decode: a PagedKVCache lives in GPU memory; q must be a CUDA tensor")
         cache = cache._c
     _check_inputs((q,), ("q",))
-    if _is_torch(q):
-        import torch
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-        lse = torch.empty(tuple(q.shape[:3]), dtype=torch.float32, device=q.device) if return_lse else None
-        stream, on_device = 0, contextlib.nullcontext()
-        if q.is_cuda:
-            stream = torch.cuda.current_stream(q.device).cuda_stream
-            on_device = torch.cuda.device(q.device)
-        with on_device:
-            decode_into(cache, seqs, q.detach(), out, lse,
-                        _options(_DecodeOptions, softmax_scale=scale, splits=int(splits), window_left=left, stream=stream))
-    else:
-        import numpy as np
-        out = np.empty(q.shape, dtype=q.dtype)
-        lse = np.empty(q.shape[:3], dtype=np.float32) if return_lse else None
-        decode_into(cache, seqs, q, out, lse,
-                    _options(_DecodeOptions, softmax_scale=scale, splits=int(splits), window_left=left))
-    return (out, lse) if return_lse else out
+    return _call(q, tuple(q.shape[:3]), return_lse, lambda out, lse, stream: decode_into(
+        cache, seqs, _plain(q), out, lse,
+        _options(_DecodeOptions, softmax_scale=scale, splits=int(splits), window_left=left, stream=stream)))
 
 
 def _rows(x):

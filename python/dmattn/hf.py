@@ -133,9 +133,9 @@ def attention_function(module, query, key, value, attention_mask, scaling=None, 
         raise NotImplementedError("dmattn: dropout in training is not supported (dmattn is inference-only)")
     causal = bool(getattr(module, "is_causal", True))
     window = kwargs.get("sliding_window")
-    layer = getattr(key, "dmattn_layer", None)
-    if layer is not None:  # a PagedCache layer: key and value are this step's tokens alone
-        return layer.attend(query, key, value, attention_mask, causal, scaling, window)
+    layer = getattr(key, "dmattn_layer", None)  # a PagedCache layer: key and value are this step's tokens
+    if layer is not None and not layer.take(key, value, attention_mask, causal):
+        return layer.decode(query, attention_mask, scaling, window)  # a step after the prompt
     L, S = query.shape[-2], key.shape[-2]
     left = int(window) - 1 if window is not None and window < S else -1
     if attention_mask is None:
@@ -202,34 +202,32 @@ def _cache_layer():
         def crop(self, tokens_to_remove):
             raise NotImplementedError("dmattn.hf.PagedCache: cropping the cache is not supported")
 
-        def attend(self, query, key, value, attention_mask, causal, scaling, window):
-            import torch
-            from . import KVCache, PagedKVCache, decode
+        def take(self, key, value, attention_mask, causal):
+            """Appends the step's real tokens to the rows' sequences; True for the prompt (the first
+            step), whose attention then runs over its own tokens as without a cache."""
+            from . import KVCache, PagedKVCache
             if not causal:
                 raise NotImplementedError("dmattn.hf.PagedCache holds causal (decoder) layers only")
-            B, L = query.shape[0], query.shape[-2]
-            S = self.length
-            keep = None
-            if attention_mask is not None:
-                if attention_mask.dim() != 2:
-                    raise NotImplementedError(_MASK_NOTE)
-                keep = attention_mask.bool()[:, -S:]
-            new = keep[:, S - L:] if keep is not None else None
             first = self.cache is None
             if first:
                 Hkv, E = key.shape[1], key.shape[-1]
-                on_gpu = key.is_cuda
-                self.cache = (PagedKVCache(Hkv, E, _policy()) if on_gpu else KVCache(Hkv, E, _policy()))
-                self.seqs = [self.cache.new_sequence() for _ in range(B)]
-            self._append(key, value, new)
-            if first:  # the prompt: attention over its own tokens, as without a cache
-                left = int(window) - 1 if window is not None and window < S else -1
-                if keep is None or bool(keep.all()):
-                    out = _attend(query, key, value, causal, scaling, left)
-                else:
-                    out = _padded(query, key, value, keep, causal, scaling, left)
-                return out.transpose(1, 2).contiguous(), None
-            if L > 16 or (new is not None and not bool(new.all())):
+                self.cache = (PagedKVCache if key.is_cuda else KVCache)(Hkv, E, _policy())
+                self.seqs = [self.cache.new_sequence() for _ in range(key.shape[0])]
+            self._append(key, value, self._new(attention_mask, key.shape[-2]))
+            return first
+
+        def _new(self, attention_mask, L):
+            """Which of the step's L tokens are real, [B, L] bool, or None for all of them."""
+            if attention_mask is None:
+                return None
+            if attention_mask.dim() != 2:
+                raise NotImplementedError(_MASK_NOTE)
+            return attention_mask.bool()[:, self.length - L:self.length]
+
+        def decode(self, query, attention_mask, scaling, window):
+            from . import decode
+            new = self._new(attention_mask, query.shape[-2])
+            if query.shape[-2] > 16 or (new is not None and not bool(new.all())):
                 raise NotImplementedError("dmattn.hf.PagedCache: a step after the prompt takes 1 to 16 real tokens "
                                           "a sequence (chunked prefill and padding after the prompt are not supported)")
             left = int(window) - 1 if window is not None else -1
