@@ -86,24 +86,35 @@ Problem validate(const TensorView& q, const TensorView& k, const TensorView& v, 
   return p;
 }
 
-void attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out, float* lse,
-               const AttentionOptions& opts) {
-  const Problem p = validate(q, k, v, out, lse, opts);
+namespace {
+// Whether the CUDA backend runs a call on these tensors (else the CPU backend); throws where neither can.
+bool runs_on_cuda(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
+                  const AttentionOptions& opts) {
   if (k.device != q.device || v.device != q.device || out.device != q.device)
     throw Error("Q, K, V and out must live on the same device");
   const bool on_gpu = q.device == Device::cuda;
   Backend backend = opts.backend;
   if (backend == Backend::automatic) backend = on_gpu ? Backend::cuda : Backend::cpu;
   if (backend == Backend::cpu && on_gpu) throw Error("the CPU backend needs host tensors (these are on the GPU)");
-  if (backend == Backend::cuda) {
+  if (backend == Backend::cpu) return false;
 #if defined(DMATTN_HAVE_CUDA)
-    if (!on_gpu) throw Error("the CUDA backend needs tensors on the GPU (attention_on_device stages host tensors)");
-    if (opts.exact) throw Error("the exact fp64 reference runs on the CPU only");
-    cuda::dma_attention(p);
-    return;
+  if (!on_gpu) throw Error("the CUDA backend needs tensors on the GPU (attention_on_device stages host tensors)");
+  if (opts.exact) throw Error("the exact fp64 reference runs on the CPU only");
+  return true;
 #else
-    throw Error("this build has no CUDA backend (configure with -DDMATTN_CUDA=ON on a machine with nvcc)");
+  throw Error("this build has no CUDA backend (configure with -DDMATTN_CUDA=ON on a machine with nvcc)");
 #endif
+}
+}  // namespace
+
+void attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out, float* lse,
+               const AttentionOptions& opts) {
+  const Problem p = validate(q, k, v, out, lse, opts);
+  if (runs_on_cuda(q, k, v, out, opts)) {
+#if defined(DMATTN_HAVE_CUDA)
+    cuda::dma_attention(p);
+#endif
+    return;
   }
   if (opts.check_finite) {
     check_finite(q, "Q");
@@ -145,15 +156,9 @@ void varlen_attention(const TensorView& q, const TensorView& k, const TensorView
                      oi = slice_tokens(out, q0, nq);
     if (!lse) {
       attention(qi, ki, vi, oi, nullptr, opts);
-    } else if (q.device == Device::cuda) {
+    } else if (runs_on_cuda(qi, ki, vi, oi, opts)) {
 #if defined(DMATTN_HAVE_CUDA)
-      if (opts.backend == Backend::cpu) throw Error("the CPU backend needs host tensors (these are on the GPU)");
-      if (opts.exact) throw Error("the exact fp64 reference runs on the CPU only");
-      if (k.device != q.device || v.device != q.device || out.device != q.device)
-        throw Error("Q, K, V and out must live on the same device");
       cuda::dma_attention_lse_rows(validate(qi, ki, vi, oi, nullptr, opts), lse + q0, total_q);
-#else
-      throw Error("this build has no CUDA backend (configure with -DDMATTN_CUDA=ON on a machine with nvcc)");
 #endif
     } else {  // the sequence's [Hq, nq] rows into their columns of [Hq, total_q]
       std::vector<float> rows(size_t(Hq * nq));

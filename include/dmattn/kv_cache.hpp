@@ -39,6 +39,10 @@
 
 namespace dmattn {
 
+// Rows of a cache's key state per KV head, kept with each sequence's first page: 1 for smooth_k's
+// mean, then one for each of the sink_keys keys (the same in KVCache and PagedKVCache).
+inline int key_state_rows(const Policy& p) { return (p.smooth_k ? 1 : 0) + p.sink_keys; }
+
 class KVCache {
  public:
   static constexpr int kMaxSinkKeys = 1024;  // sink keys a cache retains (fp32 rows a head)
@@ -60,8 +64,8 @@ class KVCache {
   // policy has no such transform or the sequence no token yet.
   std::vector<float> key_mean(int seq) const;
   std::vector<float> sink_rows(int seq) const;
-  // Rows of Page::state a head: 1 for smooth_k's mean, then sink_keys.
-  int state_rows() const { return (policy_.smooth_k ? 1 : 0) + policy_.sink_keys; }
+  // Rows of Page::state a head (key_state_rows).
+  int state_rows() const { return key_state_rows(policy_); }
   // Bytes this sequence holds: K codes and scales, V (bf16, or MXFP8 codes and scales), retained
   // fp32 K of window pages, (pv = mxfp8) the retained fp32 V of the open 32-key block, and the
   // transforms' K mean and sink rows.

@@ -110,6 +110,10 @@ __device__ __forceinline__ void write_key_row(const Pools& p, int32_t page, int 
 struct Entry {
   int seq, pos0, buf;
 };
+template <class Batch>  // a Plan's device array, or a step launch's parameter array
+__device__ __forceinline__ Entry entry_of(const Batch& batch, int i) {
+  return Entry{batch[3 * i], batch[3 * i + 1], batch[3 * i + 2]};
+}
 
 // One new token's K row (and its bf16 V row) by a warp: token t of head h of batch entry i (e).
 template <int D, class T>
@@ -128,7 +132,8 @@ __device__ __forceinline__ void append_row(const Pools& p, const NewTokens<T>& x
 #pragma unroll
     for (int e = 0; e < E; ++e) r[e] = to_float(krow[E * lane + e]);
     if (p.rotate) rotate_lanes<E>(r);
-    float* st = p.state + (int64_t(p.table[int64_t(seq) * p.cols]) * p.Hkv + h) * p.srows * D;
+    // This head's state at the sequence's first page (none without smooth_k or sink keys).
+    float* st = p.srows > 0 ? p.state + (int64_t(p.table[int64_t(seq) * p.cols]) * p.Hkv + h) * p.srows * D : nullptr;
 #pragma unroll
     for (int e = 0; e < E; ++e) r[e] = round_bf16(p.smooth_k ? r[e] - st[E * lane + e] : r[e]);
     if (pos < p.sink_keys)
@@ -281,7 +286,7 @@ __global__ void append_rows(Pools p, Plan plan, NewTokens<T> x, Codes cd) {
   const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   if (w >= int64_t(plan.S) * p.Hkv * plan.n) return;
   const int t = int(w % plan.n), h = int(w / plan.n % p.Hkv), i = int(w / plan.n / p.Hkv);
-  append_row<D>(p, x, cd, i, h, t, Entry{plan.batch[3 * i], plan.batch[3 * i + 1], plan.batch[3 * i + 2]});
+  append_row<D>(p, x, cd, i, h, t, entry_of(plan.batch, i));
 }
 template <int D, class T>
 __global__ void append_values(Pools p, Plan plan, NewTokens<T> x, Codes cd, int blocks) {
@@ -289,7 +294,7 @@ __global__ void append_values(Pools p, Plan plan, NewTokens<T> x, Codes cd, int 
   const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   if (w >= int64_t(plan.S) * p.Hkv * blocks * CG) return;
   const int cg = int(w % CG), bi = int(w / CG % blocks), h = int(w / CG / blocks % p.Hkv), i = int(w / CG / blocks / p.Hkv);
-  append_value_block<D>(p, x, cd, plan.n, i, h, bi, cg, Entry{plan.batch[3 * i], plan.batch[3 * i + 1], plan.batch[3 * i + 2]});
+  append_value_block<D>(p, x, cd, plan.n, i, h, bi, cg, entry_of(plan.batch, i));
 }
 
 // An append that opens no page and re-encodes none (a decode step, 127 times in 128): one launch
@@ -314,14 +319,14 @@ __global__ void append_step(const __grid_constant__ StepArgs<T> a) {
   const int64_t rows = int64_t(a.S) * p.Hkv * n;
   if (w < rows) {
     const int t = int(w % n), h = int(w / n % p.Hkv), i = int(w / n / p.Hkv);
-    const Entry e{a.batch[3 * i], a.batch[3 * i + 1], a.batch[3 * i + 2]};
+    const Entry e = entry_of(a.batch, i);
     append_row<D>(p, x, cd, i, h, t, e);
     if (t == 0 && h == 0 && threadIdx.x % 32 == 0) p.length[e.seq] = e.pos0 + n;  // the entry's first warp
   } else if (p.vbits != 16 && w - rows < int64_t(a.S) * p.Hkv * a.blocks * CG) {
     const int64_t v = w - rows;
     const int cg = int(v % CG), bi = int(v / CG % a.blocks), h = int(v / CG / a.blocks % p.Hkv),
               i = int(v / CG / a.blocks / p.Hkv);
-    append_value_block<D>(p, x, cd, n, i, h, bi, cg, Entry{a.batch[3 * i], a.batch[3 * i + 1], a.batch[3 * i + 2]});
+    append_value_block<D>(p, x, cd, n, i, h, bi, cg, entry_of(a.batch, i));
   }
 }
 

@@ -212,7 +212,7 @@ PagedKVCache::PagedKVCache(int64_t kv_heads, int64_t head_dim, const Policy& pol
   m.pools.rotate = policy.rotate;
   m.pools.smooth_k = policy.smooth_k;
   m.pools.sink_keys = policy.sink_keys;
-  m.pools.srows = (policy.smooth_k ? 1 : 0) + policy.sink_keys;
+  m.pools.srows = key_state_rows(policy);
   m.page_bytes = kv_heads * (kPage / cuda::kRecordKeys) * m.pools.record;
   if (m.page_bytes >= (int64_t(1) << 32)) throw Error("PagedKVCache: a page's records exceed 4 GiB (too many KV heads)");
 }
