@@ -19,6 +19,8 @@ contiguous) and not for holes, which raise. Query rows of padding tokens come ba
 """
 from __future__ import annotations
 
+import functools
+
 _MASK_NOTE = ("dmattn supports causal (or full) attention with padding, and sliding windows with left or right "
               "padding; this layer's mask differs (packed sequences, a custom pattern, or padding holes inside a "
               "sliding window): use another attn_implementation")
@@ -156,8 +158,9 @@ def attention_function(module, query, key, value, attention_mask, scaling=None, 
     return out.transpose(1, 2).contiguous(), None
 
 
+@functools.cache
 def _cache_layer():
-    """PagedCache's layer class, built on first use (transformers is imported only then)."""
+    """PagedCache's layer class, built once on first use (transformers is imported only then)."""
     from transformers.cache_utils import CacheLayerMixin
 
     class Layer(CacheLayerMixin):
