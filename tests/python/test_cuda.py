@@ -200,7 +200,7 @@ def test_paged_cache_generate_on_cuda():
     from dmattn import hf
     from test_transformers import padding_mask, tiny_llama
     name = dmattn.register_transformers()
-    model = tiny_llama(name).cuda()
+    model = tiny_llama(name, head_dim=64).cuda()  # the GPU cache's head dims: 64, 128
     ids = torch.randint(0, 256, (2, 150), generator=torch.Generator().manual_seed(4)).cuda()
     mask = padding_mask(150, "left", 37).cuda()
     cache = hf.PagedCache(model)

@@ -7,9 +7,9 @@ transformers = pytest.importorskip("transformers")
 import dmattn  # noqa: E402
 
 
-def tiny_llama(attn):
+def tiny_llama(attn, head_dim=32):
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                                    max_position_embeddings=512)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
