@@ -42,6 +42,20 @@ class PagedKVCache {
   // cudaStream_t (null: the default stream). A sequence appears at most once a call.
   void append(const std::vector<int>& seqs, const TensorView& k, const TensorView& v, void* stream = nullptr);
 
+  // CUDA graphs. An append and a decode captured in a graph replay with the cache's device addresses
+  // as they were at capture, so once a graph has captured either, the cache's memory never moves and
+  // an append that would need more throws: reserve() the room first (it also makes room for the
+  // plans of steps of up to 16 tokens a sequence). A captured append carries out a plan made on the
+  // host: prepare(seqs, n) does the bookkeeping of an append of n tokens to each of seqs now and
+  // writes its plan to device memory (stream-ordered), and a replay carries it out. The capture
+  // itself carries out nothing: call prepare() once before every replay, with the sequences and
+  // token count the graph captured. A replay whose plan is not the next one (a prepare() missed or
+  // doubled) appends nothing, and its decode, like every decode until a replay that finds its plan,
+  // returns NaN rows instead of a silently wrong answer. A captured decode reads every sequence's
+  // whole page table (the lengths change between replays); at most 896 sequences.
+  void reserve(int64_t sequences, int64_t tokens);  // room for sequences [0, sequences) of `tokens` tokens each
+  void prepare(const std::vector<int>& seqs, int64_t n, void* stream = nullptr);
+
   int64_t length(int seq) const;
   const std::vector<int32_t>& page_table(int seq) const;  // logical page -> physical page
   int64_t kv_heads() const;

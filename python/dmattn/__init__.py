@@ -287,6 +287,35 @@ class PagedKVCache:
             self._c.append([int(s) for s in seqs], k.detach(), v.detach(),
                            torch.cuda.current_stream(k.device).cuda_stream)
 
+    def reserve(self, sequences: int, tokens: int) -> None:
+        """Allocates room for sequences 0 .. sequences-1 of up to `tokens` tokens each.
+
+        Needed before capturing a CUDA graph: a captured cache's device memory never moves, so an
+        append that needs more than it holds then raises."""
+        self._c.reserve(int(sequences), int(tokens))
+
+    def prepare(self, seqs, n: int = 1) -> None:
+        """Plans the next append of n tokens to each of seqs, for a CUDA graph's replay to carry out.
+
+        A captured append carries out a plan made on the host, and the capture itself carries out
+        nothing: call prepare() once before every replay, with the sequences and token count the
+        graph captured (the plan goes to device memory on torch's current stream). A replay that
+        finds no fresh plan (a prepare() missed or doubled) appends nothing, and its decode, like
+        every decode until a replay that finds its plan, returns NaN:
+
+            cache.reserve(len(seqs), max_tokens)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                cache.append(seqs, k, v)        # k, v, q: fixed tensors, refilled before each replay
+                out = dmattn.decode(cache, seqs, q)
+            for _ in range(steps):
+                ...                             # the step's k, v, q copied into the captured tensors
+                cache.prepare(seqs, 1)
+                g.replay()                      # out holds the step's attention
+        """
+        import torch
+        self._c.prepare([int(s) for s in seqs], int(n), torch.cuda.current_stream().cuda_stream)
+
     def length(self, seq: int) -> int:
         return self._c.length(int(seq))
 

@@ -260,6 +260,15 @@ NB_MODULE(_dmattn, m) {
           },
           nb::arg("seqs"), nb::arg("k"), nb::arg("v"), nb::arg("stream") = 0,
           "Appends k, v: [len(seqs), kv_heads, n, head_dim] CUDA tensors, enqueued on `stream`.")
+      .def("reserve", &PagedKVCache::reserve, nb::arg("sequences"), nb::arg("tokens"),
+           "Room for `sequences` sequences of `tokens` tokens (a CUDA graph's cache never moves).")
+      .def(
+          "prepare",
+          [](PagedKVCache& c, const std::vector<int>& seqs, int64_t n, uintptr_t stream) {
+            c.prepare(seqs, n, reinterpret_cast<void*>(stream));
+          },
+          nb::arg("seqs"), nb::arg("n"), nb::arg("stream") = 0,
+          "The plan of the next append of n tokens to seqs, for a CUDA graph's replay.")
       .def_prop_ro("page_bytes", &PagedKVCache::page_bytes, "Device bytes of one 128-token page (all KV heads).");
   // The options structs, bound once: Python sets their fields by name (dmattn/__init__.py).
   nb::class_<AttentionOptions>(m, "AttentionOptions", "attention()'s options (include/dmattn/attention.hpp).")

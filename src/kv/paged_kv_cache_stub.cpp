@@ -17,6 +17,8 @@ PagedKVCache::~PagedKVCache() = default;
 int PagedKVCache::new_sequence() { no_cuda(); }
 void PagedKVCache::free_sequence(int) { no_cuda(); }
 void PagedKVCache::append(const std::vector<int>&, const TensorView&, const TensorView&, void*) { no_cuda(); }
+void PagedKVCache::reserve(int64_t, int64_t) { no_cuda(); }
+void PagedKVCache::prepare(const std::vector<int>&, int64_t, void*) { no_cuda(); }
 int64_t PagedKVCache::length(int) const { no_cuda(); }
 const std::vector<int32_t>& PagedKVCache::page_table(int) const { no_cuda(); }
 int64_t PagedKVCache::kv_heads() const { no_cuda(); }

@@ -207,3 +207,127 @@ TEST(GpuPagedCache, RejectsWhatItCannotHold) {
   c.append({s}, k.view, v.view);                                    // 4 tokens
   EXPECT_THROW(decode_attention(c, {s}, q.view, o.view, nullptr), Error);  // 8 queries, 4 tokens
 }
+
+// CUDA graphs: an append + decode step captured once and replayed with prepare() before each replay
+// equals the same steps run eagerly on a second cache, bit for bit (outputs, LSE, every page), across
+// page openings and pages leaving the window; a replay without prepare() appends nothing and returns
+// NaN; what a captured cache cannot do throws.
+TEST(GpuPagedCache, GraphReplaysEqualEagerSteps) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  setenv("DMATTN_DECODE_CTAS", "2", 1);  // one decode instance for both caches (the graph's reads every table column)
+  const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
+  const std::vector<Policy> policies = {Policy{}, pv_of(Policy{e4, f4, 3, 1, ScaleRule::ceil}, PV::mxfp4),
+                                        transformed(pv_of(Policy{e4, f4, 2, 1}, PV::mxfp8), true, true, 4, false)};
+  const int64_t d = 128, Hkv = 2, Hq = 8, steps = 200, prompt[3] = {600, 1, 300};
+  for (const Policy& pol : policies) {
+    const std::string what = pol.describe();
+    std::vector<HostTensor> k, v;
+    for (int i = 0; i < 3; ++i) {
+      QKV x = llm_like_qkv({1, 4, Hkv, prompt[i] + steps + 1, prompt[i] + steps + 1, d}, uint64_t(40 + i));
+      k.push_back(std::move(x.k));
+      v.push_back(std::move(x.v));
+    }
+    PagedKVCache eager(Hkv, d, pol), graph(Hkv, d, pol);
+    std::vector<int> es, gs;
+    for (int i = 0; i < 3; ++i) {
+      es.push_back(eager.new_sequence());
+      gs.push_back(graph.new_sequence());
+      const HostTensor kt = tokens(k[size_t(i)], 0, prompt[i], DType::f32), vt = tokens(v[size_t(i)], 0, prompt[i], DType::f32);
+      OnDevice dk(kt), dv(vt);
+      eager.append({es.back()}, dk.view, dv.view);
+      graph.append({gs.back()}, dk.view, dv.view);
+    }
+    graph.reserve(3, prompt[0] + steps + 1);
+    cudaStream_t st;
+    CUDA_OK(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking));
+    // The graph's inputs and outputs: fixed buffers, refilled before each replay.
+    std::vector<int64_t> at = {prompt[0], prompt[1], prompt[2]};
+    const std::vector<const HostTensor*> ks = {&k[0], &k[1], &k[2]}, vs = {&v[0], &v[1], &v[2]};
+    OnDevice k1(one_each(ks, at, DType::f32)), v1(one_each(vs, at, DType::f32));
+    const QKV qx = random_qkv({3, Hq, Hkv, 1, 1, d}, 9, DType::f32, 2.0f);
+    OnDevice q(qx.q), out_g(qx.q), out_e(qx.q);
+    float *lse_g, *lse_e;
+    CUDA_OK(cudaMalloc(&lse_g, 3 * Hq * 4));
+    CUDA_OK(cudaMalloc(&lse_e, 3 * Hq * 4));
+    DecodeOptions o;
+    o.splits = 2;
+    o.stream = st;
+    cudaGraph_t g;
+    CUDA_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    graph.append(gs, k1.view, v1.view, st);
+    decode_attention(graph, gs, q.view, out_g.view, lse_g, o);
+    CUDA_OK(cudaStreamEndCapture(st, &g));
+    cudaGraphExec_t exec;
+    CUDA_OK(cudaGraphInstantiate(&exec, g, 0));
+    const size_t on = size_t(qx.q.numel());
+    std::vector<float> a(on), b(on), la(3 * Hq), lb(3 * Hq);
+    auto compare = [&](int64_t step) {
+      CUDA_OK(cudaStreamSynchronize(st));
+      cudaMemcpy(a.data(), out_e.ptr, on * 4, cudaMemcpyDeviceToHost);
+      cudaMemcpy(b.data(), out_g.ptr, on * 4, cudaMemcpyDeviceToHost);
+      cudaMemcpy(la.data(), lse_e, la.size() * 4, cudaMemcpyDeviceToHost);
+      cudaMemcpy(lb.data(), lse_g, lb.size() * 4, cudaMemcpyDeviceToHost);
+      ASSERT_FALSE(std::isnan(a[0])) << what << " step " << step;
+      ASSERT_EQ(std::memcmp(a.data(), b.data(), on * 4), 0) << what << ": outputs differ at step " << step;
+      ASSERT_EQ(std::memcmp(la.data(), lb.data(), la.size() * 4), 0) << what << ": LSE differs at step " << step;
+    };
+    for (int64_t step = 0; step < steps; ++step) {
+      const HostTensor kb = one_each(ks, at, DType::f32), vb = one_each(vs, at, DType::f32);
+      CUDA_OK(cudaMemcpyAsync(k1.ptr, kb.bytes(), kb.nbytes(), cudaMemcpyHostToDevice, st));
+      CUDA_OK(cudaMemcpyAsync(v1.ptr, vb.bytes(), vb.nbytes(), cudaMemcpyHostToDevice, st));
+      cudaMemsetAsync(out_g.ptr, 0xFF, on * 4, st);  // poisoned: NaN
+      graph.prepare(gs, 1, st);
+      CUDA_OK(cudaGraphLaunch(exec, st));
+      CUDA_OK(cudaStreamSynchronize(st));
+      eager.append(es, k1.view, v1.view);
+      decode_attention(eager, es, q.view, out_e.view, lse_e, DecodeOptions{std::nullopt, 2});
+      compare(step);
+      for (int64_t& t : at) ++t;
+    }
+    for (int i = 0; i < 3; ++i) {
+      ASSERT_EQ(graph.length(gs[size_t(i)]), eager.length(es[size_t(i)])) << what;
+      for (size_t j = 0; j < eager.page_table(es[size_t(i)]).size(); ++j)
+        EXPECT_EQ(graph.page_records(graph.page_table(gs[size_t(i)])[j]), eager.page_records(eager.page_table(es[size_t(i)])[j]))
+            << what << ": sequence " << i << " page " << j;
+    }
+    // A replay without prepare(): nothing appended, NaN out (and the pages as they were).
+    CUDA_OK(cudaGraphLaunch(exec, st));
+    CUDA_OK(cudaStreamSynchronize(st));
+    cudaMemcpy(b.data(), out_g.ptr, on * 4, cudaMemcpyDeviceToHost);
+    for (float x : b) ASSERT_TRUE(std::isnan(x)) << what << ": a stale replay must return NaN";
+    // The next prepared replay carries on.
+    {
+      const HostTensor kb = one_each(ks, at, DType::f32), vb = one_each(vs, at, DType::f32);
+      CUDA_OK(cudaMemcpy(k1.ptr, kb.bytes(), kb.nbytes(), cudaMemcpyHostToDevice));
+      CUDA_OK(cudaMemcpy(v1.ptr, vb.bytes(), vb.nbytes(), cudaMemcpyHostToDevice));
+      graph.prepare(gs, 1, st);
+      CUDA_OK(cudaGraphLaunch(exec, st));
+      eager.append(es, k1.view, v1.view);
+      decode_attention(eager, es, q.view, out_e.view, lse_e, DecodeOptions{std::nullopt, 2});
+      compare(steps);
+    }
+    // The captured cache's memory stays where the graph holds it: sequences past its reserve throw.
+    const HostTensor big = tokens(k[0], 0, prompt[0], DType::f32);
+    OnDevice dbig(big);
+    EXPECT_THROW(
+        [&] {
+          for (int r = 0; r < 64; ++r) graph.append({graph.new_sequence()}, dbig.view, dbig.view);
+        }(),
+        Error);
+    // Under capture, an append needs the room reserve() makes for its plans.
+    PagedKVCache other(Hkv, d, pol);
+    const std::vector<int> os = {other.new_sequence(), other.new_sequence(), other.new_sequence()};
+    CUDA_OK(cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal));
+    EXPECT_THROW(other.append(os, k1.view, v1.view, st), Error);
+    cudaGraph_t bad = nullptr;
+    cudaStreamEndCapture(st, &bad);
+    if (bad) cudaGraphDestroy(bad);
+    cudaGetLastError();
+    cudaGraphExecDestroy(exec);
+    cudaGraphDestroy(g);
+    cudaFree(lse_g);
+    cudaFree(lse_e);
+    cudaStreamDestroy(st);
+  }
+  unsetenv("DMATTN_DECODE_CTAS");
+}

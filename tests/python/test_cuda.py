@@ -214,3 +214,49 @@ def test_paged_cache_generate_on_cuda():
     for step, logits in enumerate(res.logits):
         want = full[:, 149 + step]
         assert ((logits - want).norm() / want.norm()).item() < 2e-2, step
+
+
+def test_paged_cache_graph_replay_equals_eager_steps(monkeypatch):
+    """A step (append + decode) captured in a torch CUDA graph and replayed with prepare() before
+    each replay gives, bit for bit, what the same steps give run eagerly on a second cache (page
+    openings and pages leaving the window included); a replay without prepare() returns NaN."""
+    monkeypatch.setenv("DMATTN_DECODE_CTAS", "2")  # one decode instance for both (the graph's reads every table column)
+    Hkv, Hq, d, steps, prompts = 2, 8, 128, 140, (600, 1, 300)
+    pol = dmattn.Policy(diag_tiles=2, sink_tiles=1, pv="mxfp4", rotate=True, smooth_k=True)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    kk = [torch.randn(1, Hkv, n + steps + 1, d, device="cuda", dtype=torch.bfloat16, generator=g) for n in prompts]
+    vv = [torch.randn(1, Hkv, n + steps + 1, d, device="cuda", dtype=torch.bfloat16, generator=g) for n in prompts]
+    qq = torch.randn(steps + 1, len(prompts), Hq, 1, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    eager, graph = dmattn.PagedKVCache(Hkv, d, pol), dmattn.PagedKVCache(Hkv, d, pol)
+    es = [eager.new_sequence() for _ in prompts]
+    gs = [graph.new_sequence() for _ in prompts]
+    for i, n in enumerate(prompts):
+        eager.append([es[i]], kk[i][:, :, :n], vv[i][:, :, :n])
+        graph.append([gs[i]], kk[i][:, :, :n], vv[i][:, :, :n])
+    graph.reserve(len(prompts), max(prompts) + steps + 1)
+
+    def inputs(step):
+        k = torch.cat([kk[i][:, :, n + step:n + step + 1] for i, n in enumerate(prompts)])
+        v = torch.cat([vv[i][:, :, n + step:n + step + 1] for i, n in enumerate(prompts)])
+        return k, v, qq[step]
+    k1, v1, q1 = (x.clone() for x in inputs(0))
+    cg = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(cg):
+        graph.append(gs, k1, v1)
+        out = dmattn.decode(graph, gs, q1, splits=2)
+    for step in range(steps):
+        for dst, src in zip((k1, v1, q1), inputs(step)):
+            dst.copy_(src)
+        out.fill_(float("nan"))
+        graph.prepare(gs, 1)
+        cg.replay()
+        eager.append(es, k1, v1)
+        want = dmattn.decode(eager, es, q1, splits=2)
+        assert torch.equal(out, want), step
+    assert [graph.length(s) for s in gs] == [eager.length(s) for s in es]
+    cg.replay()  # no prepare(): nothing appended, NaN out
+    assert torch.isnan(out).all()
+    assert [graph.length(s) for s in gs] == [eager.length(s) for s in es]
+    with pytest.raises(dmattn.DmattnError, match="reserve"):  # the captured cache's memory stays put
+        for _ in range(64):
+            graph.append([graph.new_sequence()], kk[0][:, :, :600], vv[0][:, :, :600])

@@ -7,12 +7,16 @@ transformers = pytest.importorskip("transformers")
 import dmattn  # noqa: E402
 
 
-def tiny_llama(attn, head_dim=32):
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
-                                   max_position_embeddings=512)
+def seeded_model(cfg, attn):
+    """A random model of cfg with seed 0's weights (the same for every attention implementation)."""
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
+
+
+def tiny_llama(attn, head_dim=32):
+    return seeded_model(transformers.LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                 head_dim=head_dim, max_position_embeddings=512), attn)
 
 
 def test_logits_match_sdpa_at_all_high_bf16_and_dma_runs():
@@ -100,11 +104,9 @@ def test_padded_greedy_generate_matches_sdpa(bf16_policy):
 
 
 def tiny_mistral(attn, window=64):
-    cfg = transformers.MistralConfig(vocab_size=100, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, sliding_window=window,
-                                     max_position_embeddings=1024)
-    torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn).eval()
+    return seeded_model(transformers.MistralConfig(vocab_size=100, hidden_size=128, intermediate_size=256,
+                                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                   sliding_window=window, max_position_embeddings=1024), attn)
 
 
 def test_sliding_window_layers_match_sdpa(bf16_policy):

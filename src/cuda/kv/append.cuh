@@ -33,16 +33,45 @@ struct Pools {
   bool transformed = false;    // any transform on: keys enter quantization as bf16 values
   bool rotate = false, smooth_k = false;  // the policy's key transforms (KVCache::transform_keys)
   int sink_keys = 0, srows = 0;
+  // [2]: the epoch of the last prepared plan carried out, and 1 while the latest replay found its
+  // plan already carried out (or not the one it was captured for): decode then reads no keys.
+  int32_t* gate = nullptr;
 };
 
 // An append's work, as the host planned it (int32 arrays, device copies):
 //  batch [S][3]: sequence id, its length before the append, which V tail buffer holds its open block;
 //  table [nt][2]: flat index into Pools::table, page; meta [nm][4]: page, slot, kept slot, pending;
 //  zero [nz]: new pages (all their records zeroed first); reenc [nr][3]: page, kept slot, rows.
+// A prepared plan (PagedKVCache::prepare, what a CUDA graph replays) lives at fixed addresses and
+// its counts in device memory, `head` [kHead]: its epoch, S, n, nt, nm, nz, nr; the launches are
+// sized for its capacity, and each kernel takes the counts from there (resolve).
+constexpr int kHead = 7;
 struct Plan {
   const int32_t *batch, *table, *meta, *zero, *reenc;
   int S, n, nt, nm, nz, nr;
+  const int32_t* head = nullptr;
 };
+
+// A kernel's view of its plan: a prepared plan's counts read from device memory; false where the
+// replay carries out nothing (open_plan found it stale).
+__device__ __forceinline__ bool resolve(Plan& plan, const int32_t* gate) {
+  if (!plan.head) return true;
+  if (gate[1]) return false;
+  plan.nt = plan.head[3];
+  plan.nm = plan.head[4];
+  plan.nz = plan.head[5];
+  plan.nr = plan.head[6];
+  return true;
+}
+
+// A prepared plan's first launch: carried out only where its epoch follows the last one carried out
+// and it was prepared for the launches' S and n (the captured ones); else the gate marks the replay
+// stale, the plan's kernels do nothing and the decode reads no keys (its rows come out NaN).
+__global__ void open_plan(const int32_t* head, int S, int n, int32_t* gate) {
+  const bool next = head[0] == gate[0] + 1 && head[1] == S && head[2] == n;
+  gate[1] = !next;
+  if (next) gate[0] = head[0];
+}
 
 // The appended tokens: k and v [S][Hkv][n][d] with these element strides (unit on d).
 template <class T>
@@ -248,6 +277,7 @@ constexpr int kMeanRows = 256;
 template <int D, class T>
 __global__ void key_mean_parts(Pools p, Plan plan, NewTokens<T> x, int chunks, double* part) {
   constexpr int E = D / 32;
+  if (!resolve(plan, p.gate)) return;
   const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   if (w >= int64_t(plan.S) * p.Hkv * chunks) return;
   const int ch = int(w % chunks), h = int(w / chunks % p.Hkv), i = int(w / chunks / p.Hkv), lane = threadIdx.x % 32;
@@ -268,6 +298,7 @@ __global__ void key_mean_parts(Pools p, Plan plan, NewTokens<T> x, int chunks, d
 // channel of a (batch entry, head)).
 template <int D>
 __global__ void key_mean_finish(Pools p, Plan plan, int chunks, const double* part) {
+  if (!resolve(plan, p.gate)) return;
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (tid >= int64_t(plan.S) * p.Hkv * D) return;
   const int c = int(tid % D), h = int(tid / D % p.Hkv), i = int(tid / D / p.Hkv);
@@ -283,6 +314,7 @@ __global__ void key_mean_finish(Pools p, Plan plan, int chunks, const double* pa
 // channel group), in that order of significance, reversed.
 template <int D, class T>
 __global__ void append_rows(Pools p, Plan plan, NewTokens<T> x, Codes cd) {
+  if (!resolve(plan, p.gate)) return;
   const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   if (w >= int64_t(plan.S) * p.Hkv * plan.n) return;
   const int t = int(w % plan.n), h = int(w / plan.n % p.Hkv), i = int(w / plan.n / p.Hkv);
@@ -291,6 +323,7 @@ __global__ void append_rows(Pools p, Plan plan, NewTokens<T> x, Codes cd) {
 template <int D, class T>
 __global__ void append_values(Pools p, Plan plan, NewTokens<T> x, Codes cd, int blocks) {
   constexpr int CG = D / 32;
+  if (!resolve(plan, p.gate)) return;
   const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   if (w >= int64_t(plan.S) * p.Hkv * blocks * CG) return;
   const int cg = int(w % CG), bi = int(w / CG % blocks), h = int(w / CG / blocks % p.Hkv), i = int(w / CG / blocks / p.Hkv);
@@ -331,24 +364,28 @@ __global__ void append_step(const __grid_constant__ StepArgs<T> a) {
 }
 
 // Pages that left the window: K re-encoded in the low format from the kept originals. Warp w is
-// (entry, head, key), reversed; keys past the page's rows encode zeros (codes and scales 0, as a
-// fresh page holds).
+// (entry, head, key), reversed, the warps striding over them (a prepared plan's launch is sized for
+// its capacity, most of which a step leaves idle); keys past the page's rows encode zeros (codes and
+// scales 0, as a fresh page holds).
 template <int D>
 __global__ void reencode_pages(Pools p, Plan plan, Elem low, ScaleRule rule) {
-  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  if (w >= int64_t(plan.nr) * p.Hkv * kPage) return;
-  const int key = int(w % kPage), h = int(w / kPage % p.Hkv), r = int(w / kPage / p.Hkv);
-  const int lane = threadIdx.x % 32;
-  const int32_t page = plan.reenc[3 * r], ks = plan.reenc[3 * r + 1], rows = plan.reenc[3 * r + 2];
-  const float* src = p.kept + ((int64_t(ks) * p.Hkv + h) * kPage + key) * D;
-  float vals[D / 32];
+  if (!resolve(plan, p.gate)) return;
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
+  for (int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; w < int64_t(plan.nr) * p.Hkv * kPage; w += warps) {
+    const int key = int(w % kPage), h = int(w / kPage % p.Hkv), r = int(w / kPage / p.Hkv);
+    const int lane = threadIdx.x % 32;
+    const int32_t page = plan.reenc[3 * r], ks = plan.reenc[3 * r + 1], rows = plan.reenc[3 * r + 2];
+    const float* src = p.kept + ((int64_t(ks) * p.Hkv + h) * kPage + key) * D;
+    float vals[D / 32];
 #pragma unroll
-  for (int b = 0; b < D / 32; ++b) vals[b] = key < rows ? src[32 * b + lane] : 0.0f;
-  write_key_row<D>(p, page, h, key, vals, low, rule);
+    for (int b = 0; b < D / 32; ++b) vals[b] = key < rows ? src[32 * b + lane] : 0.0f;
+    write_key_row<D>(p, page, h, key, vals, low, rule);
+  }
 }
 
 // The plan's table, length and page updates, and zeroed records for new pages (grid-stride).
 __global__ void apply_plan(Pools p, Plan plan, int64_t page_bytes) {
+  if (!resolve(plan, p.gate)) return;
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = tid; i < plan.nt; i += stride) p.table[plan.table[2 * i]] = plan.table[2 * i + 1];
   for (int64_t i = tid; i < plan.S; i += stride) p.length[plan.batch[3 * i]] = plan.batch[3 * i + 1] + plan.n;
@@ -366,10 +403,11 @@ __global__ void apply_plan(Pools p, Plan plan, int64_t page_bytes) {
 }
 
 // Rows of the page table and the lengths of the decode's sequences, gathered in call order. The ids
-// travel in the parameters where they fit (no upload), else in device memory.
+// travel in the parameters where they fit (no upload), else in device memory. A stale replay (gate)
+// gives every sequence length 0.
 constexpr int kGatherIds = 896;
 struct Gather {
-  const int32_t *table, *length;
+  const int32_t *table, *length, *gate;
   int cols, S, max_pages;
   int32_t *out_table, *out_length;
   const int32_t* seqs;  // the ids in device memory, or null: they are `ids`
@@ -382,7 +420,7 @@ __global__ void gather_tables(const __grid_constant__ Gather g) {
     const int s = int(tid / g.max_pages), j = int(tid % g.max_pages);
     g.out_table[tid] = g.table[int64_t(seqs[s]) * g.cols + j];
   }
-  if (tid < g.S) g.out_length[tid] = g.length[seqs[tid]];
+  if (tid < g.S) g.out_length[tid] = g.gate[1] ? 0 : g.length[seqs[tid]];
 }
 
 }  // namespace dmattn::cuda::kv

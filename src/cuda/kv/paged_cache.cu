@@ -3,7 +3,8 @@
 // (kv/append.cuh). An append that opens or re-encodes pages uploads one small plan through a pinned
 // ring and enqueues up to six kernels (a sequence's first append with smooth_k adds its mean's two);
 // a decode step's append is one launch carrying its batch in its parameters. Nothing waits for the
-// device except a pool that has to grow.
+// device except a pool that has to grow. Under CUDA graph capture an append carries out a plan
+// prepare() wrote to fixed device memory, and the pools stop moving (the graph holds their addresses).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -27,6 +28,7 @@ namespace {
 
 using cuda::check;
 using cuda::kv::kPage;
+constexpr int64_t kMaxStepTokens = 16;  // reserve()'s prepared plans: the most tokens a decode step appends (Nq)
 
 // Pinned host staging for the small per-call arrays (plans, sequence lists), in a ring: a slot is
 // refilled only once the device has read its last upload (its event), so a call waits for the device
@@ -42,8 +44,8 @@ class UploadRing {
       if (s.host) cudaFreeHost(s.host);
     }
   }
-  // A device copy of v (from buf's stream-ordered pool).
-  const int32_t* upload(const std::vector<int32_t>& v, cuda::Buffers& buf, cudaStream_t stream) {
+  // A device copy of v: into `into` where given, else from buf's stream-ordered pool.
+  const int32_t* upload(const std::vector<int32_t>& v, cuda::Buffers& buf, cudaStream_t stream, int32_t* into = nullptr) {
     Slot& s = slots_[next_];
     next_ = (next_ + 1) % slots_.size();
     if (s.done)
@@ -58,7 +60,7 @@ class UploadRing {
       s.cap = bytes;
     }
     std::memcpy(s.host, v.data(), v.size() * sizeof(int32_t));
-    int32_t* d = buf.alloc<int32_t>(bytes);
+    int32_t* d = into ? into : buf.alloc<int32_t>(bytes);
     check(cudaMemcpyAsync(d, s.host, bytes, cudaMemcpyHostToDevice, stream), "KV cache staging");
     check(cudaEventRecord(s.done, stream), "cudaEventRecord");
     return d;
@@ -116,6 +118,15 @@ struct PagedKVCache::Impl {
   std::vector<Seq> seqs;
   std::vector<int32_t> free_pages, free_kept;
   UploadRing ring;
+  // Set once a CUDA graph has captured work on this cache: the pools keep their addresses from then on.
+  bool frozen = false;
+  // The prepared plan's device buffer (kv::kHead ints, then batch, table, meta, zero and reenc at
+  // their capacities) and the epoch of the latest prepare.
+  struct Prepared {
+    int32_t* dev = nullptr;
+    int64_t cs = 0, ct = 0, cm = 0, cz = 0, cr = 0;  // capacities: entries of each array
+    int32_t epoch = 0;
+  } prep;
 
   ~Impl() {
     cudaFree(pools.rec);
@@ -127,6 +138,15 @@ struct PagedKVCache::Impl {
     cudaFree(pools.vtail);
     cudaFree(pools.table);
     cudaFree(pools.length);
+    cudaFree(pools.gate);
+    cudaFree(prep.dev);
+  }
+
+  // Pools move only while no CUDA graph holds their addresses.
+  void movable(const char* what) const {
+    if (frozen)
+      throw Error(std::string("PagedKVCache: ") + what + " would move the cache's device memory, which a captured CUDA " +
+                  "graph holds; reserve() room for every sequence and token before capturing");
   }
 
   Seq& seq(int id) {
@@ -153,6 +173,7 @@ struct PagedKVCache::Impl {
     const int64_t need = pages_made + std::max<int64_t>(0, n - int64_t(free_pages.size()));
     if (need > INT32_MAX) throw Error("PagedKVCache: more than 2^31 pages");
     if (need <= page_cap) return;
+    movable("more pages");
     const int64_t cap = std::max<int64_t>({16, need, page_cap + page_cap / 2});
     grow(pools.rec, page_cap * page_bytes, cap * page_bytes, 0, stream);
     grow(pools.slot, page_cap, cap, 0, stream);
@@ -168,23 +189,42 @@ struct PagedKVCache::Impl {
       free_kept.pop_back();
       return k;
     }
-    if (kept_made == kept_cap) {
-      const int64_t cap = std::max<int64_t>(4, 2 * kept_cap), per = heads * kPage * d;
-      grow(pools.kept, kept_cap * per, cap * per, 0, stream);
-      kept_cap = cap;
-    }
+    if (kept_made == kept_cap) reserve_kept(std::max<int64_t>(4, 2 * kept_cap), stream);
     return int32_t(kept_made++);
   }
+  void reserve_kept(int64_t cap, cudaStream_t stream) {  // room for cap kept slots
+    if (cap <= kept_cap) return;
+    movable("more window pages");
+    const int64_t per = heads * kPage * d;
+    grow(pools.kept, kept_cap * per, cap * per, 0, stream);
+    kept_cap = cap;
+  }
+
+  struct HostPlan;
+  void check_append(const std::vector<int>& ids, int64_t n, const char* what);
+  HostPlan plan(const std::vector<int>& ids, int64_t n, cudaStream_t stream);
+  void launch(const cuda::kv::Plan& plan, int blocks, bool means, const TensorView& k, const TensorView& v,
+              cudaStream_t stream);
+  // Room in the prepared plan for any append of S sequences and n tokens: each opens at most
+  // ceil(n/128) + 1 pages and re-encodes at most the diag_tiles pages its window holds.
+  int64_t plan_pages(int64_t n) const { return (n + kPage - 1) / kPage + 1; }
+  bool plan_fits(int64_t S, int64_t n) const {
+    return prep.dev && S <= prep.cs && S * plan_pages(n) <= prep.ct && S * (plan_pages(n) + policy.diag_tiles) <= prep.cr;
+  }
+  void reserve_plan(int64_t S, int64_t n, cudaStream_t stream);
+  cuda::kv::Plan prepared_plan(int S, int n) const;
 
   // Room for sequence ids below n and tables of `cols` pages.
   void reserve_sequences(int64_t n, int64_t cols, cudaStream_t stream) {
     if (cols > pools.cols) {
+      movable("longer page tables");
       const int64_t c = std::max<int64_t>(cols, 2 * int64_t(pools.cols));
       if (c > INT32_MAX) throw Error("PagedKVCache: sequence too long");
       grow(pools.table, pools.cols, c, 0, stream, seq_cap);
       pools.cols = int(c);
     }
     if (n > seq_cap) {
+      movable("more sequences");
       const int64_t cap = std::max<int64_t>(n, 2 * seq_cap), tail = 2 * heads * 32 * d;
       grow(pools.table, seq_cap * pools.cols, cap * pools.cols, 0, stream);
       grow(pools.length, seq_cap, cap, 0, stream);
@@ -215,6 +255,8 @@ PagedKVCache::PagedKVCache(int64_t kv_heads, int64_t head_dim, const Policy& pol
   m.pools.srows = key_state_rows(policy);
   m.page_bytes = kv_heads * (kPage / cuda::kRecordKeys) * m.pools.record;
   if (m.page_bytes >= (int64_t(1) << 32)) throw Error("PagedKVCache: a page's records exceed 4 GiB (too many KV heads)");
+  check(cudaMalloc(&m.pools.gate, 2 * sizeof(int32_t)), "PagedKVCache");
+  check(cudaMemset(m.pools.gate, 0, 2 * sizeof(int32_t)), "PagedKVCache");
 }
 
 PagedKVCache::~PagedKVCache() = default;
@@ -268,6 +310,131 @@ void require_on(const PagedKVCache& c, const TensorView& t, const char* what, co
 }
 }  // namespace
 
+namespace {
+// Whether work enqueued on `stream` is being captured into a CUDA graph.
+bool capturing(cudaStream_t stream) {
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  check(cudaStreamIsCapturing(stream, &st), "cudaStreamIsCapturing");
+  return st != cudaStreamCaptureStatusNone;
+}
+}  // namespace
+
+// An append's decisions, Plan's arrays on the host: the bookkeeping done (pages opened, lengths
+// advanced) as the device will carry it out.
+struct PagedKVCache::Impl::HostPlan {
+  std::vector<int32_t> batch, table, meta, zero, reenc;
+  int blocks = 0;      // V blocks the longest-reaching sequence touches
+  bool first = false;  // some sequence's first append
+};
+
+void PagedKVCache::Impl::check_append(const std::vector<int>& ids, int64_t n, const char* what) {
+  std::unordered_set<int> seen;
+  for (int id : ids) {
+    if (seq(id).length + n > INT32_MAX - kPage) throw Error(std::string(what) + ": sequence too long");
+    if (!seen.insert(id).second) throw Error(std::string(what) + ": sequence " + std::to_string(id) + " appears twice");
+  }
+}
+
+PagedKVCache::Impl::HostPlan PagedKVCache::Impl::plan(const std::vector<int>& ids, int64_t n, cudaStream_t stream) {
+  int64_t cols = 0;
+  for (int id : ids) cols = std::max<int64_t>(cols, (seq(id).length + n + kPage - 1) / kPage);
+  reserve_sequences(int64_t(*std::max_element(ids.begin(), ids.end())) + 1, cols, stream);
+  int64_t fresh = 0;  // pages this append opens
+  for (int id : ids) fresh += (seq(id).length + n + kPage - 1) / kPage - int64_t(seq(id).table.size());
+  reserve_pages(fresh, stream);
+  if (policy.high != policy.low) {  // the kept slots the new window pages take, before any bookkeeping changes
+    int64_t kept = 0;
+    for (int id : ids) {
+      const int64_t last = (seq(id).length + n - 1) / kPage;
+      for (int64_t j = int64_t(seq(id).table.size()); j <= last; ++j) kept += policy.is_high(last, j) && j >= policy.sink_tiles;
+    }
+    reserve_kept(kept_made + std::max<int64_t>(0, kept - int64_t(free_kept.size())), stream);
+  }
+
+  HostPlan hp;
+  std::vector<int32_t> released;  // kept slots free once the re-encoding is enqueued
+  const Policy& pol = policy;
+  for (int id : ids) {
+    Seq& s = seq(id);
+    const int64_t pos0 = s.length, end = pos0 + n, last = (end - 1) / kPage;
+    hp.first |= pos0 == 0;
+    hp.batch.insert(hp.batch.end(), {id, int32_t(pos0), s.tail});
+    hp.blocks = std::max<int>(hp.blocks, int((end - 1) / 32 - pos0 / 32 + 1));
+    if (end % 32 != 0) s.tail ^= 1;  // the open block lands in the other buffer
+    // Pages that leave the window: re-encoded from their kept keys (the new rows join them first).
+    for (size_t j = size_t(s.kept_from); j < s.table.size(); ++j)
+      if (s.kept[j] >= 0 && !pol.is_high(last, int64_t(j))) {
+        hp.meta.insert(hp.meta.end(), {s.table[j], 1, s.kept[j], 1});
+        hp.reenc.insert(hp.reenc.end(), {s.table[j], s.kept[j], int32_t(std::min<int64_t>(kPage, end - int64_t(j) * kPage))});
+        released.push_back(s.kept[j]);
+        s.kept[j] = -1;
+      }
+    // New pages, each in the format it has at the end of this append; the keys of a high page
+    // that will leave the window are kept for its re-encoding.
+    for (int64_t j = int64_t(s.table.size()); j <= last; ++j) {
+      const int32_t page = new_page(stream);
+      const bool high = pol.is_high(last, j);
+      const int32_t kslot = high && j >= pol.sink_tiles && pol.high != pol.low ? new_kept(stream) : -1;
+      hp.meta.insert(hp.meta.end(), {page, high ? 0 : 1, kslot, 0});
+      hp.zero.push_back(page);
+      hp.table.insert(hp.table.end(), {int32_t(int64_t(id) * pools.cols + j), page});
+      s.table.push_back(page);
+      s.kept.push_back(kslot);
+    }
+    while (s.kept_from < int64_t(s.kept.size()) && s.kept[size_t(s.kept_from)] < 0) ++s.kept_from;
+    s.length = end;
+  }
+  free_kept.insert(free_kept.end(), released.begin(), released.end());
+  return hp;
+}
+
+// The general append's launches for a plan on the device (eager: its counts; prepared: its
+// capacities, the counts read on the device). blocks: V blocks a sequence touches at most; means:
+// launch smooth_k's key means (they skip every sequence not at its first append).
+void PagedKVCache::Impl::launch(const cuda::kv::Plan& plan, int blocks, bool means, const TensorView& k,
+                                const TensorView& v, cudaStream_t stream) {
+  const cuda::kv::Pools& p = pools;
+  const Policy& pol = policy;
+  const cuda::kv::Codes cd{format_info(pol.high).elem, format_info(pol.low).elem,
+                           p.vbits == 16 ? Elem::e4m3 : format_info(pv_values_format(pol.pv)).elem, pol.scale_rule};
+  auto grid = [](int64_t warps) { return unsigned(std::max<int64_t>(1, (warps * 32 + 255) / 256)); };
+  const int64_t S = plan.S, n = plan.n, rows = S * heads * n;
+  cuda::Buffers buf(stream);
+  if (plan.head) cuda::kv::open_plan<<<1, 1, 0, stream>>>(plan.head, plan.S, plan.n, p.gate);
+  // One thread an item of the plan's largest list, at most 1024 blocks.
+  // (A prepared plan's launch is sized for its capacity and mostly finds nothing to zero: two blocks an SM.)
+  const int64_t items = std::max<int64_t>({int64_t(plan.nt), plan.S, plan.nm, plan.nz * (page_bytes / 16)});
+  cuda::kv::apply_plan<<<unsigned(std::clamp<int64_t>((items + 255) / 256, 1, plan.head ? 264 : 1024)), 256, 0, stream>>>(
+      p, plan, page_bytes);
+  check(cudaGetLastError(), "KV cache append");
+  cuda::with_head_dim(d, "PagedKVCache", [&](auto dc) {
+    constexpr int D = decltype(dc)::value;
+    with_typed(k, [&](auto* kt) {
+      using T = std::remove_pointer_t<decltype(kt)>;
+      const cuda::kv::NewTokens<T> x{kt, static_cast<const T*>(v.data), k.stride[0], k.stride[1], k.stride[2],
+                                     v.stride[0], v.stride[1], v.stride[2]};
+      if (p.smooth_k && means) {  // the first append of some sequence fixes its keys' mean
+        const int chunks = int((n + cuda::kv::kMeanRows - 1) / cuda::kv::kMeanRows);
+        double* part = buf.alloc<double>(size_t(S * heads * chunks * D) * sizeof(double));
+        cuda::kv::key_mean_parts<D><<<grid(S * heads * chunks), 256, 0, stream>>>(p, plan, x, chunks, part);
+        cuda::kv::key_mean_finish<D><<<unsigned((S * heads * D + 255) / 256), 256, 0, stream>>>(p, plan, chunks, part);
+        check(cudaGetLastError(), "KV cache key mean");
+      }
+      cuda::kv::append_rows<D><<<grid(rows), 256, 0, stream>>>(p, plan, x, cd);
+      check(cudaGetLastError(), "KV cache append");
+      if (p.vbits != 16) {
+        cuda::kv::append_values<D><<<grid(S * heads * blocks * (D / 32)), 256, 0, stream>>>(p, plan, x, cd, blocks);
+        check(cudaGetLastError(), "KV cache append");
+      }
+    });
+    if (plan.nr > 0) {  // (a prepared plan's: its capacity, the warps striding over its pages)
+      const int64_t warps = std::min<int64_t>(int64_t(plan.nr) * heads * kPage, int64_t(heads) * kPage);
+      cuda::kv::reencode_pages<D><<<grid(warps), 256, 0, stream>>>(p, plan, cd.low, pol.scale_rule);
+      check(cudaGetLastError(), "KV cache re-encode");
+    }
+  });
+}
+
 void PagedKVCache::append(const std::vector<int>& ids, const TensorView& k, const TensorView& v, void* stream_ptr) {
   Impl& m = *impl_;
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
@@ -281,77 +448,32 @@ void PagedKVCache::append(const std::vector<int>& ids, const TensorView& k, cons
                   std::to_string(m.heads) + ", n, " + std::to_string(m.d) + "]");
   if (k.shape[2] != v.shape[2]) throw Error(std::string(what) + ": k and v hold different token counts");
   if (k.dtype != v.dtype) throw Error(std::string(what) + ": k and v must have one dtype");
-  std::unordered_set<int> seen;
-  for (int id : ids) {
-    m.seq(id);
-    if (!seen.insert(id).second) throw Error(std::string(what) + ": sequence " + std::to_string(id) + " appears twice");
-  }
   const int64_t n = k.shape[2];
+  m.check_append(ids, n, what);
   if (n == 0 || S == 0) return;
-  int64_t cols = 0;
-  for (int id : ids) {
-    if (m.seq(id).length + n > INT32_MAX - kPage) throw Error(std::string(what) + ": sequence too long");
-    cols = std::max<int64_t>(cols, (m.seq(id).length + n + kPage - 1) / kPage);
+  if (capturing(stream)) {  // a CUDA graph's append: each replay carries out the plan prepare() left in device memory
+    if (!m.plan_fits(S, n))
+      throw Error(std::string(what) + ": under CUDA graph capture the cache needs reserve() first (room for " +
+                  std::to_string(S) + " sequences' plans of " + std::to_string(n) + " tokens)");
+    m.frozen = true;
+    m.launch(m.prepared_plan(int(S), int(n)), int((n + 30) / 32 + 1), true, k, v, stream);
+    return;
   }
-  m.reserve_sequences(int64_t(*std::max_element(ids.begin(), ids.end())) + 1, cols, stream);
-  int64_t fresh = 0;  // pages this append opens
-  for (int id : ids) fresh += (m.seq(id).length + n + kPage - 1) / kPage - int64_t(m.seq(id).table.size());
-  m.reserve_pages(fresh, stream);
-
-  // The plan: every decision the device carries out.
-  std::vector<int32_t> batch, table, meta, zero, reenc;
-  std::vector<int32_t> released;  // kept slots free once the re-encoding is enqueued
-  int blocks = 0;                 // V blocks the longest-reaching sequence touches
-  const Policy& pol = m.policy;
-  for (int id : ids) {
-    Impl::Seq& s = m.seq(id);
-    const int64_t pos0 = s.length, end = pos0 + n, last = (end - 1) / kPage;
-    batch.insert(batch.end(), {id, int32_t(pos0), s.tail});
-    blocks = std::max<int>(blocks, int((end - 1) / 32 - pos0 / 32 + 1));
-    if (end % 32 != 0) s.tail ^= 1;  // the open block lands in the other buffer
-    // Pages that leave the window: re-encoded from their kept keys (the new rows join them first).
-    for (size_t j = size_t(s.kept_from); j < s.table.size(); ++j)
-      if (s.kept[j] >= 0 && !pol.is_high(last, int64_t(j))) {
-        meta.insert(meta.end(), {s.table[j], 1, s.kept[j], 1});
-        reenc.insert(reenc.end(), {s.table[j], s.kept[j], int32_t(std::min<int64_t>(kPage, end - int64_t(j) * kPage))});
-        released.push_back(s.kept[j]);
-        s.kept[j] = -1;
-      }
-    // New pages, each in the format it has at the end of this append; the keys of a high page
-    // that will leave the window are kept for its re-encoding.
-    for (int64_t j = int64_t(s.table.size()); j <= last; ++j) {
-      const int32_t page = m.new_page(stream);
-      const bool high = pol.is_high(last, j);
-      const int32_t kslot = high && j >= pol.sink_tiles && pol.high != pol.low ? m.new_kept(stream) : -1;
-      meta.insert(meta.end(), {page, high ? 0 : 1, kslot, 0});
-      zero.push_back(page);
-      table.insert(table.end(), {int32_t(int64_t(id) * m.pools.cols + j), page});
-      s.table.push_back(page);
-      s.kept.push_back(kslot);
-    }
-    while (s.kept_from < int64_t(s.kept.size()) && s.kept[size_t(s.kept_from)] < 0) ++s.kept_from;
-    s.length = end;
-  }
-  m.free_kept.insert(m.free_kept.end(), released.begin(), released.end());
-
+  Impl::HostPlan hp = m.plan(ids, n, stream);
   const cuda::kv::Pools& p = m.pools;
-  const cuda::kv::Codes cd{format_info(pol.high).elem, format_info(pol.low).elem,
-                           p.vbits == 16 ? Elem::e4m3 : format_info(pv_values_format(pol.pv)).elem, pol.scale_rule};
-  auto grid = [](int64_t warps) { return unsigned((warps * 32 + 255) / 256); };
-  auto tokens = [&](auto* kt) {
-    using T = std::remove_pointer_t<decltype(kt)>;
-    return cuda::kv::NewTokens<T>{kt, static_cast<const T*>(v.data), k.stride[0], k.stride[1], k.stride[2],
-                                  v.stride[0], v.stride[1], v.stride[2]};
-  };
-  const int64_t rows = S * m.heads * n, vwarps = p.vbits == 16 ? 0 : S * m.heads * blocks * (m.d / 32);
-  if (table.empty() && meta.empty() && S <= cuda::kv::kStepSeqs) {  // no page opens or leaves the window
+  if (hp.table.empty() && hp.meta.empty() && S <= cuda::kv::kStepSeqs) {  // no page opens or leaves the window
+    const Policy& pol = m.policy;
+    const cuda::kv::Codes cd{format_info(pol.high).elem, format_info(pol.low).elem,
+                             p.vbits == 16 ? Elem::e4m3 : format_info(pv_values_format(pol.pv)).elem, pol.scale_rule};
+    const int64_t rows = S * m.heads * n, vwarps = p.vbits == 16 ? 0 : S * m.heads * hp.blocks * (m.d / 32);
     cuda::with_head_dim(m.d, "PagedKVCache", [&](auto dc) {
       constexpr int D = decltype(dc)::value;
       with_typed(k, [&](auto* kt) {
         using T = std::remove_pointer_t<decltype(kt)>;
-        cuda::kv::StepArgs<T> a{p, tokens(kt), cd, int(S), int(n), blocks, {}};
-        std::copy(batch.begin(), batch.end(), a.batch);
-        cuda::kv::append_step<D, T><<<grid(rows + vwarps), 256, 0, stream>>>(a);
+        cuda::kv::StepArgs<T> a{p, {kt, static_cast<const T*>(v.data), k.stride[0], k.stride[1], k.stride[2],
+                                    v.stride[0], v.stride[1], v.stride[2]}, cd, int(S), int(n), hp.blocks, {}};
+        std::copy(hp.batch.begin(), hp.batch.end(), a.batch);
+        cuda::kv::append_step<D, T><<<unsigned(((rows + vwarps) * 32 + 255) / 256), 256, 0, stream>>>(a);
       });
     });
     check(cudaGetLastError(), "KV cache append");
@@ -364,37 +486,81 @@ void PagedKVCache::append(const std::vector<int>& ids, const TensorView& k, cons
     all.insert(all.end(), x.begin(), x.end());
     return at;
   };
-  const size_t ob = put(batch), ot = put(table), om = put(meta), oz = put(zero), orr = put(reenc);
+  const size_t ob = put(hp.batch), ot = put(hp.table), om = put(hp.meta), oz = put(hp.zero), orr = put(hp.reenc);
   const int32_t* dev = m.ring.upload(all, buf, stream);
   const cuda::kv::Plan plan{dev + ob, dev + ot, dev + om, dev + oz, dev + orr, int(S), int(n),
-                            int(table.size() / 2), int(meta.size() / 4), int(zero.size()), int(reenc.size() / 3)};
-  // One thread an item of the plan's largest list, at most 1024 blocks.
-  const int64_t items = std::max<int64_t>({int64_t(plan.nt), plan.S, plan.nm, plan.nz * (m.page_bytes / 16)});
-  cuda::kv::apply_plan<<<unsigned(std::clamp<int64_t>((items + 255) / 256, 1, 1024)), 256, 0, stream>>>(p, plan, m.page_bytes);
-  check(cudaGetLastError(), "KV cache append");
-  const bool first = std::any_of(ids.begin(), ids.end(), [&](int id) { return m.seq(id).length == n; });
-  cuda::with_head_dim(m.d, "PagedKVCache", [&](auto dc) {
-    constexpr int D = decltype(dc)::value;
-    with_typed(k, [&](auto* kt) {
-      if (p.smooth_k && first) {  // the first append of some sequence fixes its keys' mean
-        const int chunks = int((n + cuda::kv::kMeanRows - 1) / cuda::kv::kMeanRows);
-        double* part = buf.alloc<double>(size_t(S * m.heads * chunks * D) * sizeof(double));
-        cuda::kv::key_mean_parts<D><<<grid(S * m.heads * chunks), 256, 0, stream>>>(p, plan, tokens(kt), chunks, part);
-        cuda::kv::key_mean_finish<D><<<unsigned((S * m.heads * D + 255) / 256), 256, 0, stream>>>(p, plan, chunks, part);
-        check(cudaGetLastError(), "KV cache key mean");
-      }
-      cuda::kv::append_rows<D><<<grid(rows), 256, 0, stream>>>(p, plan, tokens(kt), cd);
-      check(cudaGetLastError(), "KV cache append");
-      if (vwarps > 0) {
-        cuda::kv::append_values<D><<<grid(vwarps), 256, 0, stream>>>(p, plan, tokens(kt), cd, blocks);
-        check(cudaGetLastError(), "KV cache append");
-      }
-    });
-    if (plan.nr > 0) {
-      cuda::kv::reencode_pages<D><<<grid(int64_t(plan.nr) * m.heads * kPage), 256, 0, stream>>>(p, plan, cd.low, pol.scale_rule);
-      check(cudaGetLastError(), "KV cache re-encode");
-    }
-  });
+                            int(hp.table.size() / 2), int(hp.meta.size() / 4), int(hp.zero.size()), int(hp.reenc.size() / 3)};
+  m.launch(plan, hp.blocks, hp.first, k, v, stream);
+}
+
+cuda::kv::Plan PagedKVCache::Impl::prepared_plan(int S, int n) const {
+  const int32_t* h = prep.dev;
+  const int32_t* b = h + cuda::kv::kHead;
+  const int32_t* t = b + 3 * prep.cs;
+  const int32_t* mt = t + 2 * prep.ct;
+  const int32_t* z = mt + 4 * prep.cm;
+  const int32_t* r = z + prep.cz;
+  return cuda::kv::Plan{b, t, mt, z, r, S, n, int(prep.ct), int(prep.cm), int(prep.cz), int(prep.cr), h};
+}
+
+void PagedKVCache::Impl::reserve_plan(int64_t S, int64_t n, cudaStream_t stream) {
+  if (plan_fits(S, n)) return;
+  movable("a larger prepared plan");
+  const int64_t cs = std::max(S, prep.cs), ct = std::max(cs * plan_pages(n), prep.ct),
+                cr = std::max(cs * (plan_pages(n) + policy.diag_tiles), prep.cr);
+  void* fresh = nullptr;
+  const size_t ints = size_t(cuda::kv::kHead + 3 * cs + 2 * ct + 4 * (ct + cr) + ct + 3 * cr);
+  if (cudaMalloc(&fresh, ints * sizeof(int32_t)) != cudaSuccess) {
+    cudaGetLastError();
+    throw Error("PagedKVCache: out of GPU memory for a prepared plan");
+  }
+  check(cudaMemset(fresh, 0, ints * sizeof(int32_t)), "PagedKVCache");
+  check(cudaStreamSynchronize(stream), "PagedKVCache");  // the old plan is no longer read
+  cudaFree(prep.dev);
+  prep.dev = static_cast<int32_t*>(fresh);
+  prep.cs = cs, prep.ct = ct, prep.cm = ct + cr, prep.cz = ct, prep.cr = cr;
+}
+
+void PagedKVCache::prepare(const std::vector<int>& ids, int64_t n, void* stream_ptr) {
+  Impl& m = *impl_;
+  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  const char* what = "PagedKVCache::prepare";
+  if (ids.empty() || n < 1) throw Error(std::string(what) + ": at least one sequence and one token");
+  if (capturing(stream)) throw Error(std::string(what) + ": runs on the host before a replay, not under capture");
+  m.check_append(ids, n, what);
+  const int64_t S = int64_t(ids.size());
+  m.reserve_plan(S, n, stream);
+  Impl::HostPlan hp = m.plan(ids, n, stream);
+  Impl::Prepared& pr = m.prep;
+  const int64_t nt = int64_t(hp.table.size() / 2), nm = int64_t(hp.meta.size() / 4), nz = int64_t(hp.zero.size()),
+                nr = int64_t(hp.reenc.size() / 3);
+  if (nt > pr.ct || nm > pr.cm || nz > pr.cz || nr > pr.cr) throw Error(std::string(what) + ": internal: the plan exceeds its bound");
+  ++pr.epoch;
+  std::vector<int32_t> all(size_t(cuda::kv::kHead + 3 * pr.cs + 2 * pr.ct + 4 * pr.cm + pr.cz + 3 * pr.cr), 0);
+  const int32_t head[cuda::kv::kHead] = {pr.epoch, int32_t(S), int32_t(n), int32_t(nt), int32_t(nm), int32_t(nz), int32_t(nr)};
+  std::copy(head, head + cuda::kv::kHead, all.begin());
+  size_t at = cuda::kv::kHead;
+  for (auto [x, cap] : {std::pair{&hp.batch, 3 * pr.cs}, {&hp.table, 2 * pr.ct}, {&hp.meta, 4 * pr.cm}, {&hp.zero, pr.cz},
+                        {&hp.reenc, 3 * pr.cr}}) {
+    std::copy(x->begin(), x->end(), all.begin() + std::ptrdiff_t(at));
+    at += size_t(cap);
+  }
+  cuda::Buffers buf(stream);
+  m.ring.upload(all, buf, stream, pr.dev);
+}
+
+void PagedKVCache::reserve(int64_t sequences, int64_t tokens) {
+  Impl& m = *impl_;
+  if (sequences < 1 || tokens < 1) throw Error("PagedKVCache::reserve: at least one sequence and one token");
+  const int64_t cols = (tokens + kPage - 1) / kPage;
+  if (sequences * cols > INT32_MAX) throw Error("PagedKVCache::reserve: more than 2^31 pages");
+  m.reserve_sequences(sequences, cols, nullptr);
+  m.reserve_pages(sequences * cols - m.pages_made + int64_t(m.free_pages.size()), nullptr);
+  const Policy& pol = m.policy;
+  if (pol.high != pol.low) {  // window pages keep their keys: diag_tiles a sequence, one more while a page opens
+    m.reserve_kept(sequences * (int64_t(pol.diag_tiles) + 1), nullptr);
+  }
+  m.reserve_plan(sequences, kMaxStepTokens, nullptr);  // a step's plan: up to 16 tokens a sequence (decode's Nq)
 }
 
 void decode_attention(const PagedKVCache& cache, const std::vector<int>& seqs, const TensorView& q,
@@ -419,8 +585,16 @@ void decode_attention(const PagedKVCache& cache, const std::vector<int>& seqs, c
   }
   const float scale = opts.softmax_scale.value_or(1.0f / std::sqrt(float(m.d)));
   if (!(scale > 0.0f && std::isfinite(scale))) throw Error("decode_attention: softmax_scale must be positive and finite");
+  // A captured decode replays at later lengths: it reads every table column.
+  const bool graph = capturing(stream);
+  if (graph) {
+    if (S > cuda::kv::kGatherIds)
+      throw Error("decode_attention: under CUDA graph capture at most " + std::to_string(cuda::kv::kGatherIds) + " sequences");
+    m.frozen = true;
+    max_pages = std::max<int64_t>(1, m.pools.cols);
+  }
   cuda::Buffers buf(stream);
-  cuda::kv::Gather g{m.pools.table, m.pools.length, m.pools.cols, int(S), int(max_pages), nullptr, nullptr, nullptr, {}};
+  cuda::kv::Gather g{m.pools.table, m.pools.length, m.pools.gate, m.pools.cols, int(S), int(max_pages), nullptr, nullptr, nullptr, {}};
   g.out_table = buf.alloc<int32_t>(size_t(S * max_pages) * sizeof(int32_t));
   g.out_length = buf.alloc<int32_t>(size_t(S) * sizeof(int32_t));
   if (S <= cuda::kv::kGatherIds)
