@@ -51,8 +51,10 @@ class PagedKVCache {
   // itself carries out nothing: call prepare() once before every replay, with the sequences and
   // token count the graph captured. A replay whose plan is not the next one (a prepare() missed or
   // doubled) appends nothing, and its decode, like every decode until a replay that finds its plan,
-  // returns NaN rows instead of a silently wrong answer. A captured decode reads every sequence's
-  // whole page table (the lengths change between replays); at most 896 sequences.
+  // returns NaN rows instead of a silently wrong answer. A sequence once prepared takes every later
+  // append through prepare() and replays (an eager append to it throws: the host cannot see when a
+  // replay runs). A captured decode reads every sequence's whole page table (the lengths change
+  // between replays); at most 896 sequences.
   void reserve(int64_t sequences, int64_t tokens);  // room for sequences [0, sequences) of `tokens` tokens each
   void prepare(const std::vector<int>& seqs, int64_t n, void* stream = nullptr);
 

@@ -301,7 +301,8 @@ class PagedKVCache:
         nothing: call prepare() once before every replay, with the sequences and token count the
         graph captured (the plan goes to device memory on torch's current stream). A replay that
         finds no fresh plan (a prepare() missed or doubled) appends nothing, and its decode, like
-        every decode until a replay that finds its plan, returns NaN:
+        every decode until a replay that finds its plan, returns NaN. A sequence once prepared takes
+        its appends this way only (an eager append() to it raises):
 
             cache.reserve(len(seqs), max_tokens)
             g = torch.cuda.CUDAGraph()

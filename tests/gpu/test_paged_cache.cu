@@ -316,6 +316,8 @@ TEST(GpuPagedCache, GraphReplaysEqualEagerSteps) {
           for (int r = 0; r < 64; ++r) graph.append({graph.new_sequence()}, dbig.view, dbig.view);
         }(),
         Error);
+    // A prepared sequence takes no eager append (it would race the replays' plans).
+    EXPECT_THROW(graph.append(gs, k1.view, v1.view), Error);
     // Under capture, an append needs the room reserve() makes for its plans.
     PagedKVCache other(Hkv, d, pol);
     const std::vector<int> os = {other.new_sequence(), other.new_sequence(), other.new_sequence()};

@@ -258,6 +258,8 @@ def test_paged_cache_graph_replay_equals_eager_steps(monkeypatch):
     cg.replay()  # no prepare(): nothing appended, NaN out
     assert torch.isnan(out).all()
     assert [graph.length(s) for s in gs] == [eager.length(s) for s in es]
+    with pytest.raises(dmattn.DmattnError, match="prepare"):  # a prepared sequence takes no eager append
+        graph.append(gs, k1, v1)
     with pytest.raises(dmattn.DmattnError, match="reserve"):  # the captured cache's memory stays put
         for _ in range(64):
             graph.append([graph.new_sequence()], kk[0][:, :, :600], vv[0][:, :, :600])

@@ -114,6 +114,7 @@ struct PagedKVCache::Impl {
     int64_t kept_from = 0;             // pages before it keep no keys (kept pages trail: the window's)
     int tail = 0;                      // which V tail buffer holds the open block
     bool live = false;
+    bool prepared = false;             // appended to through prepare() and replays from then on
   };
   std::vector<Seq> seqs;
   std::vector<int32_t> free_pages, free_kept;
@@ -451,7 +452,12 @@ void PagedKVCache::append(const std::vector<int>& ids, const TensorView& k, cons
   const int64_t n = k.shape[2];
   m.check_append(ids, n, what);
   if (n == 0 || S == 0) return;
-  if (capturing(stream)) {  // a CUDA graph's append: each replay carries out the plan prepare() left in device memory
+  const bool graph = capturing(stream);
+  for (int id : ids)  // the host cannot see a replay: an eager append there would race the plans it carries out
+    if (!graph && m.seq(id).prepared)
+      throw Error(std::string(what) + ": sequence " + std::to_string(id) + " takes its appends through prepare() " +
+                  "and a CUDA graph's replays; append to it that way (or free it)");
+  if (graph) {  // a CUDA graph's append: each replay carries out the plan prepare() left in device memory
     if (!m.plan_fits(S, n))
       throw Error(std::string(what) + ": under CUDA graph capture the cache needs reserve() first (room for " +
                   std::to_string(S) + " sequences' plans of " + std::to_string(n) + " tokens)");
@@ -531,6 +537,7 @@ void PagedKVCache::prepare(const std::vector<int>& ids, int64_t n, void* stream_
   const int64_t S = int64_t(ids.size());
   m.reserve_plan(S, n, stream);
   Impl::HostPlan hp = m.plan(ids, n, stream);
+  for (int id : ids) m.seq(id).prepared = true;
   Impl::Prepared& pr = m.prep;
   const int64_t nt = int64_t(hp.table.size() / 2), nm = int64_t(hp.meta.size() / 4), nz = int64_t(hp.zero.size()),
                 nr = int64_t(hp.reenc.size() / 3);
