@@ -2,7 +2,7 @@
 // without its producer, masks, scales and loop head. W warpgroups of 64 query rows each walk key
 // tiles of BK keys (128 as the prefill does, or 64: the halves a third warpgroup's registers need at
 // d = 128). A tile: [turn] S_j (FP8 wgmma chain over d) and P_{j-1}.V_{j-1} issued, [hand-over], S_j
-// waited, online softmax (maxima, exp2, sums), P.V waited (o rescaled where a maximum rose), P_j
+// waited, online softmax (the prefill's own OnlineSoftmax), P.V waited (o rescaled where a maximum rose), P_j
 // packed to bf16. Prints SM cycles per 128 x 128 tile pair of work (two 64-row warpgroups x 128
 // keys), to set against the tensor work of a pair at d = 128 (1,536 cycles: bench_wgmma_cuda) and the
 // prefill's period (2,650 at N = 16384 by ncu; bench/RESULTS.md, has both).
@@ -16,6 +16,7 @@
 #include <cstdlib>
 #include <vector>
 
+#include "cuda/prefill/softmax.cuh"
 #include "cuda/ptx/mma.cuh"
 #include "cuda/ptx/wgmma.cuh"
 #include "sm_bench.cuh"
@@ -41,7 +42,8 @@ __global__ void __launch_bounds__(128 * W, 1) chains_kernel(int tiles, long long
   float o[D / 2];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) o[i] = 0.0f;
-  float m[2] = {-INFINITY, -INFINITY}, l[2] = {0.0f, 0.0f};
+  prefill::OnlineSoftmax<BK> softmax;  // the prefill's own piece
+  const float row_factor[2] = {0.1275f, 0.1275f};  // each row's factor from S to logit * log2(e)
   uint32_t a[BK / 16][4];
 #pragma unroll
   for (int kc = 0; kc < BK / 16; ++kc) a[kc][0] = a[kc][1] = a[kc][2] = a[kc][3] = 0u;
@@ -65,23 +67,8 @@ __global__ void __launch_bounds__(128 * W, 1) chains_kernel(int tiles, long long
     if (kTurns && (wgi != W - 1 || j + 1 < n)) wg::bar_arrive(next, 256);
     wg::wait<1>();
     wg::pin(s);
-    float mx[2] = {-INFINITY, -INFINITY};
-#pragma unroll
-    for (int i = 0; i < BK / 2; ++i) mx[(i / 2) % 2] = fmaxf(mx[(i / 2) % 2], s[i]);
-    float alpha[2], mref[2];
-#pragma unroll
-    for (int r = 0; r < 2; ++r) {
-      const float mnew = fmaxf(m[r], quad_max(mx[r]) * 0.1275f);
-      alpha[r] = exp2_approx(m[r] - mnew);
-      mref[r] = mnew;
-      m[r] = mnew;
-      l[r] *= alpha[r];
-    }
-#pragma unroll
-    for (int i = 0; i < BK / 2; ++i) {
-      s[i] = exp2_approx(fmaf(s[i], 0.1275f, -mref[(i / 2) % 2]));
-      l[(i / 2) % 2] += s[i];
-    }
+    float alpha[2];
+    softmax.update(s, row_factor, 0.0f, alpha);
     wg::wait<0>();
     wg::pin(o);
     wg::pin(a);
@@ -97,7 +84,7 @@ __global__ void __launch_bounds__(128 * W, 1) chains_kernel(int tiles, long long
     }
   }
   const long long t1 = clock64();
-  float sum = l[0] + l[1];
+  float sum = softmax.l[0] + softmax.l[1];
 #pragma unroll
   for (int i = 0; i < D / 2; ++i) sum += o[i];
   if (sum == 1.2345f) sink[threadIdx.x] = sum;  // keeps the work
