@@ -602,8 +602,15 @@ void decode_attention(const PagedKVCache& cache, const std::vector<int>& seqs, c
   }
   cuda::Buffers buf(stream);
   cuda::kv::Gather g{m.pools.table, m.pools.length, m.pools.gate, m.pools.cols, int(S), int(max_pages), nullptr, nullptr, nullptr, {}};
-  g.out_table = buf.alloc<int32_t>(size_t(S * max_pages) * sizeof(int32_t));
-  g.out_length = buf.alloc<int32_t>(size_t(S) * sizeof(int32_t));
+  int* nonfinite = nullptr;  // written on NaN/Inf in q, not read: no synchronisation
+  auto carve = [&](uintptr_t base) {  // the gathered tables and lengths and the flag: one allocation
+    cuda::Carve c(base);
+    g.out_table = c.take<int32_t>(size_t(S * max_pages) * sizeof(int32_t));
+    g.out_length = c.take<int32_t>(size_t(S) * sizeof(int32_t));
+    nonfinite = c.take<int>(sizeof(int));
+    return c.size();
+  };
+  carve(reinterpret_cast<uintptr_t>(buf.alloc<uint8_t>(carve(0))));
   if (S <= cuda::kv::kGatherIds)
     std::copy(seqs.begin(), seqs.end(), g.ids);
   else
@@ -613,7 +620,6 @@ void decode_attention(const PagedKVCache& cache, const std::vector<int>& seqs, c
   const int32_t *table = g.out_table, *length = g.out_length;
   const cuda::PagedKV kv{m.pools.rec, m.pools.slot, table, length, int(S), int(max_pages), int(m.heads), int(m.d),
                          m.pools.vbits};
-  int* nonfinite = buf.alloc<int>(sizeof(int));  // written on NaN/Inf in q, not read: no synchronisation
   cuda::QueryTransform qt;  // the query side of the transforms, over the state at each sequence's first page
   qt.on = m.pools.transformed;
   qt.rotate = m.pools.rotate;
