@@ -73,10 +73,7 @@ def sdpa_ms(q, k, v):
 def graph_step_ms(cache, ids, q, new_k, new_v):
     """append + decode captured once, then prepare() + replay per step."""
     cache.reserve(len(ids), cache.length(ids[0]) + 64)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        cache.append(ids, new_k, new_v)
-        dmattn.decode(cache, ids, q)
+    g = graphed(lambda: (cache.append(ids, new_k, new_v), dmattn.decode(cache, ids, q)))
 
     def step():
         cache.prepare(ids, 1)

@@ -127,6 +127,11 @@ struct PagedKVCache::Impl {
     int32_t* dev = nullptr;
     int64_t cs = 0, ct = 0, cm = 0, cz = 0, cr = 0;  // capacities: entries of each array
     int32_t epoch = 0;
+    // Where batch, table, meta, zero and reenc start (ints from dev), and the buffer's ints.
+    std::array<int64_t, 6> layout() const {
+      const int64_t b = cuda::kv::kHead, t = b + 3 * cs, m = t + 2 * ct, z = m + 4 * cm, r = z + cz;
+      return {b, t, m, z, r, r + 3 * cr};
+    }
   } prep;
 
   ~Impl() {
@@ -202,6 +207,7 @@ struct PagedKVCache::Impl {
   }
 
   struct HostPlan;
+  cuda::kv::Codes codes() const;
   void check_append(const std::vector<int>& ids, int64_t n, const char* what);
   HostPlan plan(const std::vector<int>& ids, int64_t n, cudaStream_t stream);
   void launch(const cuda::kv::Plan& plan, int blocks, bool means, const TensorView& k, const TensorView& v,
@@ -328,6 +334,19 @@ struct PagedKVCache::Impl::HostPlan {
   bool first = false;  // some sequence's first append
 };
 
+// The element types an append writes (the policy's K formats, V's pv format) and its new tokens.
+cuda::kv::Codes PagedKVCache::Impl::codes() const {
+  return cuda::kv::Codes{format_info(policy.high).elem, format_info(policy.low).elem,
+                         pools.vbits == 16 ? Elem::e4m3 : format_info(pv_values_format(policy.pv)).elem, policy.scale_rule};
+}
+namespace {
+template <class T>  // kt: k's data as its element type
+cuda::kv::NewTokens<T> new_tokens(const T* kt, const TensorView& k, const TensorView& v) {
+  return cuda::kv::NewTokens<T>{kt, static_cast<const T*>(v.data), k.stride[0], k.stride[1], k.stride[2],
+                                v.stride[0], v.stride[1], v.stride[2]};
+}
+}  // namespace
+
 void PagedKVCache::Impl::check_append(const std::vector<int>& ids, int64_t n, const char* what) {
   std::unordered_set<int> seen;
   for (int id : ids) {
@@ -396,8 +415,7 @@ void PagedKVCache::Impl::launch(const cuda::kv::Plan& plan, int blocks, bool mea
                                 const TensorView& v, cudaStream_t stream) {
   const cuda::kv::Pools& p = pools;
   const Policy& pol = policy;
-  const cuda::kv::Codes cd{format_info(pol.high).elem, format_info(pol.low).elem,
-                           p.vbits == 16 ? Elem::e4m3 : format_info(pv_values_format(pol.pv)).elem, pol.scale_rule};
+  const cuda::kv::Codes cd = codes();
   auto grid = [](int64_t warps) { return unsigned(std::max<int64_t>(1, (warps * 32 + 255) / 256)); };
   const int64_t S = plan.S, n = plan.n, rows = S * heads * n;
   cuda::Buffers buf(stream);
@@ -412,8 +430,7 @@ void PagedKVCache::Impl::launch(const cuda::kv::Plan& plan, int blocks, bool mea
     constexpr int D = decltype(dc)::value;
     with_typed(k, [&](auto* kt) {
       using T = std::remove_pointer_t<decltype(kt)>;
-      const cuda::kv::NewTokens<T> x{kt, static_cast<const T*>(v.data), k.stride[0], k.stride[1], k.stride[2],
-                                     v.stride[0], v.stride[1], v.stride[2]};
+      const cuda::kv::NewTokens<T> x = new_tokens(kt, k, v);
       if (p.smooth_k && means) {  // the first append of some sequence fixes its keys' mean
         const int chunks = int((n + cuda::kv::kMeanRows - 1) / cuda::kv::kMeanRows);
         double* part = buf.alloc<double>(size_t(S * heads * chunks * D) * sizeof(double));
@@ -468,16 +485,12 @@ void PagedKVCache::append(const std::vector<int>& ids, const TensorView& k, cons
   Impl::HostPlan hp = m.plan(ids, n, stream);
   const cuda::kv::Pools& p = m.pools;
   if (hp.table.empty() && hp.meta.empty() && S <= cuda::kv::kStepSeqs) {  // no page opens or leaves the window
-    const Policy& pol = m.policy;
-    const cuda::kv::Codes cd{format_info(pol.high).elem, format_info(pol.low).elem,
-                             p.vbits == 16 ? Elem::e4m3 : format_info(pv_values_format(pol.pv)).elem, pol.scale_rule};
     const int64_t rows = S * m.heads * n, vwarps = p.vbits == 16 ? 0 : S * m.heads * hp.blocks * (m.d / 32);
     cuda::with_head_dim(m.d, "PagedKVCache", [&](auto dc) {
       constexpr int D = decltype(dc)::value;
       with_typed(k, [&](auto* kt) {
         using T = std::remove_pointer_t<decltype(kt)>;
-        cuda::kv::StepArgs<T> a{p, {kt, static_cast<const T*>(v.data), k.stride[0], k.stride[1], k.stride[2],
-                                    v.stride[0], v.stride[1], v.stride[2]}, cd, int(S), int(n), hp.blocks, {}};
+        cuda::kv::StepArgs<T> a{p, new_tokens(kt, k, v), m.codes(), int(S), int(n), hp.blocks, {}};
         std::copy(hp.batch.begin(), hp.batch.end(), a.batch);
         cuda::kv::append_step<D, T><<<unsigned(((rows + vwarps) * 32 + 255) / 256), 256, 0, stream>>>(a);
       });
@@ -500,31 +513,31 @@ void PagedKVCache::append(const std::vector<int>& ids, const TensorView& k, cons
 }
 
 cuda::kv::Plan PagedKVCache::Impl::prepared_plan(int S, int n) const {
+  const std::array<int64_t, 6> at = prep.layout();
   const int32_t* h = prep.dev;
-  const int32_t* b = h + cuda::kv::kHead;
-  const int32_t* t = b + 3 * prep.cs;
-  const int32_t* mt = t + 2 * prep.ct;
-  const int32_t* z = mt + 4 * prep.cm;
-  const int32_t* r = z + prep.cz;
-  return cuda::kv::Plan{b, t, mt, z, r, S, n, int(prep.ct), int(prep.cm), int(prep.cz), int(prep.cr), h};
+  return cuda::kv::Plan{h + at[0], h + at[1], h + at[2], h + at[3], h + at[4], S, n, int(prep.ct), int(prep.cm),
+                        int(prep.cz), int(prep.cr), h};
 }
 
 void PagedKVCache::Impl::reserve_plan(int64_t S, int64_t n, cudaStream_t stream) {
   if (plan_fits(S, n)) return;
   movable("a larger prepared plan");
-  const int64_t cs = std::max(S, prep.cs), ct = std::max(cs * plan_pages(n), prep.ct),
-                cr = std::max(cs * (plan_pages(n) + policy.diag_tiles), prep.cr);
+  Prepared grown = prep;
+  grown.cs = std::max(S, prep.cs);
+  grown.ct = grown.cz = std::max(grown.cs * plan_pages(n), prep.ct);
+  grown.cr = std::max(grown.cs * (plan_pages(n) + policy.diag_tiles), prep.cr);
+  grown.cm = grown.ct + grown.cr;
+  const size_t bytes = size_t(grown.layout()[5]) * sizeof(int32_t);
   void* fresh = nullptr;
-  const size_t ints = size_t(cuda::kv::kHead + 3 * cs + 2 * ct + 4 * (ct + cr) + ct + 3 * cr);
-  if (cudaMalloc(&fresh, ints * sizeof(int32_t)) != cudaSuccess) {
+  if (cudaMalloc(&fresh, bytes) != cudaSuccess) {
     cudaGetLastError();
     throw Error("PagedKVCache: out of GPU memory for a prepared plan");
   }
-  check(cudaMemset(fresh, 0, ints * sizeof(int32_t)), "PagedKVCache");
+  check(cudaMemset(fresh, 0, bytes), "PagedKVCache");
   check(cudaStreamSynchronize(stream), "PagedKVCache");  // the old plan is no longer read
   cudaFree(prep.dev);
-  prep.dev = static_cast<int32_t*>(fresh);
-  prep.cs = cs, prep.ct = ct, prep.cm = ct + cr, prep.cz = ct, prep.cr = cr;
+  grown.dev = static_cast<int32_t*>(fresh);
+  prep = grown;
 }
 
 void PagedKVCache::prepare(const std::vector<int>& ids, int64_t n, void* stream_ptr) {
@@ -543,15 +556,12 @@ void PagedKVCache::prepare(const std::vector<int>& ids, int64_t n, void* stream_
                 nr = int64_t(hp.reenc.size() / 3);
   if (nt > pr.ct || nm > pr.cm || nz > pr.cz || nr > pr.cr) throw Error(std::string(what) + ": internal: the plan exceeds its bound");
   ++pr.epoch;
-  std::vector<int32_t> all(size_t(cuda::kv::kHead + 3 * pr.cs + 2 * pr.ct + 4 * pr.cm + pr.cz + 3 * pr.cr), 0);
+  const std::array<int64_t, 6> at = pr.layout();
+  std::vector<int32_t> all(size_t(at[5]), 0);
   const int32_t head[cuda::kv::kHead] = {pr.epoch, int32_t(S), int32_t(n), int32_t(nt), int32_t(nm), int32_t(nz), int32_t(nr)};
   std::copy(head, head + cuda::kv::kHead, all.begin());
-  size_t at = cuda::kv::kHead;
-  for (auto [x, cap] : {std::pair{&hp.batch, 3 * pr.cs}, {&hp.table, 2 * pr.ct}, {&hp.meta, 4 * pr.cm}, {&hp.zero, pr.cz},
-                        {&hp.reenc, 3 * pr.cr}}) {
-    std::copy(x->begin(), x->end(), all.begin() + std::ptrdiff_t(at));
-    at += size_t(cap);
-  }
+  const std::vector<int32_t>* arrays[5] = {&hp.batch, &hp.table, &hp.meta, &hp.zero, &hp.reenc};
+  for (int i = 0; i < 5; ++i) std::copy(arrays[i]->begin(), arrays[i]->end(), all.begin() + std::ptrdiff_t(at[size_t(i)]));
   cuda::Buffers buf(stream);
   m.ring.upload(all, buf, stream, pr.dev);
 }
