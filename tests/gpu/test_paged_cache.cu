@@ -180,6 +180,8 @@ TEST(GpuPagedCache, PagesAndDecodeMatchHostCache) {
       expect_same_pages(host, dev, hs, ds, what + " after steps");
       expect_same_decode(host, dev, hs, ds, 8, 1, 1, what + " Nq=1");
       expect_same_decode(host, dev, hs, ds, 8, 5, 3, what + " Nq=5 splits=3");
+      // Sequences out of order: the decode gathers their tables (in order it reads the cache's own).
+      expect_same_decode(host, dev, {hs[2], hs[0]}, {ds[2], ds[0]}, 8, 1, 2, what + " sequences 2, 0");
       // A freed sequence's pages go to a new one, which must not see their old contents.
       host.free_sequence(hs[1]);
       dev.free_sequence(ds[1]);

@@ -229,7 +229,7 @@ def test_paged_cache_graph_replay_equals_eager_steps(monkeypatch):
     qq = torch.randn(steps + 1, len(prompts), Hq, 1, d, device="cuda", dtype=torch.bfloat16, generator=g)
     eager, graph = dmattn.PagedKVCache(Hkv, d, pol), dmattn.PagedKVCache(Hkv, d, pol)
     es = [eager.new_sequence() for _ in prompts]
-    gs = [graph.new_sequence() for _ in prompts]
+    gs = [graph.new_sequence() for _ in prompts][::-1]  # out of order: the captured decode gathers its tables
     for i, n in enumerate(prompts):
         eager.append([es[i]], kk[i][:, :, :n], vv[i][:, :, :n])
         graph.append([gs[i]], kk[i][:, :, :n], vv[i][:, :, :n])

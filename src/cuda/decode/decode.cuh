@@ -19,10 +19,15 @@ namespace dmattn::cuda {
 struct PagedKV {
   const uint8_t* rec = nullptr;
   const uint8_t* slot = nullptr;    // [pages] K's format: 0 = the policy's high format, 1 = low
-  const int32_t* table = nullptr;   // [S][max_pages] physical page of each logical page
+  const int32_t* table = nullptr;   // [S][stride] physical page of each logical page (the first max_pages)
   const int32_t* length = nullptr;  // [S] tokens per sequence
   int S = 0, max_pages = 0, Hkv = 0, d = 0;
   int vbits = 16;                   // V's bits in the records (16, 8, 4): must match the policy's pv
+  int stride = 0;                   // table entries a sequence (0: max_pages)
+  const int32_t* gate = nullptr;    // set: where gate[1] (a stale graph replay, append.cuh), every length reads 0
+
+  __host__ __device__ const int32_t* row(int64_t s) const { return table + s * (stride > 0 ? stride : max_pages); }
+  __host__ __device__ int length_of(int64_t s) const { return gate && gate[1] ? 0 : length[s]; }
 };
 
 // One host page's records (kv_record.hpp), [Hkv][4 blocks][record], as the device mirror uploads

@@ -27,7 +27,9 @@
 #include "cuda/common/buffers.hpp"
 #include "cuda/ptx/fp8.cuh"
 #include "cuda/common/head_dims.hpp"
+#include "cuda/common/launch.hpp"
 #include "cuda/ptx/mma.cuh"
+#include "cuda/ptx/pdl.cuh"
 #include "cuda/common/rotate_lanes.cuh"
 #include "cuda/decode/splits.hpp"
 #include "cuda/ptx/tma.cuh"
@@ -306,7 +308,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
   extern __shared__ __align__(128) uint8_t smem[];
   // The merge kernel may launch now (programmatic dependent launch): it waits for this grid's
   // completion itself (griddepcontrol.wait), so only its launch latency overlaps this kernel.
-  asm volatile("griddepcontrol.launch_dependents;");
+  allow_dependents();
   const int split = blockIdx.x, hk = blockIdx.y / p.chunks, chunk = blockIdx.y % p.chunks, s = blockIdx.z;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
   const int r0 = chunk * kRows, rows = min(kRows, p.G * p.Nq - r0);
@@ -319,7 +321,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
   // (ptxas spilled the four-CTA instance), and the host runs every windowed decode at two.
   constexpr bool kWindow = kCtas == 2;
   // Pages [jlo, np): jlo the first page the earliest row's window (position L - Nq) reaches.
-  const int L = p.kv.length[s], np = (L + T - 1) / T;
+  const int L = p.kv.length_of(s), np = (L + T - 1) / T;
   const int jlo = kWindow ? max(0, L - p.Nq - p.window_left) / T : 0, eff = min(p.splits, np - jlo);
   auto out_part = [&](int i) { return p.part + ((qrow0 + i) * p.splits + split) * (D + 2); };
   if (split >= eff) {  // more splits than this sequence has pages: an empty partial (zeros, m = -inf)
@@ -327,7 +329,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
     return;
   }
   const int j0 = jlo + int(int64_t(split) * (np - jlo) / eff), j1 = jlo + int(int64_t(split + 1) * (np - jlo) / eff);
-  const int32_t* table = p.kv.table + int64_t(s) * p.kv.max_pages;
+  const int32_t* table = p.kv.row(s);
   auto stage_of = [&](int i) { return smem + (i * kWarps + warp) * S_::kWarpStage; };
 
   // Page ids and formats of this split, 32 pages at a time in the warp's lanes (one a lane), the
@@ -396,7 +398,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
   const bool q32 = p.qdt == DType::f32;
   // Launched after the transforms' query pre-pass as its programmatic dependent, the kernel has issued
   // its first page copies by now; q and the sink scores are the pre-pass's output. (A no-op otherwise.)
-  asm volatile("griddepcontrol.wait;" ::: "memory");
+  wait_prior_grids();
   uint32_t qraw[kJobs];  // f32 bits, or a 16-bit value's in the low half
 #pragma unroll
   for (int i = 0; i < kJobs; ++i) {
@@ -716,7 +718,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
 template <class TOut>
 __global__ void merge_splits(const float* part, int64_t rows, int splits, int d, TOut* out, int64_t osb, int64_t osh,
                              int64_t osn, int Hq, int Nq, float scale, float* lse, const float* lse_shift) {
-  asm volatile("griddepcontrol.wait;" ::: "memory");  // the decode kernel's partials are complete and visible
+  wait_prior_grids();  // the decode kernel's partials are complete and visible
   const int64_t wid = int64_t(blockIdx.x) * (blockDim.x / 32) + threadIdx.x / 32, row = wid / (d / 32);
   const int lane = threadIdx.x % 32, c = int(wid % (d / 32)) * 32 + lane;
   if (row >= rows) return;
@@ -751,7 +753,7 @@ __global__ void transform_queries(const TIn* q, int64_t qsb, int64_t qsh, int64_
                                   int64_t rows, QueryTransform qt, PagedKV kv, float scale, uint16_t* qout, float* sink,
                                   float* shift) {
   constexpr int E = D / 32;
-  asm volatile("griddepcontrol.launch_dependents;");  // the decode kernel may start its page copies
+  allow_dependents();  // the decode kernel may start its page copies
   const int64_t row = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (row >= rows) return;
@@ -764,7 +766,7 @@ __global__ void transform_queries(const TIn* q, int64_t qsb, int64_t qsh, int64_
 #pragma unroll
   for (int e = 0; e < E; ++e) qout[row * D + E * lane + e] = to_bf16(x[e]).bits;
   // This sequence's state: its first page's, head hk's rows.
-  const float* st = qt.state + (int64_t(kv.table[s * kv.max_pages]) * kv.Hkv + hk) * qt.rows * D;
+  const float* st = qt.state + (int64_t(kv.row(s)[0]) * kv.Hkv + hk) * qt.rows * D;
   auto dot = [&](const float* k) {
     double acc = 0;
 #pragma unroll
@@ -792,17 +794,7 @@ template <int D, int kVB, int kNR, int kCtas>
 void launch(const Params& p, dim3 grid, cudaStream_t stream, bool dependent) {
   constexpr int bytes = Smem<D, kVB, kNR, kCtas>::kBytes;
   allow_dynamic_smem<decode_kernel<D, kVB, kNR, kCtas>>(bytes);
-  cudaLaunchAttribute pdl{};
-  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  pdl.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = grid;
-  cfg.blockDim = dim3(kThreads);
-  cfg.dynamicSmemBytes = bytes;
-  cfg.stream = stream;
-  cfg.attrs = &pdl;
-  cfg.numAttrs = dependent ? 1 : 0;
-  check(cudaLaunchKernelEx(&cfg, decode_kernel<D, kVB, kNR, kCtas>, p), "decode kernel");
+  launch_kernel(decode_kernel<D, kVB, kNR, kCtas>, grid, dim3(kThreads), bytes, stream, dependent, "decode kernel", p);
 }
 
 // One dispatch point for the kernel's instances: head dim x V's bits (16, 8, 4) x rows per CTA (8 or
@@ -914,20 +906,10 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   const unsigned mblocks = unsigned((rows * (d / 32) + 7) / 8);  // 8 warps a block, a warp per 32 columns of a row
   // Launched as the decode kernel's programmatic dependent: its CTAs are placed while the decode
   // finishes (the decode triggers at its start; merge_splits waits for the decode grid's completion).
-  cudaLaunchAttribute pdl{};
-  pdl.id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  pdl.val.programmaticStreamSerializationAllowed = 1;
-  cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(mblocks);
-  cfg.blockDim = dim3(256);
-  cfg.stream = stream;
-  cfg.attrs = &pdl;
-  cfg.numAttrs = 1;
   with_typed(out, [&](auto* typed) {
-    check(cudaLaunchKernelEx(&cfg, merge_splits<std::remove_pointer_t<decltype(typed)>>, static_cast<const float*>(p.part),
-                             rows, p.splits, int(d), typed, out.stride[0], out.stride[1], out.stride[2], int(Hq), int(Nq),
-                             scale, lse, static_cast<const float*>(lse_shift)),
-          "merge kernel");
+    launch_kernel(merge_splits<std::remove_pointer_t<decltype(typed)>>, dim3(mblocks), dim3(256), 0, stream, true,
+                  "merge kernel", static_cast<const float*>(p.part), rows, p.splits, int(d), typed, out.stride[0],
+                  out.stride[1], out.stride[2], int(Hq), int(Nq), scale, lse, static_cast<const float*>(lse_shift));
   });
 }
 

@@ -9,6 +9,7 @@
 #include "cuda/common/rotate_lanes.cuh"
 #include "cuda/decode/kv_record.hpp"
 #include "cuda/ptx/e2m1_bytes.hpp"
+#include "cuda/ptx/pdl.cuh"
 #include "dmattn/mx_codec.hpp"
 #include "dmattn/numeric.hpp"
 
@@ -44,7 +45,8 @@ struct Pools {
 //  zero [nz]: new pages (all their records zeroed first); reenc [nr][3]: page, kept slot, rows.
 // A prepared plan (PagedKVCache::prepare, what a CUDA graph replays) lives at fixed addresses and
 // its counts in device memory, `head` [kHead]: its epoch, S, n, nt, nm, nz, nr; the launches are
-// sized for its capacity, and each kernel takes the counts from there (resolve).
+// sized for its capacity, and each kernel takes the counts from there (resolve). A plan's kernels
+// run as a chain of programmatic dependents (follow_prior_grids first).
 constexpr int kHead = 7;
 struct Plan {
   const int32_t *batch, *table, *meta, *zero, *reenc;
@@ -68,6 +70,7 @@ __device__ __forceinline__ bool resolve(Plan& plan, const int32_t* gate) {
 // and it was prepared for the launches' S and n (the captured ones); else the gate marks the replay
 // stale, the plan's kernels do nothing and the decode reads no keys (its rows come out NaN).
 __global__ void open_plan(const int32_t* head, int S, int n, int32_t* gate) {
+  follow_prior_grids();
   const bool next = head[0] == gate[0] + 1 && head[1] == S && head[2] == n;
   gate[1] = !next;
   if (next) gate[0] = head[0];
@@ -200,6 +203,14 @@ __device__ __forceinline__ void append_row(const Pools& p, const NewTokens<T>& x
   }
 }
 
+// Which tail buffer holds a sequence's open V block after an append of keys pos0 .. end - 1 to it,
+// buf before. An append within one 32-key block adds its keys in place (a lane owns its channel, the
+// earlier keys stay); one that spans blocks starts the last block in the other buffer, which the
+// first block's warp, still reading the earlier keys, does not touch.
+__host__ __device__ inline int next_tail(int buf, int64_t pos0, int64_t end) {
+  return end % kRecordKeys != 0 && pos0 / kRecordKeys != (end - 1) / kRecordKeys ? 1 - buf : buf;
+}
+
 // pv MX: each warp 32 channels of one 32-key V block an append touches, a lane a channel (so every
 // load and store of a key's row is coalesced), the block's codes and scale written transposed
 // (kv_record.hpp); the last block, if still open, goes to the other tail buffer. The scale is
@@ -264,10 +275,12 @@ __device__ __forceinline__ void append_value_block(const Pools& p, const NewToke
       if (j >= lo && j < to) col[c * vt_row + vt_position(j)] = code_of(x[j]);
   }
   col[D * vt_row + c] = sc;
-  if (end % kRecordKeys != 0 && b == (end - 1) / kRecordKeys)  // the open block's originals, for the next append
+  if (end % kRecordKeys != 0 && b == (end - 1) / kRecordKeys) {  // the open block's new originals, for the next append
+    float* keep = p.vtail + tail + next_tail(buf, pos0, end) * other;
 #pragma unroll
     for (int j = 0; j < kRecordKeys; ++j)
-      if (j < to) p.vtail[tail + (1 - buf) * other + j * D] = j < from && !whole ? p.vtail[tail + buf * other + j * D] : x[j];
+      if (j >= from && j < to) keep[j * D] = x[j];
+  }
 }
 
 // smooth_k: a sequence's first append fixes its keys' mean (KVCache::transform_keys): per channel
@@ -277,6 +290,7 @@ constexpr int kMeanRows = 256;
 template <int D, class T>
 __global__ void key_mean_parts(Pools p, Plan plan, NewTokens<T> x, int chunks, double* part) {
   constexpr int E = D / 32;
+  follow_prior_grids();
   if (!resolve(plan, p.gate)) return;
   const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
   if (w >= int64_t(plan.S) * p.Hkv * chunks) return;
@@ -298,6 +312,7 @@ __global__ void key_mean_parts(Pools p, Plan plan, NewTokens<T> x, int chunks, d
 // channel of a (batch entry, head)).
 template <int D>
 __global__ void key_mean_finish(Pools p, Plan plan, int chunks, const double* part) {
+  follow_prior_grids();
   if (!resolve(plan, p.gate)) return;
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
   if (tid >= int64_t(plan.S) * p.Hkv * D) return;
@@ -309,25 +324,31 @@ __global__ void key_mean_finish(Pools p, Plan plan, int chunks, const double* pa
   p.state[(int64_t(p.table[int64_t(seq) * p.cols]) * p.Hkv + h) * p.srows * D + c] = float(sum / double(plan.n));
 }
 
-// The general append's two writers, a warp an item: K rows (and bf16 V rows), then V blocks (pv MX).
-// Warp w of the rows is (batch entry, head, token), of the V blocks (batch entry, head, block,
-// channel group), in that order of significance, reversed.
+// An append's items, a warp each: K rows (and bf16 V rows) first, then V blocks (pv MX). Warp w of
+// the rows is (batch entry, head, token), of the V blocks (batch entry, head, block, channel group),
+// in that order of significance, reversed; `batch` as Plan::batch.
 template <int D, class T>
-__global__ void append_rows(Pools p, Plan plan, NewTokens<T> x, Codes cd) {
-  if (!resolve(plan, p.gate)) return;
-  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  if (w >= int64_t(plan.S) * p.Hkv * plan.n) return;
-  const int t = int(w % plan.n), h = int(w / plan.n % p.Hkv), i = int(w / plan.n / p.Hkv);
-  append_row<D>(p, x, cd, i, h, t, entry_of(plan.batch, i));
-}
-template <int D, class T>
-__global__ void append_values(Pools p, Plan plan, NewTokens<T> x, Codes cd, int blocks) {
+__device__ __forceinline__ void append_item(const Pools& p, const NewTokens<T>& x, const Codes& cd, int S, int n,
+                                            int blocks, const int32_t* batch, int64_t w) {
   constexpr int CG = D / 32;
+  const int64_t rows = int64_t(S) * p.Hkv * n;
+  if (w < rows) {
+    const int t = int(w % n), h = int(w / n % p.Hkv), i = int(w / n / p.Hkv);
+    append_row<D>(p, x, cd, i, h, t, entry_of(batch, i));
+  } else if (p.vbits != 16 && w - rows < int64_t(S) * p.Hkv * blocks * CG) {
+    const int64_t v = w - rows;
+    const int cg = int(v % CG), bi = int(v / CG % blocks), h = int(v / CG / blocks % p.Hkv), i = int(v / CG / blocks / p.Hkv);
+    append_value_block<D>(p, x, cd, n, i, h, bi, cg, entry_of(batch, i));
+  }
+}
+__device__ __forceinline__ int64_t warp_index() { return (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; }
+
+// The general append's writer (after apply_plan), a warp an item.
+template <int D, class T>
+__global__ void append_items(Pools p, Plan plan, NewTokens<T> x, Codes cd, int blocks) {
+  follow_prior_grids();
   if (!resolve(plan, p.gate)) return;
-  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  if (w >= int64_t(plan.S) * p.Hkv * blocks * CG) return;
-  const int cg = int(w % CG), bi = int(w / CG % blocks), h = int(w / CG / blocks % p.Hkv), i = int(w / CG / blocks / p.Hkv);
-  append_value_block<D>(p, x, cd, plan.n, i, h, bi, cg, entry_of(plan.batch, i));
+  append_item<D>(p, x, cd, plan.S, plan.n, blocks, plan.batch, warp_index());
 }
 
 // An append that opens no page and re-encodes none (a decode step, 127 times in 128): one launch
@@ -343,24 +364,14 @@ struct StepArgs {
 };
 template <int D, class T>
 __global__ void append_step(const __grid_constant__ StepArgs<T> a) {
-  constexpr int CG = D / 32;
-  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t w = warp_index();
   const Pools p = a.p;  // copies, read from the parameter bank: their fields stay plain loads
-  const NewTokens<T> x = a.x;
-  const Codes cd = a.cd;
-  const int n = a.n;
-  const int64_t rows = int64_t(a.S) * p.Hkv * n;
-  if (w < rows) {
-    const int t = int(w % n), h = int(w / n % p.Hkv), i = int(w / n / p.Hkv);
-    const Entry e = entry_of(a.batch, i);
-    append_row<D>(p, x, cd, i, h, t, e);
-    if (t == 0 && h == 0 && threadIdx.x % 32 == 0) p.length[e.seq] = e.pos0 + n;  // the entry's first warp
-  } else if (p.vbits != 16 && w - rows < int64_t(a.S) * p.Hkv * a.blocks * CG) {
-    const int64_t v = w - rows;
-    const int cg = int(v % CG), bi = int(v / CG % a.blocks), h = int(v / CG / a.blocks % p.Hkv),
-              i = int(v / CG / a.blocks / p.Hkv);
-    append_value_block<D>(p, x, cd, n, i, h, bi, cg, entry_of(a.batch, i));
+  const int64_t per_entry = int64_t(p.Hkv) * a.n;  // an entry's K rows; its first warp sets its length
+  if (w < a.S * per_entry && w % per_entry == 0 && threadIdx.x % 32 == 0) {
+    const Entry e = entry_of(a.batch, int(w / per_entry));
+    p.length[e.seq] = e.pos0 + a.n;
   }
+  append_item<D>(p, a.x, a.cd, a.S, a.n, a.blocks, a.batch, w);
 }
 
 // Pages that left the window: K re-encoded in the low format from the kept originals. Warp w is
@@ -369,6 +380,7 @@ __global__ void append_step(const __grid_constant__ StepArgs<T> a) {
 // scales 0, as a fresh page holds).
 template <int D>
 __global__ void reencode_pages(Pools p, Plan plan, Elem low, ScaleRule rule) {
+  follow_prior_grids();
   if (!resolve(plan, p.gate)) return;
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
   for (int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; w < int64_t(plan.nr) * p.Hkv * kPage; w += warps) {
@@ -385,6 +397,7 @@ __global__ void reencode_pages(Pools p, Plan plan, Elem low, ScaleRule rule) {
 
 // The plan's table, length and page updates, and zeroed records for new pages (grid-stride).
 __global__ void apply_plan(Pools p, Plan plan, int64_t page_bytes) {
+  follow_prior_grids();
   if (!resolve(plan, p.gate)) return;
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = tid; i < plan.nt; i += stride) p.table[plan.table[2 * i]] = plan.table[2 * i + 1];

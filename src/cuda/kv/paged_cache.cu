@@ -18,6 +18,7 @@
 #include "core/capabilities.hpp"
 #include "cuda/common/buffers.hpp"
 #include "cuda/common/head_dims.hpp"
+#include "cuda/common/launch.hpp"
 #include "cuda/decode/decode.cuh"
 #include "cuda/kv/append.cuh"
 #include "dmattn/error.hpp"
@@ -380,7 +381,7 @@ PagedKVCache::Impl::HostPlan PagedKVCache::Impl::plan(const std::vector<int>& id
     hp.first |= pos0 == 0;
     hp.batch.insert(hp.batch.end(), {id, int32_t(pos0), s.tail});
     hp.blocks = std::max<int>(hp.blocks, int((end - 1) / 32 - pos0 / 32 + 1));
-    if (end % 32 != 0) s.tail ^= 1;  // the open block lands in the other buffer
+    s.tail = cuda::kv::next_tail(s.tail, pos0, end);
     // Pages that leave the window: re-encoded from their kept keys (the new rows join them first).
     for (size_t j = size_t(s.kept_from); j < s.table.size(); ++j)
       if (s.kept[j] >= 0 && !pol.is_high(last, int64_t(j))) {
@@ -416,16 +417,22 @@ void PagedKVCache::Impl::launch(const cuda::kv::Plan& plan, int blocks, bool mea
   const cuda::kv::Pools& p = pools;
   const Policy& pol = policy;
   const cuda::kv::Codes cd = codes();
-  auto grid = [](int64_t warps) { return unsigned(std::max<int64_t>(1, (warps * 32 + 255) / 256)); };
   const int64_t S = plan.S, n = plan.n, rows = S * heads * n;
   cuda::Buffers buf(stream);
-  if (plan.head) cuda::kv::open_plan<<<1, 1, 0, stream>>>(plan.head, plan.S, plan.n, p.gate);
+  // The launches in series, each after the first its predecessor's programmatic dependent (its CTAs
+  // placed while the predecessor finishes; every kernel waits for it before reading).
+  bool follows = false;
+  auto chained = [&](auto kernel, int64_t blocks, const char* what, auto&&... args) {
+    cuda::launch_kernel(kernel, dim3(unsigned(blocks)), dim3(256), 0, stream, follows, what, args...);
+    follows = true;
+  };
+  auto grid = [](int64_t warps) { return std::max<int64_t>(1, (warps * 32 + 255) / 256); };
+  if (plan.head) chained(cuda::kv::open_plan, 1, "KV cache append", plan.head, plan.S, plan.n, p.gate);
   // One thread an item of the plan's largest list, at most 1024 blocks.
   // (A prepared plan's launch is sized for its capacity and mostly finds nothing to zero: two blocks an SM.)
   const int64_t items = std::max<int64_t>({int64_t(plan.nt), plan.S, plan.nm, plan.nz * (page_bytes / 16)});
-  cuda::kv::apply_plan<<<unsigned(std::clamp<int64_t>((items + 255) / 256, 1, plan.head ? 264 : 1024)), 256, 0, stream>>>(
-      p, plan, page_bytes);
-  check(cudaGetLastError(), "KV cache append");
+  chained(cuda::kv::apply_plan, std::clamp<int64_t>((items + 255) / 256, 1, plan.head ? 264 : 1024), "KV cache append", p,
+          plan, page_bytes);
   cuda::with_head_dim(d, "PagedKVCache", [&](auto dc) {
     constexpr int D = decltype(dc)::value;
     with_typed(k, [&](auto* kt) {
@@ -434,21 +441,16 @@ void PagedKVCache::Impl::launch(const cuda::kv::Plan& plan, int blocks, bool mea
       if (p.smooth_k && means) {  // the first append of some sequence fixes its keys' mean
         const int chunks = int((n + cuda::kv::kMeanRows - 1) / cuda::kv::kMeanRows);
         double* part = buf.alloc<double>(size_t(S * heads * chunks * D) * sizeof(double));
-        cuda::kv::key_mean_parts<D><<<grid(S * heads * chunks), 256, 0, stream>>>(p, plan, x, chunks, part);
-        cuda::kv::key_mean_finish<D><<<unsigned((S * heads * D + 255) / 256), 256, 0, stream>>>(p, plan, chunks, part);
-        check(cudaGetLastError(), "KV cache key mean");
+        chained(cuda::kv::key_mean_parts<D, T>, grid(S * heads * chunks), "KV cache key mean", p, plan, x, chunks, part);
+        chained(cuda::kv::key_mean_finish<D>, (S * heads * D + 255) / 256, "KV cache key mean", p, plan, chunks,
+                static_cast<const double*>(part));
       }
-      cuda::kv::append_rows<D><<<grid(rows), 256, 0, stream>>>(p, plan, x, cd);
-      check(cudaGetLastError(), "KV cache append");
-      if (p.vbits != 16) {
-        cuda::kv::append_values<D><<<grid(S * heads * blocks * (D / 32)), 256, 0, stream>>>(p, plan, x, cd, blocks);
-        check(cudaGetLastError(), "KV cache append");
-      }
+      const int64_t vwarps = p.vbits == 16 ? 0 : S * heads * blocks * (D / 32);
+      chained(cuda::kv::append_items<D, T>, grid(rows + vwarps), "KV cache append", p, plan, x, cd, blocks);
     });
     if (plan.nr > 0) {  // (a prepared plan's: its capacity, the warps striding over its pages)
       const int64_t warps = std::min<int64_t>(int64_t(plan.nr) * heads * kPage, int64_t(heads) * kPage);
-      cuda::kv::reencode_pages<D><<<grid(warps), 256, 0, stream>>>(p, plan, cd.low, pol.scale_rule);
-      check(cudaGetLastError(), "KV cache re-encode");
+      chained(cuda::kv::reencode_pages<D>, grid(warps), "KV cache re-encode", p, plan, cd.low, pol.scale_rule);
     }
   });
 }
@@ -610,26 +612,37 @@ void decode_attention(const PagedKVCache& cache, const std::vector<int>& seqs, c
     m.frozen = true;
     max_pages = std::max<int64_t>(1, m.pools.cols);
   }
+  // Sequences 0 .. S-1 in that order (a batch as it was added) read the cache's own table rows and
+  // lengths; any other selection is gathered into call order first.
+  bool in_order = true;
+  for (int64_t i = 0; i < S; ++i) in_order &= seqs[size_t(i)] == i;
   cuda::Buffers buf(stream);
+  cuda::PagedKV kv{m.pools.rec, m.pools.slot, m.pools.table, m.pools.length, int(S), int(max_pages), int(m.heads), int(m.d),
+                   m.pools.vbits, m.pools.cols, m.pools.gate};
   cuda::kv::Gather g{m.pools.table, m.pools.length, m.pools.gate, m.pools.cols, int(S), int(max_pages), nullptr, nullptr, nullptr, {}};
   int* nonfinite = nullptr;  // written on NaN/Inf in q, not read: no synchronisation
   auto carve = [&](uintptr_t base) {  // the gathered tables and lengths and the flag: one allocation
     cuda::Carve c(base);
-    g.out_table = c.take<int32_t>(size_t(S * max_pages) * sizeof(int32_t));
-    g.out_length = c.take<int32_t>(size_t(S) * sizeof(int32_t));
+    if (!in_order) {
+      g.out_table = c.take<int32_t>(size_t(S * max_pages) * sizeof(int32_t));
+      g.out_length = c.take<int32_t>(size_t(S) * sizeof(int32_t));
+    }
     nonfinite = c.take<int>(sizeof(int));
     return c.size();
   };
   carve(reinterpret_cast<uintptr_t>(buf.alloc<uint8_t>(carve(0))));
-  if (S <= cuda::kv::kGatherIds)
-    std::copy(seqs.begin(), seqs.end(), g.ids);
-  else
-    g.seqs = m.ring.upload(std::vector<int32_t>(seqs.begin(), seqs.end()), buf, stream);
-  cuda::kv::gather_tables<<<unsigned((S * max_pages + 255) / 256), 256, 0, stream>>>(g);
-  check(cudaGetLastError(), "decode table gather");
-  const int32_t *table = g.out_table, *length = g.out_length;
-  const cuda::PagedKV kv{m.pools.rec, m.pools.slot, table, length, int(S), int(max_pages), int(m.heads), int(m.d),
-                         m.pools.vbits};
+  if (!in_order) {
+    if (S <= cuda::kv::kGatherIds)
+      std::copy(seqs.begin(), seqs.end(), g.ids);
+    else
+      g.seqs = m.ring.upload(std::vector<int32_t>(seqs.begin(), seqs.end()), buf, stream);
+    cuda::kv::gather_tables<<<unsigned((S * max_pages + 255) / 256), 256, 0, stream>>>(g);
+    check(cudaGetLastError(), "decode table gather");
+    kv.table = g.out_table;
+    kv.length = g.out_length;
+    kv.stride = 0;
+    kv.gate = nullptr;  // the gather applied it
+  }
   cuda::QueryTransform qt;  // the query side of the transforms, over the state at each sequence's first page
   qt.on = m.pools.transformed;
   qt.rotate = m.pools.rotate;
