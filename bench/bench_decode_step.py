@@ -16,8 +16,10 @@ Speedups: SDPA's step over dmattn's (eager; graph over graph), SDPA's attention 
 Times are medians of CUDA-event timings over 20 steps on torch's current stream, which is where the
 calls enqueue their work (no host synchronisation inside a step). Prints one markdown table.
 
-usage: python3 bench/bench_decode_step.py [B:ctx ...]   (default: the matrix B 1, 16, 64 x ctx 8k, 32k, 128k
-       where the bf16 cache fits in a quarter of the GPU's memory)
+usage: python3 bench/bench_decode_step.py [--profile] [B:ctx ...]
+       B:ctx default: the matrix B 1, 16, 64 x ctx 8k, 32k, 128k where the bf16 cache fits in a
+       quarter of the GPU's memory; --profile also prints each step's kernels, eager and graphed
+       (device µs a step, torch.profiler)
 """
 import statistics
 import sys
@@ -31,6 +33,7 @@ import dmattn
 
 warnings.filterwarnings("ignore")  # SDPA warns on every GQA call that a backend cannot take it
 Hq, Hkv, d = 32, 8, 128
+PROFILE = False  # --profile: each step's kernels (kernels())
 
 
 def time_ms(fn, iters=20):
@@ -83,15 +86,40 @@ def sdpa_ms(q, kc, vc, new_k, new_v):
     return best, best_step, best_graph
 
 
-def graph_step_ms(cache, ids, q, new_k, new_v):
-    """append + decode captured once, then prepare() + replay per step."""
+def graph_step(cache, ids, q, new_k, new_v):
+    """append + decode captured once; the step: prepare() + replay."""
     cache.reserve(len(ids), cache.length(ids[0]) + 64)
     g = graphed(lambda: (cache.append(ids, new_k, new_v), dmattn.decode(cache, ids, q)))
 
     def step():
         cache.prepare(ids, 1)
         g.replay()
-    return time_ms(step)
+    return step
+
+
+def kernels(fn, steps=20):
+    """Where a step's GPU time goes (torch.profiler): device µs a step per kernel or copy, largest
+    first, and the span from the first op's start to the last op's end over `steps` steps, a step.
+    A programmatic dependent's time counts from its launch, which may precede its predecessor's end."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    ops = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    per = {}
+    for e in ops:
+        name = e.name.split("(")[0].replace("void ", "")
+        per[name] = per.get(name, 0.0) + e.device_time / steps
+    span = (max(e.time_range.end for e in ops) - min(e.time_range.start for e in ops)) / steps if ops else 0.0
+    return sorted(per.items(), key=lambda kv: -kv[1]), span
+
+
+def print_kernels(label, fn):
+    per, span = kernels(fn)
+    print(f"  {label}: GPU span {span:.1f} us a step; " + ", ".join(f"{n} {us:.1f}" for n, us in per), flush=True)
 
 
 def run(B, ctx, rows):
@@ -121,7 +149,12 @@ def run(B, ctx, rows):
             cache.append(ids, new_k, new_v)
             dmattn.decode(cache, ids, q)
         step_ms = time_ms(step)
-        graph = graph_step_ms(cache, ids, q, new_k, new_v)
+        if PROFILE:
+            print_kernels(f"B={B} ctx={ctx} pv={pv} eager step", step)
+        replayed = graph_step(cache, ids, q, new_k, new_v)
+        graph = time_ms(replayed)
+        if PROFILE:
+            print_kernels(f"B={B} ctx={ctx} pv={pv} graph step", replayed)
         rows.append((B, ctx, pv, fill, copy, step_ms, decode, graph, sdpa, sdpa_step, sdpa_graph, cache.page_bytes / 128))
         print(f"B={B} ctx={ctx} pv={pv}: fill {fill:.2f} ms (bf16 copy {copy:.2f}), step {1000 * step_ms:.1f} us, "
               f"decode {1000 * decode:.1f} us, graph step {1000 * graph:.1f} us; SDPA step {1000 * sdpa_step:.1f} us "
@@ -131,7 +164,10 @@ def run(B, ctx, rows):
 
 
 def main():
-    specs = [tuple(int(x) for x in s.split(":")) for s in sys.argv[1:]]
+    global PROFILE
+    args = [a for a in sys.argv[1:] if a != "--profile"]
+    PROFILE = len(args) < len(sys.argv) - 1
+    specs = [tuple(int(x) for x in s.split(":")) for s in args]
     if not specs:
         free = torch.cuda.get_device_properties(0).total_memory / 4
         specs = [(B, c) for B in (1, 16, 64) for c in (8192, 32768, 131072) if 2 * B * Hkv * c * d * 2 <= free]
