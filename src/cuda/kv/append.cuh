@@ -76,6 +76,9 @@ __global__ void open_plan(const int32_t* head, int S, int n, int32_t* gate) {
   if (next) gate[0] = head[0];
 }
 
+// The global index of the calling thread's warp (a warp an item in the writers below).
+__device__ __forceinline__ int64_t warp_index() { return (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; }
+
 // The appended tokens: k and v [S][Hkv][n][d] with these element strides (unit on d).
 template <class T>
 struct NewTokens {
@@ -213,13 +216,13 @@ __host__ __device__ inline int next_tail(int buf, int64_t pos0, int64_t end) {
 
 // pv MX: each warp 32 channels of one 32-key V block an append touches, a lane a channel (so every
 // load and store of a key's row is coalesced), the block's codes and scale written transposed
-// (kv_record.hpp); the last block, if still open, goes to the other tail buffer. The scale is
-// monotone in the block's amax, so the block's new scale is the larger of its stored one and the new
-// values' own: where that leaves it unchanged (a decode step, mostly) only the new keys' codes are
-// written; else the block is quantized again from its originals (earlier tokens from the
-// sequence's tail buffer, zeros past the last token). Warp w is (batch entry, head, block, channel
-// group): block bi from the entry's first and channels 32 cg .. 32 cg + 31 of head h of entry i (e),
-// n tokens appended.
+// (kv_record.hpp); the last block's originals, if it is still open, go to the tail buffer next_tail
+// names. The scale is monotone in the block's amax, so the block's new scale is the larger of its
+// stored one and the new values' own: where that leaves it unchanged (a decode step, mostly) only
+// the new keys' codes are written; else the block is quantized again from its originals (earlier
+// tokens from the sequence's tail buffer, zeros past the last token). Warp w is (batch entry, head,
+// block, channel group): block bi from the entry's first and channels 32 cg .. 32 cg + 31 of head h
+// of entry i (e), n tokens appended.
 template <int D, class T>
 __device__ __forceinline__ void append_value_block(const Pools& p, const NewTokens<T>& nt, const Codes& cd, int n, int i,
                                                    int h, int bi, int cg, Entry e) {
@@ -292,7 +295,7 @@ __global__ void key_mean_parts(Pools p, Plan plan, NewTokens<T> x, int chunks, d
   constexpr int E = D / 32;
   follow_prior_grids();
   if (!resolve(plan, p.gate)) return;
-  const int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int64_t w = warp_index();
   if (w >= int64_t(plan.S) * p.Hkv * chunks) return;
   const int ch = int(w % chunks), h = int(w / chunks % p.Hkv), i = int(w / chunks / p.Hkv), lane = threadIdx.x % 32;
   if (plan.batch[3 * i + 1] != 0) return;
@@ -341,7 +344,6 @@ __device__ __forceinline__ void append_item(const Pools& p, const NewTokens<T>& 
     append_value_block<D>(p, x, cd, n, i, h, bi, cg, entry_of(batch, i));
   }
 }
-__device__ __forceinline__ int64_t warp_index() { return (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; }
 
 // The general append's writer (after apply_plan), a warp an item.
 template <int D, class T>
@@ -365,7 +367,7 @@ struct StepArgs {
 template <int D, class T>
 __global__ void append_step(const __grid_constant__ StepArgs<T> a) {
   const int64_t w = warp_index();
-  const Pools p = a.p;  // copies, read from the parameter bank: their fields stay plain loads
+  const Pools p = a.p;  // a copy, read from the parameter bank: its fields stay plain loads
   const int64_t per_entry = int64_t(p.Hkv) * a.n;  // an entry's K rows; its first warp sets its length
   if (w < a.S * per_entry && w % per_entry == 0 && threadIdx.x % 32 == 0) {
     const Entry e = entry_of(a.batch, int(w / per_entry));
@@ -383,7 +385,7 @@ __global__ void reencode_pages(Pools p, Plan plan, Elem low, ScaleRule rule) {
   follow_prior_grids();
   if (!resolve(plan, p.gate)) return;
   const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
-  for (int64_t w = (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; w < int64_t(plan.nr) * p.Hkv * kPage; w += warps) {
+  for (int64_t w = warp_index(); w < int64_t(plan.nr) * p.Hkv * kPage; w += warps) {
     const int key = int(w % kPage), h = int(w / kPage % p.Hkv), r = int(w / kPage / p.Hkv);
     const int lane = threadIdx.x % 32;
     const int32_t page = plan.reenc[3 * r], ks = plan.reenc[3 * r + 1], rows = plan.reenc[3 * r + 2];
@@ -416,11 +418,10 @@ __global__ void apply_plan(Pools p, Plan plan, int64_t page_bytes) {
 }
 
 // Rows of the page table and the lengths of the decode's sequences, gathered in call order. The ids
-// travel in the parameters where they fit (no upload), else in device memory. A stale replay (gate)
-// gives every sequence length 0.
+// travel in the parameters where they fit (no upload), else in device memory.
 constexpr int kGatherIds = 896;
 struct Gather {
-  const int32_t *table, *length, *gate;
+  const int32_t *table, *length;
   int cols, S, max_pages;
   int32_t *out_table, *out_length;
   const int32_t* seqs;  // the ids in device memory, or null: they are `ids`
@@ -433,7 +434,7 @@ __global__ void gather_tables(const __grid_constant__ Gather g) {
     const int s = int(tid / g.max_pages), j = int(tid % g.max_pages);
     g.out_table[tid] = g.table[int64_t(seqs[s]) * g.cols + j];
   }
-  if (tid < g.S) g.out_length[tid] = g.gate[1] ? 0 : g.length[seqs[tid]];
+  if (tid < g.S) g.out_length[tid] = g.length[seqs[tid]];
 }
 
 }  // namespace dmattn::cuda::kv

@@ -1,7 +1,7 @@
 // PagedKVCache (include/dmattn/paged_kv_cache.hpp): the host's bookkeeping (page allocation,
 // lengths, which pages keep their original keys) and the launches that carry it out on the device
 // (kv/append.cuh). An append that opens or re-encodes pages uploads one small plan through a pinned
-// ring and enqueues up to six kernels (a sequence's first append with smooth_k adds its mean's two);
+// ring and enqueues up to three kernels (a sequence's first append with smooth_k adds its mean's two);
 // a decode step's append is one launch carrying its batch in its parameters. Nothing waits for the
 // device except a pool that has to grow. Under CUDA graph capture an append carries out a plan
 // prepare() wrote to fixed device memory, and the pools stop moving (the graph holds their addresses).
@@ -619,7 +619,7 @@ void decode_attention(const PagedKVCache& cache, const std::vector<int>& seqs, c
   cuda::Buffers buf(stream);
   cuda::PagedKV kv{m.pools.rec, m.pools.slot, m.pools.table, m.pools.length, int(S), int(max_pages), int(m.heads), int(m.d),
                    m.pools.vbits, m.pools.cols, m.pools.gate};
-  cuda::kv::Gather g{m.pools.table, m.pools.length, m.pools.gate, m.pools.cols, int(S), int(max_pages), nullptr, nullptr, nullptr, {}};
+  cuda::kv::Gather g{m.pools.table, m.pools.length, m.pools.cols, int(S), int(max_pages), nullptr, nullptr, nullptr, {}};
   int* nonfinite = nullptr;  // written on NaN/Inf in q, not read: no synchronisation
   auto carve = [&](uintptr_t base) {  // the gathered tables and lengths and the flag: one allocation
     cuda::Carve c(base);
@@ -641,7 +641,6 @@ void decode_attention(const PagedKVCache& cache, const std::vector<int>& seqs, c
     kv.table = g.out_table;
     kv.length = g.out_length;
     kv.stride = 0;
-    kv.gate = nullptr;  // the gather applied it
   }
   cuda::QueryTransform qt;  // the query side of the transforms, over the state at each sequence's first page
   qt.on = m.pools.transformed;
