@@ -140,6 +140,44 @@ __device__ __forceinline__ void write_key_row(const Pools& p, int32_t page, int 
     for (int i = lane; i < D / 2; i += 32) r[k * (D / 2) + i] = 0;
 }
 
+// One 32-element block of a key row, by one thread: elements 32 b .. 32 b + 31 of key `key` (0..127 in
+// its page) of head h (v), written in format e into the K codes and scale of its record, bytes as
+// write_key_row writes them (the codec's quantize_mx_block: the block's amax picks the scale, each
+// element encoded alone), as whole 16-byte chunks.
+template <int D>
+__device__ __forceinline__ void write_key_block(const Pools& p, int32_t page, int h, int key, int b, const float (&v)[32],
+                                                Elem e, ScaleRule rule) {
+  const int k = key % kRecordKeys;
+  const bool e2m1 = e == Elem::e2m1;
+  const int row = record_k_row(D, e2m1), chunks = row / 16;
+  uint8_t* r = record_at(p, page, h, key);
+  uint8_t* codes = r + record_k(D, e2m1) + k * row;
+  bool bad = false;
+  float amax = 0.0f;
+#pragma unroll
+  for (int j = 0; j < 32; ++j) {
+    bad |= !hd::is_finite(v[j]);
+    amax = fmaxf(amax, hd::abs_f(v[j]));
+  }
+  const uint8_t sc = bad ? kE8M0NaN : choose_e8m0(amax, e, rule);
+  const ElemSpec spec = elem_spec(e);
+  auto code = [&](int j) { return sc == kE8M0NaN ? 0u : uint32_t(encode_elem(spec, hd::ldexp2(v[j], -(int(sc) - 127)))); };
+  if (e2m1) {  // 16 bytes, two codes a byte, the even element in the low nibble
+    uint32_t w[4] = {};
+#pragma unroll
+    for (int j = 0; j < 32; ++j) w[j / 8] |= code(j) << (4 * (j % 8));
+    *reinterpret_cast<uint4*>(codes + swizzled(chunks, k, 16 * b)) = make_uint4(w[0], w[1], w[2], w[3]);
+    *reinterpret_cast<uint4*>(r + k * (D / 2) + 16 * b) = make_uint4(0, 0, 0, 0);  // the K region's unused head
+  } else {
+    uint32_t w[8] = {};
+#pragma unroll
+    for (int j = 0; j < 32; ++j) w[j / 4] |= code(j) << (8 * (j % 4));
+    *reinterpret_cast<uint4*>(codes + swizzled(chunks, k, 32 * b)) = make_uint4(w[0], w[1], w[2], w[3]);
+    *reinterpret_cast<uint4*>(codes + swizzled(chunks, k, 32 * b + 16)) = make_uint4(w[4], w[5], w[6], w[7]);
+  }
+  r[record_k_scales(D) + k * (D / 32) + b] = sc;
+}
+
 // A batch entry of an append: the sequence, its length before the append, which V tail buffer holds
 // its open block (Plan::batch's three ints).
 struct Entry {
@@ -214,6 +252,38 @@ __host__ __device__ inline int next_tail(int buf, int64_t pos0, int64_t end) {
   return end % kRecordKeys != 0 && pos0 / kRecordKeys != (end - 1) / kRecordKeys ? 1 - buf : buf;
 }
 
+// One 32-element block of a new token's K row (and of its bf16 V row) by one thread, where no
+// transform needs the whole row in a warp: block b of token t of head h of batch entry i (e).
+template <int D, class T>
+__device__ __forceinline__ void append_key_block(const Pools& p, const NewTokens<T>& x, const Codes& cd, int i, int h, int t,
+                                                 int b, Entry e) {
+  const int pos = e.pos0 + t, key = pos % kPage;
+  const int32_t page = p.table[int64_t(e.seq) * p.cols + pos / kPage];
+  const T* src = x.k + i * x.ks0 + h * x.ks1 + t * x.ks2 + 32 * b;
+  float v[32];
+#pragma unroll
+  for (int j = 0; j < 32; ++j) v[j] = to_float(src[j]);
+  const int32_t ks = p.kept_of[page];
+  if (ks >= 0) {
+    float4* kept = reinterpret_cast<float4*>(p.kept + ((int64_t(ks) * p.Hkv + h) * kPage + key) * D + 32 * b);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) kept[j] = make_float4(v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3]);
+  }
+  if (!p.pending[page]) write_key_block<D>(p, page, h, key, b, v, p.slot[page] ? cd.low : cd.high, cd.rule);
+  if (p.vbits == 16) {  // V's bf16 row, 16-byte chunks swizzled
+    const T* vsrc = x.v + i * x.vs0 + h * x.vs1 + t * x.vs2 + 32 * b;
+    uint32_t w[16];
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+      w[j] = uint32_t(to_bf16(to_float(vsrc[2 * j])).bits) | uint32_t(to_bf16(to_float(vsrc[2 * j + 1])).bits) << 16;
+    uint8_t* dst = record_at(p, page, h, key) + record_v(D) + (key % kRecordKeys) * 2 * D;
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      *reinterpret_cast<uint4*>(dst + swizzled(2 * D / 16, key % kRecordKeys, 64 * b + 16 * c)) =
+          make_uint4(w[4 * c], w[4 * c + 1], w[4 * c + 2], w[4 * c + 3]);
+  }
+}
+
 // pv MX: each warp 32 channels of one 32-key V block an append touches, a lane a channel (so every
 // load and store of a key's row is coalesced), the block's codes and scale written transposed
 // (kv_record.hpp); the last block's originals, if it is still open, go to the tail buffer next_tail
@@ -261,16 +331,19 @@ __device__ __forceinline__ void append_value_block(const Pools& p, const NewToke
     uint32_t* words = reinterpret_cast<uint32_t*>(col + c * vt_row);
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
-      uint8_t codes[8], ones[8];
+      uint8_t ones[8];
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int key = 8 * (j / 2) + 2 * t + j % 2;
-        const bool written = key >= lo && key < to;
-        codes[j] = written ? code_of(x[key]) : uint8_t(0);
-        ones[j] = written ? uint8_t(0xF) : uint8_t(0);
+        ones[j] = key >= lo && key < to ? uint8_t(0xF) : uint8_t(0);
       }
       const uint32_t mask = e2m1x8_f16_pack(ones);
-      if (mask) words[t] = (lo > 0 ? words[t] & ~mask : 0u) | e2m1x8_f16_pack(codes);
+      if (mask) {  // a step writes one word (encodes 8 values, not 32) unless the scale changed
+        uint8_t codes[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) codes[j] = ones[j] ? code_of(x[8 * (j / 2) + 2 * t + j % 2]) : uint8_t(0);
+        words[t] = (lo > 0 ? words[t] & ~mask : 0u) | e2m1x8_f16_pack(codes);
+      }
     }
   } else {
 #pragma unroll
@@ -327,19 +400,34 @@ __global__ void key_mean_finish(Pools p, Plan plan, int chunks, const double* pa
   p.state[(int64_t(p.table[int64_t(seq) * p.cols]) * p.Hkv + h) * p.srows * D + c] = float(sum / double(plan.n));
 }
 
-// An append's items, a warp each: K rows (and bf16 V rows) first, then V blocks (pv MX). Warp w of
-// the rows is (batch entry, head, token), of the V blocks (batch entry, head, block, channel group),
-// in that order of significance, reversed; `batch` as Plan::batch.
+// An append's items: K rows first, then V blocks (pv MX), a warp a V block (batch entry, head, block,
+// channel group). K: a thread a 32-element block of a row, 32 to a warp (rows (batch entry, head,
+// token), blocks within them), except where the transforms need a warp a row (append_row). Orders of
+// significance as listed, reversed; `batch` as Plan::batch.
+__host__ __device__ inline int64_t key_warps(bool transformed, int64_t rows, int d) {
+  return transformed ? rows : (rows * (d / 32) + 31) / 32;
+}
+// The warps of an append of n tokens to S sequences touching at most `blocks` V blocks each.
+__host__ __device__ inline int64_t item_warps(const Pools& p, int64_t S, int64_t n, int blocks) {
+  return key_warps(p.transformed, S * p.Hkv * n, p.d) + (p.vbits == 16 ? 0 : S * p.Hkv * blocks * (p.d / 32));
+}
 template <int D, class T>
 __device__ __forceinline__ void append_item(const Pools& p, const NewTokens<T>& x, const Codes& cd, int S, int n,
                                             int blocks, const int32_t* batch, int64_t w) {
-  constexpr int CG = D / 32;
-  const int64_t rows = int64_t(S) * p.Hkv * n;
-  if (w < rows) {
-    const int t = int(w % n), h = int(w / n % p.Hkv), i = int(w / n / p.Hkv);
-    append_row<D>(p, x, cd, i, h, t, entry_of(batch, i));
-  } else if (p.vbits != 16 && w - rows < int64_t(S) * p.Hkv * blocks * CG) {
-    const int64_t v = w - rows;
+  constexpr int CG = D / 32, NB = D / 32;
+  const int64_t rows = int64_t(S) * p.Hkv * n, kw = key_warps(p.transformed, rows, D);
+  if (w < kw) {
+    if (p.transformed) {
+      const int t = int(w % n), h = int(w / n % p.Hkv), i = int(w / n / p.Hkv);
+      append_row<D>(p, x, cd, i, h, t, entry_of(batch, i));
+    } else {
+      const int64_t kb = w * 32 + threadIdx.x % 32, r = kb / NB;
+      if (r >= rows) return;
+      const int t = int(r % n), h = int(r / n % p.Hkv), i = int(r / n / p.Hkv);
+      append_key_block<D>(p, x, cd, i, h, t, int(kb % NB), entry_of(batch, i));
+    }
+  } else if (p.vbits != 16 && w - kw < int64_t(S) * p.Hkv * blocks * CG) {
+    const int64_t v = w - kw;
     const int cg = int(v % CG), bi = int(v / CG % blocks), h = int(v / CG / blocks % p.Hkv), i = int(v / CG / blocks / p.Hkv);
     append_value_block<D>(p, x, cd, n, i, h, bi, cg, entry_of(batch, i));
   }
@@ -366,14 +454,13 @@ struct StepArgs {
 };
 template <int D, class T>
 __global__ void append_step(const __grid_constant__ StepArgs<T> a) {
-  const int64_t w = warp_index();
   const Pools p = a.p;  // a copy, read from the parameter bank: its fields stay plain loads
-  const int64_t per_entry = int64_t(p.Hkv) * a.n;  // an entry's K rows; its first warp sets its length
-  if (w < a.S * per_entry && w % per_entry == 0 && threadIdx.x % 32 == 0) {
-    const Entry e = entry_of(a.batch, int(w / per_entry));
+  const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (tid < a.S) {  // the lengths (the launch has at least a thread an entry)
+    const Entry e = entry_of(a.batch, int(tid));
     p.length[e.seq] = e.pos0 + a.n;
   }
-  append_item<D>(p, a.x, a.cd, a.S, a.n, a.blocks, a.batch, w);
+  append_item<D>(p, a.x, a.cd, a.S, a.n, a.blocks, a.batch, warp_index());
 }
 
 // Pages that left the window: K re-encoded in the low format from the kept originals. Warp w is

@@ -417,7 +417,7 @@ void PagedKVCache::Impl::launch(const cuda::kv::Plan& plan, int blocks, bool mea
   const cuda::kv::Pools& p = pools;
   const Policy& pol = policy;
   const cuda::kv::Codes cd = codes();
-  const int64_t S = plan.S, n = plan.n, rows = S * heads * n;
+  const int64_t S = plan.S, n = plan.n;
   cuda::Buffers buf(stream);
   // The launches in series, each after the first its predecessor's programmatic dependent (its CTAs
   // placed while the predecessor finishes; every kernel waits for it before reading).
@@ -445,8 +445,8 @@ void PagedKVCache::Impl::launch(const cuda::kv::Plan& plan, int blocks, bool mea
         chained(cuda::kv::key_mean_finish<D>, (S * heads * D + 255) / 256, "KV cache key mean", p, plan, chunks,
                 static_cast<const double*>(part));
       }
-      const int64_t vwarps = p.vbits == 16 ? 0 : S * heads * blocks * (D / 32);
-      chained(cuda::kv::append_items<D, T>, grid(rows + vwarps), "KV cache append", p, plan, x, cd, blocks);
+      chained(cuda::kv::append_items<D, T>, grid(cuda::kv::item_warps(p, S, n, blocks)), "KV cache append", p, plan, x, cd,
+              blocks);
     });
     if (plan.nr > 0) {  // (a prepared plan's: its capacity, the warps striding over its pages)
       const int64_t warps = std::min<int64_t>(int64_t(plan.nr) * heads * kPage, int64_t(heads) * kPage);
@@ -487,14 +487,14 @@ void PagedKVCache::append(const std::vector<int>& ids, const TensorView& k, cons
   Impl::HostPlan hp = m.plan(ids, n, stream);
   const cuda::kv::Pools& p = m.pools;
   if (hp.table.empty() && hp.meta.empty() && S <= cuda::kv::kStepSeqs) {  // no page opens or leaves the window
-    const int64_t rows = S * m.heads * n, vwarps = p.vbits == 16 ? 0 : S * m.heads * hp.blocks * (m.d / 32);
     cuda::with_head_dim(m.d, "PagedKVCache", [&](auto dc) {
       constexpr int D = decltype(dc)::value;
       with_typed(k, [&](auto* kt) {
         using T = std::remove_pointer_t<decltype(kt)>;
         cuda::kv::StepArgs<T> a{p, new_tokens(kt, k, v), m.codes(), int(S), int(n), hp.blocks, {}};
         std::copy(hp.batch.begin(), hp.batch.end(), a.batch);
-        cuda::kv::append_step<D, T><<<unsigned(((rows + vwarps) * 32 + 255) / 256), 256, 0, stream>>>(a);
+        const int64_t threads = std::max<int64_t>(cuda::kv::item_warps(p, S, n, hp.blocks) * 32, S);
+        cuda::kv::append_step<D, T><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(a);
       });
     });
     check(cudaGetLastError(), "KV cache append");
