@@ -42,7 +42,7 @@ DMATTN_HD constexpr int swizzled(int chunks, int row, int b) {
 
 // Where key k (0..31) of a block sits in a column of the E4M3 V^T: lane t of the mma's B fragment
 // reads bytes 8t..8t+7, which must hold keys 2t, 2t+1, 8+2t, 9+2t and the same plus 16 (the keys its
-// P fragment holds, see decode/kernel.cu).
+// P fragment holds, see decode/pv.cuh).
 DMATTN_HD constexpr int vt_position(int k) {
   const int r = k % 16;
   return 8 * ((r % 8) / 2) + 4 * (k / 16) + (r % 2) + 2 * (r / 8);

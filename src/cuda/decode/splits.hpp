@@ -24,7 +24,7 @@ inline int decode_auto_splits(int64_t ctas, int max_pages, int slots) {
 }
 
 // How many CTAs an SM a decode instance runs (two; three or four where the instance fits them: fewer
-// stages each, see decode/kernel.cu's max_ctas) and its splits. More CTAs move more bytes an SM when the SM is
+// stages each, see decode/params.cuh's max_ctas) and its splits. More CTAs move more bytes an SM when the SM is
 // full, but a CTA then streams its pages at 1/c of the SM: the time of a plan is
 // waves x (pages per split + 1) x c / that SM's rate at c. Measured (measured: V in MXFP4,
 // forced instances, us): B=16 32k 323 / 303 / 298 at two / three / four; B=64 8k 341 / 361 / 299;
