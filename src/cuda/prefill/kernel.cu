@@ -124,15 +124,11 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     return;
   }
   wg::regs_inc<240>();
-  // Turns on the tensor cores: warpgroup w issues its GEMMs after barrier 1 + w, then lets the other
-  // go. Warpgroup 1 opens warpgroup 0's first turn (before its own Q, which then runs under warpgroup
-  // 0's first tile) and skips its last hand-over, so both barriers see as many arrivals as waits.
-  // At d = 64 the turns cost more than they order: a tile's tensor work is half of d = 128's, so
-  // the two softmaxes, not the tensor cores, bound the period and run faster side by side
-  // (bench/RESULTS.md: -9.1% at N = 16384, -10.8% at 65536 for bf16 P.V, -2 to -4%
-  // for pv = fp8 and NVFP4). At d = 128 dropping them measured -0.5 to +1.5% (bf16 P.V) and up to +3.7%
-  // (pv = fp8).
-  constexpr bool kTurns = D == 128;
+  // Turns on the tensor cores (Tiling<D>::kTurns): warpgroup w issues its GEMMs after barrier 1 + w,
+  // then lets the other go. Warpgroup 1 opens warpgroup 0's first turn (before its own Q, which then
+  // runs under warpgroup 0's first tile) and skips its last hand-over, so both barriers see as many
+  // arrivals as waits.
+  constexpr bool kTurns = Tiling<D>::kTurns;
   const int me = 1 + wgi, other = 2 - wgi;
   if (kTurns && wgi == 1 && kt.begin < tiles) wg::bar_arrive(1, kConsumers);
   // Each warpgroup brings in its Q rows while the producer's first copies are in flight.
@@ -354,7 +350,7 @@ void launch(PrefillParams p, int64_t blocks, int batch, cudaStream_t stream) {
                                 CU_TENSOR_MAP_SWIZZLE_128B);
     else if (p.k8[s])
       p.kmap[s] = tensor_map_3d(p.k8[s], CU_TENSOR_MAP_DATA_TYPE_UINT8, {D, nk, bh}, {D, nk * D}, {D, BN, 1},
-                                D == 128 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B);
+                                Tiling<D>::kKSwizzle);
   // (pv = fp8: E4M3 V^T in boxes of 128 keys x D.)
   if constexpr (kF8V)
     p.vmap = tensor_map_3d(p.vt, CU_TENSOR_MAP_DATA_TYPE_UINT8, {ldv, D, bh}, {ldv, D * ldv}, {BN, D, 1},

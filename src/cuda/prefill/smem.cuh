@@ -2,6 +2,8 @@
 // stage's K, V^T, scales and barriers live for an instance (head dim, P.V format, NVFP4 slots,
 // accuracy-transform inputs).
 #pragma once
+#include <cuda.h>
+
 #include <cstdint>
 
 #include "cuda/prefill/params.cuh"
@@ -10,6 +12,28 @@ namespace dmattn::cuda::prefill {
 
 constexpr int BM = kPrefillRows, BN = kTile;
 constexpr int kConsumers = 256, kThreads = kConsumers + 128;  // 2 consumer warpgroups x 64 rows + a producer
+
+// What the head dim decides beyond the sizes below, one entry a head dim (cuda/common/head_dims.hpp
+// lists the ones built):
+//  kKSwizzle: the swizzle of an FP8 Q or K tile, whose rows are D bytes (one swizzle atom a row;
+//    wg::swizzled<D> lays the bytes out to match).
+//  kTurns: the two consumer warpgroups take turns on the tensor cores (named barriers). At d = 64 the
+//    turns cost more than they order: a tile's tensor work is half of d = 128's, so the two softmaxes,
+//    not the tensor cores, bound the period and run faster side by side (bench/RESULTS.md: -9.1% at
+//    N = 16384, -10.8% at 65536 for bf16 P.V, -2 to -4% for pv = fp8 and NVFP4). At d = 128 dropping
+//    them measured -0.5 to +1.5% (bf16 P.V) and up to +3.7% (pv = fp8).
+template <int D>
+struct Tiling;
+template <>
+struct Tiling<64> {
+  static constexpr CUtensorMapSwizzle kKSwizzle = CU_TENSOR_MAP_SWIZZLE_64B;
+  static constexpr bool kTurns = false;
+};
+template <>
+struct Tiling<128> {
+  static constexpr CUtensorMapSwizzle kKSwizzle = CU_TENSOR_MAP_SWIZZLE_128B;
+  static constexpr bool kTurns = true;
+};
 
 // Shared memory (every tile 1024-byte aligned, as the swizzle needs):
 //   Q: [2 slots][BM rows][D bytes] swizzled, then Q scales as floats [2][BM][D/32];
