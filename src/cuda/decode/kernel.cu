@@ -108,7 +108,7 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
     exact_sink_scores<kNR>(p, sc, j, qrow0, rows);
     mask.apply(sc, j);
     float alpha[kNR][2];
-    if (softmax.template update<kRows>(sc, rmax, j, p.scale, alpha)) rescale<D, kNR>(acc, alpha);
+    if (softmax.update(sc, rmax, j, p.scale, alpha)) rescale<D, kNR>(acc, alpha);
     accumulate_pv<D, kVB, kNR>(acc, sc, st + record_v(D), p.rule);
     fill = stage;
     if (++stage == kStages) stage = 0, parity ^= 1u;

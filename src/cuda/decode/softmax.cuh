@@ -47,8 +47,8 @@ struct PageSoftmax {
   // Takes page j's masked raw scores s (mask.cuh) and leaves P = 2^((s - m) scale) in s; red: two
   // buffers of [kWarps][rows] floats (a warp runs at most a page ahead). alpha: the factor each row's
   // accumulator takes for its new maximum. Returns whether any lane's alpha differs from 1.
-  template <int kRows>
   __device__ __forceinline__ bool update(float (&s)[2][kNR][4], float* red, int j, float scale, float (&alpha)[kNR][2]) {
+    constexpr int kRows = 8 * kNR;
     const int lane = threadIdx.x % 32, warp = threadIdx.x / 32, t = lane % 4;
     float mx[kNR][2];  // the rows' maxima over this warp's raw scores (scale > 0: applied to s - m below)
 #pragma unroll
