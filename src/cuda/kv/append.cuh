@@ -142,8 +142,7 @@ __device__ __forceinline__ void write_key_row(const Pools& p, int32_t page, int 
 
 // One 32-element block of a key row, by one thread: elements 32 b .. 32 b + 31 of key `key` (0..127 in
 // its page) of head h (v), written in format e into the K codes and scale of its record, bytes as
-// write_key_row writes them (the codec's quantize_mx_block: the block's amax picks the scale, each
-// element encoded alone), as whole 16-byte chunks.
+// write_key_row writes them (the codec's own quantize_mx_block), as whole 16-byte chunks.
 template <int D>
 __device__ __forceinline__ void write_key_block(const Pools& p, int32_t page, int h, int key, int b, const float (&v)[32],
                                                 Elem e, ScaleRule rule) {
@@ -152,26 +151,18 @@ __device__ __forceinline__ void write_key_block(const Pools& p, int32_t page, in
   const int row = record_k_row(D, e2m1), chunks = row / 16;
   uint8_t* r = record_at(p, page, h, key);
   uint8_t* codes = r + record_k(D, e2m1) + k * row;
-  bool bad = false;
-  float amax = 0.0f;
-#pragma unroll
-  for (int j = 0; j < 32; ++j) {
-    bad |= !hd::is_finite(v[j]);
-    amax = fmaxf(amax, hd::abs_f(v[j]));
-  }
-  const uint8_t sc = bad ? kE8M0NaN : choose_e8m0(amax, e, rule);
-  const ElemSpec spec = elem_spec(e);
-  auto code = [&](int j) { return sc == kE8M0NaN ? 0u : uint32_t(encode_elem(spec, hd::ldexp2(v[j], -(int(sc) - 127)))); };
+  uint8_t c[32];
+  const uint8_t sc = quantize_mx_block(v, 32, e, rule, c);
   if (e2m1) {  // 16 bytes, two codes a byte, the even element in the low nibble
     uint32_t w[4] = {};
 #pragma unroll
-    for (int j = 0; j < 32; ++j) w[j / 8] |= code(j) << (4 * (j % 8));
+    for (int j = 0; j < 32; ++j) w[j / 8] |= uint32_t(c[j]) << (4 * (j % 8));
     *reinterpret_cast<uint4*>(codes + swizzled(chunks, k, 16 * b)) = make_uint4(w[0], w[1], w[2], w[3]);
     *reinterpret_cast<uint4*>(r + k * (D / 2) + 16 * b) = make_uint4(0, 0, 0, 0);  // the K region's unused head
   } else {
     uint32_t w[8] = {};
 #pragma unroll
-    for (int j = 0; j < 32; ++j) w[j / 4] |= code(j) << (8 * (j % 4));
+    for (int j = 0; j < 32; ++j) w[j / 4] |= uint32_t(c[j]) << (8 * (j % 4));
     *reinterpret_cast<uint4*>(codes + swizzled(chunks, k, 32 * b)) = make_uint4(w[0], w[1], w[2], w[3]);
     *reinterpret_cast<uint4*>(codes + swizzled(chunks, k, 32 * b + 16)) = make_uint4(w[4], w[5], w[6], w[7]);
   }
