@@ -34,8 +34,9 @@ struct Pools {
   bool transformed = false;    // any transform on: keys enter quantization as bf16 values
   bool rotate = false, smooth_k = false;  // the policy's key transforms (KVCache::transform_keys)
   int sink_keys = 0, srows = 0;
-  // [2]: the epoch of the last prepared plan carried out, and 1 while the latest replay found its
-  // plan already carried out (or not the one it was captured for): decode then reads no keys.
+  // [3]: the epoch of the last prepared plan carried out; 1 while the latest replay found its plan
+  // already carried out (or not the one it was captured for): decode then reads no keys; and the count
+  // of apply_plan's CTAs done with a prepared plan (open_plan).
   int32_t* gate = nullptr;
 };
 
@@ -54,26 +55,39 @@ struct Plan {
   const int32_t* head = nullptr;
 };
 
-// A kernel's view of its plan: a prepared plan's counts read from device memory; false where the
-// replay carries out nothing (open_plan found it stale).
-__device__ __forceinline__ bool resolve(Plan& plan, const int32_t* gate) {
-  if (!plan.head) return true;
-  if (gate[1]) return false;
+// A prepared plan's counts, read from device memory.
+__device__ __forceinline__ void read_counts(Plan& plan) {
   plan.nt = plan.head[3];
   plan.nm = plan.head[4];
   plan.nz = plan.head[5];
   plan.nr = plan.head[6];
+}
+
+// A kernel's view of its plan after apply_plan: a prepared plan's counts read from device memory;
+// false where the replay carries out nothing (open_plan found it stale).
+__device__ __forceinline__ bool resolve(Plan& plan, const int32_t* gate) {
+  if (!plan.head) return true;
+  if (gate[1]) return false;
+  read_counts(plan);
   return true;
 }
 
-// A prepared plan's first launch: carried out only where its epoch follows the last one carried out
-// and it was prepared for the launches' S and n (the captured ones); else the gate marks the replay
-// stale, the plan's kernels do nothing and the decode reads no keys (its rows come out NaN).
-__global__ void open_plan(const int32_t* head, int S, int n, int32_t* gate) {
-  follow_prior_grids();
-  const bool next = head[0] == gate[0] + 1 && head[1] == S && head[2] == n;
+// A prepared plan is carried out only where its epoch follows the last one carried out and it was
+// prepared for the launches' S and n (the captured ones); else the replay is stale, the plan's kernels
+// do nothing and the decode reads no keys (its rows come out NaN). apply_plan, the plan's first
+// kernel, decides it in each CTA; the last of its CTAs to finish, once every CTA has read the gate,
+// records the outcome for the kernels after it. Every CTA of the launch calls it, at its end.
+__device__ __forceinline__ void open_plan(const Plan& plan, int32_t* gate, bool next) {
+  __syncthreads();  // every thread of this CTA has read the gate
+  if (threadIdx.x != 0) return;
+  __threadfence();
+  if (atomicAdd(gate + 2, 1) != int(gridDim.x) - 1) return;
+  gate[2] = 0;
   gate[1] = !next;
-  if (next) gate[0] = head[0];
+  if (next) gate[0] = plan.head[0];
+}
+__device__ __forceinline__ bool plan_is_next(const Plan& plan, const int32_t* gate) {
+  return !plan.head || (plan.head[0] == gate[0] + 1 && plan.head[1] == plan.S && plan.head[2] == plan.n);
 }
 
 // The global index of the calling thread's warp (a warp an item in the writers below).
@@ -424,12 +438,40 @@ __device__ __forceinline__ void append_item(const Pools& p, const NewTokens<T>& 
   }
 }
 
-// The general append's writer (after apply_plan), a warp an item.
+// Pages that left the window: K re-encoded in the low format from the kept originals. Warp w is
+// (entry, head, key), reversed, the launch's warps striding over them (a prepared plan's launch is
+// sized for its capacity, most of which a step leaves idle); keys past the page's rows encode zeros
+// (codes and scales 0, as a fresh page holds).
+template <int D>
+__device__ __forceinline__ void reencode_rows(const Pools& p, const Plan& plan, Elem low, ScaleRule rule) {
+  const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
+  for (int64_t w = warp_index(); w < int64_t(plan.nr) * p.Hkv * kPage; w += warps) {
+    const int key = int(w % kPage), h = int(w / kPage % p.Hkv), r = int(w / kPage / p.Hkv);
+    const int lane = threadIdx.x % 32;
+    const int32_t page = plan.reenc[3 * r], ks = plan.reenc[3 * r + 1], rows = plan.reenc[3 * r + 2];
+    const float* src = p.kept + ((int64_t(ks) * p.Hkv + h) * kPage + key) * D;
+    float vals[D / 32];
+#pragma unroll
+    for (int b = 0; b < D / 32; ++b) vals[b] = key < rows ? src[32 * b + lane] : 0.0f;
+    write_key_row<D>(p, page, h, key, vals, low, rule);
+  }
+}
+template <int D>
+__global__ void reencode_pages(Pools p, Plan plan, Elem low, ScaleRule rule) {
+  follow_prior_grids();
+  if (!resolve(plan, p.gate)) return;
+  reencode_rows<D>(p, plan, low, rule);
+}
+
+// The general append's writer (after apply_plan), a warp an item. with_reencode: the re-encoding too
+// (reencode_rows), where no page it re-encodes takes a new key: an append of one token a sequence, whose
+// new key's page is on the diagonal (the pages leaving the window are older).
 template <int D, class T>
-__global__ void append_items(Pools p, Plan plan, NewTokens<T> x, Codes cd, int blocks) {
+__global__ void append_items(Pools p, Plan plan, NewTokens<T> x, Codes cd, int blocks, bool with_reencode) {
   follow_prior_grids();
   if (!resolve(plan, p.gate)) return;
   append_item<D>(p, x, cd, plan.S, plan.n, blocks, plan.batch, warp_index());
+  if (with_reencode) reencode_rows<D>(p, plan, cd.low, cd.rule);
 }
 
 // An append that opens no page and re-encodes none (a decode step, 127 times in 128): one launch
@@ -454,31 +496,8 @@ __global__ void append_step(const __grid_constant__ StepArgs<T> a) {
   append_item<D>(p, a.x, a.cd, a.S, a.n, a.blocks, a.batch, warp_index());
 }
 
-// Pages that left the window: K re-encoded in the low format from the kept originals. Warp w is
-// (entry, head, key), reversed, the warps striding over them (a prepared plan's launch is sized for
-// its capacity, most of which a step leaves idle); keys past the page's rows encode zeros (codes and
-// scales 0, as a fresh page holds).
-template <int D>
-__global__ void reencode_pages(Pools p, Plan plan, Elem low, ScaleRule rule) {
-  follow_prior_grids();
-  if (!resolve(plan, p.gate)) return;
-  const int64_t warps = int64_t(gridDim.x) * blockDim.x / 32;
-  for (int64_t w = warp_index(); w < int64_t(plan.nr) * p.Hkv * kPage; w += warps) {
-    const int key = int(w % kPage), h = int(w / kPage % p.Hkv), r = int(w / kPage / p.Hkv);
-    const int lane = threadIdx.x % 32;
-    const int32_t page = plan.reenc[3 * r], ks = plan.reenc[3 * r + 1], rows = plan.reenc[3 * r + 2];
-    const float* src = p.kept + ((int64_t(ks) * p.Hkv + h) * kPage + key) * D;
-    float vals[D / 32];
-#pragma unroll
-    for (int b = 0; b < D / 32; ++b) vals[b] = key < rows ? src[32 * b + lane] : 0.0f;
-    write_key_row<D>(p, page, h, key, vals, low, rule);
-  }
-}
-
 // The plan's table, length and page updates, and zeroed records for new pages (grid-stride).
-__global__ void apply_plan(Pools p, Plan plan, int64_t page_bytes) {
-  follow_prior_grids();
-  if (!resolve(plan, p.gate)) return;
+__device__ __forceinline__ void apply_items(const Pools& p, const Plan& plan, int64_t page_bytes) {
   const int64_t tid = int64_t(blockIdx.x) * blockDim.x + threadIdx.x, stride = int64_t(gridDim.x) * blockDim.x;
   for (int64_t i = tid; i < plan.nt; i += stride) p.table[plan.table[2 * i]] = plan.table[2 * i + 1];
   for (int64_t i = tid; i < plan.S; i += stride) p.length[plan.batch[3 * i]] = plan.batch[3 * i + 1] + plan.n;
@@ -493,6 +512,17 @@ __global__ void apply_plan(Pools p, Plan plan, int64_t page_bytes) {
     reinterpret_cast<uint4*>(p.rec + int64_t(plan.zero[i / words]) * page_bytes)[i % words] = make_uint4(0, 0, 0, 0);
   const int64_t sf = int64_t(p.Hkv) * p.srows * p.d;  // a page's state floats (a first page's: zeros, as the host's)
   for (int64_t i = tid; i < int64_t(plan.nz) * sf; i += stride) p.state[int64_t(plan.zero[i / sf]) * sf + i % sf] = 0.0f;
+}
+
+// The plan's first kernel: apply_items where the plan is carried out (open_plan).
+__global__ void apply_plan(Pools p, Plan plan, int64_t page_bytes) {
+  follow_prior_grids();
+  const bool next = plan_is_next(plan, p.gate);
+  if (next) {
+    if (plan.head) read_counts(plan);
+    apply_items(p, plan, page_bytes);
+  }
+  if (plan.head) open_plan(plan, p.gate, next);
 }
 
 // Rows of the page table and the lengths of the decode's sequences, gathered in call order. The ids

@@ -263,8 +263,8 @@ PagedKVCache::PagedKVCache(int64_t kv_heads, int64_t head_dim, const Policy& pol
   m.pools.srows = key_state_rows(policy);
   m.page_bytes = kv_heads * (kPage / cuda::kRecordKeys) * m.pools.record;
   if (m.page_bytes >= (int64_t(1) << 32)) throw Error("PagedKVCache: a page's records exceed 4 GiB (too many KV heads)");
-  check(cudaMalloc(&m.pools.gate, 2 * sizeof(int32_t)), "PagedKVCache");
-  check(cudaMemset(m.pools.gate, 0, 2 * sizeof(int32_t)), "PagedKVCache");
+  check(cudaMalloc(&m.pools.gate, 3 * sizeof(int32_t)), "PagedKVCache");
+  check(cudaMemset(m.pools.gate, 0, 3 * sizeof(int32_t)), "PagedKVCache");
 }
 
 PagedKVCache::~PagedKVCache() = default;
@@ -427,7 +427,6 @@ void PagedKVCache::Impl::launch(const cuda::kv::Plan& plan, int blocks, bool mea
     follows = true;
   };
   auto grid = [](int64_t warps) { return std::max<int64_t>(1, (warps * 32 + 255) / 256); };
-  if (plan.head) chained(cuda::kv::open_plan, 1, "KV cache append", plan.head, plan.S, plan.n, p.gate);
   // One thread an item of the plan's largest list, at most 1024 blocks.
   // (A prepared plan's launch is sized for its capacity and mostly finds nothing to zero: two blocks an SM.)
   const int64_t items = std::max<int64_t>({int64_t(plan.nt), plan.S, plan.nm, plan.nz * (page_bytes / 16)});
@@ -445,13 +444,16 @@ void PagedKVCache::Impl::launch(const cuda::kv::Plan& plan, int blocks, bool mea
         chained(cuda::kv::key_mean_finish<D>, (S * heads * D + 255) / 256, "KV cache key mean", p, plan, chunks,
                 static_cast<const double*>(part));
       }
-      chained(cuda::kv::append_items<D, T>, grid(cuda::kv::item_warps(p, S, n, blocks)), "KV cache append", p, plan, x, cd,
-              blocks);
+      // The re-encoding's warps stride over its pages (a prepared plan's: its capacity). With one
+      // token a sequence it runs in the writer's launch (append_items says why), else after it.
+      const int64_t items = cuda::kv::item_warps(p, S, n, blocks);
+      const int64_t reenc = std::min<int64_t>(int64_t(plan.nr) * heads * kPage, int64_t(heads) * kPage);
+      const bool together = n == 1 && reenc > 0;
+      chained(cuda::kv::append_items<D, T>, grid(together ? std::max(items, reenc) : items), "KV cache append", p, plan,
+              x, cd, blocks, together);
+      if (reenc > 0 && !together)
+        chained(cuda::kv::reencode_pages<D>, grid(reenc), "KV cache re-encode", p, plan, cd.low, pol.scale_rule);
     });
-    if (plan.nr > 0) {  // (a prepared plan's: its capacity, the warps striding over its pages)
-      const int64_t warps = std::min<int64_t>(int64_t(plan.nr) * heads * kPage, int64_t(heads) * kPage);
-      chained(cuda::kv::reencode_pages<D>, grid(warps), "KV cache re-encode", p, plan, cd.low, pol.scale_rule);
-    }
   });
 }
 
