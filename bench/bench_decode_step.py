@@ -17,11 +17,13 @@ Speedups: SDPA's step over dmattn's (eager; graph over graph), SDPA's attention 
 Times are medians of CUDA-event timings over 20 steps on torch's current stream, which is where the
 calls enqueue their work (no host synchronisation inside a step). Prints one markdown table.
 
-usage: python3 bench/bench_decode_step.py [--profile] [B:ctx ...]
+usage: POLICY=key:value,... python3 bench/bench_decode_step.py [--profile] [B:ctx ...]
+       POLICY (optional): policy fields over the default's, e.g. diag_tiles:1,sink_tiles:0,rotate:0;
        B:ctx default: the matrix B 1, 16, 64 x ctx 8k, 32k, 128k where the bf16 cache fits in a
        quarter of the GPU's memory; --profile also prints each step's kernels, eager and graphed
        (device µs a step, torch.profiler)
 """
+import os
 import statistics
 import sys
 import warnings
@@ -123,6 +125,15 @@ def print_kernels(label, fn):
     print(f"  {label}: GPU span {span:.1f} us a step; " + ", ".join(f"{n} {us:.1f}" for n, us in per), flush=True)
 
 
+def policy_fields():
+    """POLICY's fields: 0/1 for the boolean ones, digits as ints, other values as strings."""
+    kw = {}
+    for item in filter(None, os.environ.get("POLICY", "").split(",")):
+        key, _, val = item.partition(":")
+        kw[key] = bool(int(val)) if key in ("smooth_k", "smooth_q", "rotate") else int(val) if val.isdigit() else val
+    return kw
+
+
 def run(B, ctx, rows):
     g = torch.Generator(device="cuda").manual_seed(B * 7 + ctx)
     kc = torch.randn(B, Hkv, ctx + 1, d, device="cuda", dtype=torch.bfloat16, generator=g)  # SDPA's bf16 cache
@@ -135,10 +146,10 @@ def run(B, ctx, rows):
     copy = time_ms(lambda: (kc.clone(), vc.clone()), iters=5)  # contiguous: the ceiling of a copy
     torch.cuda.empty_cache()  # the clones' blocks: the cache's pool needs the room
     for pv in ("bf16", "mxfp4"):
-        warm = dmattn.PagedKVCache(Hkv, d, pv=pv)  # loads the append kernels (CUDA loads modules lazily)
+        warm = dmattn.PagedKVCache(Hkv, d, pv=pv, **FIELDS)  # loads the append kernels (CUDA loads modules lazily)
         warm.append([warm.new_sequence() for _ in range(B)], k[:, :, :300], v[:, :, :300])
         del warm
-        cache = dmattn.PagedKVCache(Hkv, d, pv=pv)
+        cache = dmattn.PagedKVCache(Hkv, d, pv=pv, **FIELDS)
         ids = [cache.new_sequence() for _ in range(B)]
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
@@ -168,14 +179,15 @@ def run(B, ctx, rows):
 
 
 def main():
-    global PROFILE
+    global PROFILE, FIELDS
+    FIELDS = policy_fields()
     args = [a for a in sys.argv[1:] if a != "--profile"]
     PROFILE = len(args) < len(sys.argv) - 1
     specs = [tuple(int(x) for x in s.split(":")) for s in args]
     if not specs:
         free = torch.cuda.get_device_properties(0).total_memory / 4
         specs = [(B, c) for B in (1, 16, 64) for c in (8192, 32768, 131072) if 2 * B * Hkv * c * d * 2 <= free]
-    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, dmattn default policy")
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, policy {dmattn.Policy(pv='bf16', **FIELDS)}")
     rows = []
     with torch.inference_mode():
         for B, ctx in specs:

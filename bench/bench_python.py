@@ -7,6 +7,7 @@ Usage: python3 bench/bench_python.py [POLICY ...]   (POLICY: name=key:value,key:
        rot=rotate:1,smooth_k:1,scale_rule:ceil; values 0/1 are booleans, digits ints)
 Environment: SHAPES=0 skips the shape matrix; ROUNDS=n times the policies n times, interleaved,
 and reports each one's median over the rounds (differences of a few percent need that);
+POLICY_SHAPES="BxN ..." the shapes the policies run at (default 1x16384; Hq 32, Hkv 8, d 128);
 DECODE=1 adds decode through dmattn.KVCache (B=8, 8k tokens, Hq 32 / Hkv 8, d 128, one new query)
 for each policy's cache-side transforms, against SDPA over a bf16 cache.
 Prints one table a section: ms (median of CUDA-event timings) and the ratio to the best SDPA backend.
@@ -79,20 +80,21 @@ def prefill_matrix():
         del q, k, v
 
 
-def prefill_policies(policies, rounds):
-    q, k, v = inputs(1, 16384, 32, 8, 128)
+def prefill_policies(policies, rounds, B, N):
+    q, k, v = inputs(B, N, 32, 8, 128)
     best = min(sdpa_ms(q, k, v, SDPBackend.CUDNN_ATTENTION), sdpa_ms(q, k, v, SDPBackend.FLASH_ATTENTION))
     times = {name: [] for name, _ in policies}
     for _ in range(rounds):
         for name, kw in policies:
             times[name].append(timeit(lambda: dmattn.attention(q, k, v, causal=True, **kw)))
-    print(f"\n| policy (1 x 16384, 32/8, 128; median of {rounds} rounds) | ms | vs best SDPA | vs first |")
+    print(f"\n| policy ({B} x {N}, 32/8, 128; median of {rounds} rounds) | ms | vs best SDPA | vs first |")
     print("|---|---|---|---|")
     base = None
     for name, kw in policies:
         ms = statistics.median(times[name])
         base = base or ms
         print(f"| {name} {kw or ''} | {ms:.3f} | {best / ms:.2f}x | {ms / base - 1:+.1%} |", flush=True)
+    del q, k, v
 
 
 def decode_policies(policies, rounds):
@@ -133,7 +135,9 @@ def main():
     with torch.inference_mode():
         if os.environ.get("SHAPES", "1") != "0":
             prefill_matrix()
-        prefill_policies(policies, rounds)
+        for shape in os.environ.get("POLICY_SHAPES", "1x16384").split():
+            B, N = (int(x) for x in shape.split("x"))
+            prefill_policies(policies, rounds, B, N)
         if os.environ.get("DECODE", "0") == "1":
             decode_policies(policies, rounds)
 
