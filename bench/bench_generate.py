@@ -22,7 +22,8 @@ def model_for(attn, layers, device, dtype):
                                    num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
                                    head_dim=128, max_position_embeddings=65536)
     torch.manual_seed(0)
-    return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype).to(device).eval()
+    with torch.device(device):  # initialised where it runs: a CPU initialisation of 1.7B weights takes minutes
+        return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation=attn, dtype=dtype).eval()
 
 
 def run(model, ids, new, cache):
