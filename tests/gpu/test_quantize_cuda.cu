@@ -254,6 +254,80 @@ TEST(GpuQuantize, FoldingKeepsValuesAndUnifiesRowScales) {
   }
 }
 
+// round_fold (the prefill's MXFP8 forms): every E4M3 / E5M2 row whose block scales span at most 2^8
+// folds to its largest scale; a value moves only where its shifted form falls below the FP8 type's
+// subnormal step (E4M3 2^-6 x 2^-3, E5M2 2^-14 x 2^-2, in row-scale units), and then by at most half
+// that step; rows with a block 2^-10 below the rest keep their scales unless the shift is exact.
+TEST(GpuQuantize, RoundFoldMovesOnlySubnormalValuesByHalfAStep) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  for (int64_t d : {64, 128}) {
+    const int64_t rows = 700, nb = d / 32;
+    Rng rng(7 + d);
+    std::vector<float> x(size_t(rows * d));
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t i = 0; i < d; ++i) {  // block levels 2^0..2^3 over a per-row level; every 7th row one block at 2^-10
+        const int level = r % 7 == 0 && i / 32 == 1 ? -10 : int((i / 32 + r) % 4);
+        x[size_t(r * d + i)] = float(rng.normal() * std::ldexp(1.0, level + int(r % 9) - 4));
+      }
+    HostTensor host = HostTensor::from_floats(x, {1, 1, rows, d}, DType::bf16);
+    const std::vector<float> rounded = host.to_floats();
+    void* dx;
+    CUDA_OK(cudaMalloc(&dx, host.nbytes()));
+    CUDA_OK(cudaMemcpy(dx, host.bytes(), host.nbytes(), cudaMemcpyHostToDevice));
+    const TensorView view = TensorView::contiguous(dx, DType::bf16, {1, 1, rows, d}, Device::cuda);
+    for (Format f : {Format::mxfp8_e4m3, Format::mxfp8_e5m2}) {
+      const Quantized want = quantize(rounded.data(), rows, d, f, ScaleRule::ceil);
+      const std::vector<float> want_values = dequantize(want);
+      const Elem e = cuda::mma_elem(f);
+      const double step = e == Elem::e4m3 ? std::ldexp(1.0, -9) : std::ldexp(1.0, -16), normal = e == Elem::e4m3 ? std::ldexp(1.0, -6) : std::ldexp(1.0, -14);
+      uint8_t *codes, *scales;
+      CUDA_OK(cudaMalloc(&codes, size_t(rows * d)));
+      CUDA_OK(cudaMalloc(&scales, size_t(rows * nb)));
+      CUDA_OK(cudaMemset(codes, 0xA5, size_t(rows * d)));  // poison
+      CUDA_OK(cudaMemset(scales, 0xA5, size_t(rows * nb)));
+      cuda::QuantTarget t{f, codes, scales, true, true};
+      t.round_fold = true;
+      cuda::quantize_rows(view, ScaleRule::ceil, t, {}, nullptr);
+      std::vector<uint8_t> gc(size_t(rows * d)), gs(size_t(rows * nb));
+      CUDA_OK(cudaMemcpy(gc.data(), codes, gc.size(), cudaMemcpyDeviceToHost));
+      CUDA_OK(cudaMemcpy(gs.data(), scales, gs.size(), cudaMemcpyDeviceToHost));
+      int64_t moved = 0, wide_folded = 0;
+      for (int64_t r = 0; r < rows; ++r) {
+        int lo = 255, hi = 0;
+        bool uniform = true;
+        for (int64_t c = 0; c < nb; ++c) {
+          lo = std::min<int>(lo, want.scales[size_t(r * nb + c)]);
+          hi = std::max<int>(hi, want.scales[size_t(r * nb + c)]);
+          uniform &= gs[size_t(r * nb + c)] == gs[size_t(r * nb)];
+        }
+        const std::string what = std::string(format_name(f)) + " d=" + std::to_string(d) + " row " + std::to_string(r);
+        if (hi - lo <= 8) ASSERT_TRUE(uniform) << what;
+        if (uniform) ASSERT_EQ(gs[size_t(r * nb)], hi) << what;
+        wide_folded += hi - lo > 8 && uniform;
+        const double row_scale = decode_e8m0(uint8_t(hi));
+        bool row_moved = false;
+        for (int64_t i = 0; i < d; ++i) {
+          const double got = double(decode_elem(e, gc[size_t(r * d + i)])) * decode_e8m0(gs[size_t(r * nb + i / 32)]);
+          const double w = want_values[size_t(r * d + i)], diff = std::fabs(got - w);
+          if (diff == 0) continue;
+          row_moved = true;
+          ASSERT_TRUE(uniform) << what << " elem " << i;  // only a folded row moves a value
+          ASSERT_LT(std::fabs(w), normal * row_scale) << what << " elem " << i << ": a normal value moved";
+          ASSERT_LE(diff, 0.5 * step * row_scale) << what << " elem " << i;
+        }
+        moved += row_moved;
+        if (hi - lo > 8) ASSERT_FALSE(row_moved) << what << ": a row spanning more than 2^8 moved a value";
+      }
+      std::printf("[round fold] %s d=%lld: %lld of %lld rows moved a value; %lld rows spanning > 2^8 folded exactly\n",
+                  std::string(format_name(f)).c_str(), (long long)d, (long long)moved, (long long)rows, (long long)wide_folded);
+      if (f == Format::mxfp8_e4m3) EXPECT_GT(moved, 0) << "d=" << d << ": no row took the rounding fold";
+      cudaFree(codes);
+      cudaFree(scales);
+    }
+    cudaFree(dx);
+  }
+}
+
 // The prefill's pre-pass forms on 16-bit inputs (the pass's (E4M3, E2M1) instance, whose E2M1
 // rounds in f16 pairs): Q's (FP8 bytes, folded) and K's (with row scales) keep every value of the
 // codec. MXFP4 rows whose block scales span at most 2^8 fold (the shift stays exact); rows holding a

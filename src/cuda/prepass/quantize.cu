@@ -80,11 +80,12 @@ template <Elem E, bool kHalf, class F>
 __device__ __forceinline__ void emit(const QuantTarget& q, ScaleRule rule, const float (&v)[kPerLane], float amax,
                                      bool bad, const Lanes& l, int nblk) {
   const bool fp8_bytes = F::kFixed ? F::kBytes : q.fp8_bytes, fold = F::kFixed ? F::kBytes : q.fold;
+  const bool round_fold = fold && q.round_fold;
   const bool rows = F::kFixed ? F::kRows : q.row_scale != nullptr;
   const int row_lanes = F::kFixed ? F::kRowLanes : nblk * 4;
   uint2 w;
   uint32_t row_max;
-  const uint32_t sc = encode_lane<E, kHalf>(rule, v, amax, bad, fp8_bytes, fold, row_lanes, w, row_max);
+  const uint32_t sc = encode_lane<E, kHalf>(rule, v, amax, bad, fp8_bytes, fold, round_fold, row_lanes, w, row_max);
   if (l.active) {
     if (E == Elem::e2m1 && !fp8_bytes)
       reinterpret_cast<uint32_t*>(q.codes)[l.lane] = w.x;

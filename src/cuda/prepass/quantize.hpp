@@ -20,7 +20,7 @@ struct QuantTarget {
   // values shifted by 2^(its scale - the row's largest), the FP8 bytes holding them exactly) and
   // give every block of the row the largest scale. The values code x scale are unchanged; a row
   // whose scales all agree lets the kernel run all of d as one MMA chain with one scale per row
-  // (docs/DESIGN.md). Rows where a shifted value would round keep their own scales.
+  // (docs/DESIGN.md). Rows where a shifted value would round keep their own scales (but see round_fold).
   bool fold = false;
   // Optional, for the prefill kernel: per row, the row's one scale as a float when all its blocks
   // share it (else -1), in [B*H][row_pad] (row_pad a multiple of 128, zeros past N are the
@@ -31,6 +31,14 @@ struct QuantTarget {
   float* row_scale = nullptr;
   int64_t row_pad = 0;
   int* tile_split = nullptr;
+  // With fold, for MXFP8 (E4M3, E5M2): fold also the rows whose block scales span at most 2^8 where
+  // a shifted value falls below the FP8 type's subnormal step (E4M3 2^-9, E5M2 2^-16, in units of the
+  // row's largest scale): it rounds to that step (nearest-even). An element then moves by at most
+  // half a step, 2^-10 of the row's scale for E4M3: under 2^-17.8 of the row's largest magnitude, which
+  // the scale rule puts above 2^7.8 row scales (the FP8 tensor cores' own sums keep about 13 bits).
+  // The codes and scales stay the codec's where no value rounds. The prefill takes it: a row of one
+  // scale runs all of d as one MMA chain instead of a promotion per 32-block.
+  bool round_fold = false;
 };
 
 // The accuracy transforms a quantize pass applies to each row as it reads it (the prefill's fast

@@ -115,10 +115,13 @@ __device__ __forceinline__ bool row_all(bool p, uint32_t mask) { return (__ballo
 // which holds its values exactly), and with fold as well, shifted to the largest scale of the row's
 // row_lanes lanes where every block of the row stays exact (then all its blocks return that
 // scale). Bit-identical to the codec (GpuQuantize). Every lane of the warp must call it (shuffles).
+// round_fold (uniform across the grid): E4M3 and E5M2 rows whose block scales span at most 2^8 fold
+// even where a shifted value falls below the element type's subnormal step and rounds to it
+// (QuantTarget::round_fold says what that costs).
 // kHalf: the values came from bf16 or fp16, which lets E2M1 round two values at a time in f16.
 template <Elem E, bool kHalf>
 __device__ __forceinline__ uint32_t encode_lane(ScaleRule rule, const float (&v)[kPerLane], float amax, bool bad,
-                                               bool fp8_bytes, bool fold, int row_lanes, uint2& w,
+                                               bool fp8_bytes, bool fold, bool round_fold, int row_lanes, uint2& w,
                                                uint32_t& row_max) {
   constexpr bool kE5M2 = E == Elem::e5m2;
   // 32-bit codes: no byte masks. A finite block's code is at most 253 (choose_e8m0_nonneg), so an OR
@@ -185,9 +188,12 @@ __device__ __forceinline__ uint32_t encode_lane(ScaleRule rule, const float (&v)
   }
   if (sc == kE8M0NaN) w = make_uint2(0u, 0u);  // the NaN scale carries the block; its codes are zeros
   if (fold) {  // uniform across the grid: every lane takes part in the shuffles
-    bool exact = !bad && smax != kE8M0NaN;
+    const bool finite = !bad && smax != kE8M0NaN;
+    bool exact = finite;
     if (!shifted) f = none ? w : make_uint2(shift_fp8x4<kE5M2>(w.x, k, exact), shift_fp8x4<kE5M2>(w.y, k, exact));
     exact = row_all(exact, row_mask(row_lanes));
+    if constexpr (E == Elem::e4m3 || E == Elem::e5m2)
+      if (round_fold) exact |= row_all(finite && k >= -8, row_mask(row_lanes));  // f rounded (RNE) where inexact
     if (exact) {
       w = f;
       sc = uint32_t(smax);
