@@ -91,10 +91,11 @@ void run_policy(benchmark::State& st, Policy pol) {
 }
 
 void BM_DmaDefault(benchmark::State& st) { run_policy(st, Policy{}); }
+void BM_DmaPlain(benchmark::State& st) { run_policy(st, Policy::plain()); }
 void BM_DmaAllMxfp8(benchmark::State& st) { run_policy(st, Policy::all(Format::mxfp8_e4m3)); }
 void BM_DmaAllMxfp4(benchmark::State& st) { run_policy(st, Policy::all(Format::mxfp4)); }
 void BM_DmaPvMxfp8(benchmark::State& st) {
-  Policy p;
+  Policy p = Policy::plain();
   p.pv = PV::mxfp8;
   run_policy(st, p);
 }
@@ -103,6 +104,7 @@ void BM_DmaPvMxfp8(benchmark::State& st) {
 
 BENCHMARK(BM_Fp32FlashLoop)->Arg(0)->Arg(1)->ArgName("causal")->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_DmaDefault)->Arg(0)->Arg(1)->ArgName("causal")->Unit(benchmark::kMillisecond)->UseRealTime();
+BENCHMARK(BM_DmaPlain)->Arg(0)->Arg(1)->ArgName("causal")->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_DmaAllMxfp8)->Arg(0)->ArgName("causal")->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_DmaAllMxfp4)->Arg(0)->ArgName("causal")->Unit(benchmark::kMillisecond)->UseRealTime();
 BENCHMARK(BM_DmaPvMxfp8)->Arg(0)->ArgName("causal")->Unit(benchmark::kMillisecond)->UseRealTime();

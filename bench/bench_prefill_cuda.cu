@@ -56,16 +56,12 @@ int main(int argc, char** argv) {
     const char* name;
     Policy policy;
   };
-  Policy pv_fp8;
+  Policy pv_fp8 = Policy::plain();
   pv_fp8.pv = PV::fp8;
   // The accuracy transforms: rotate + smooth_k (the pre-pass alone), smooth_q (the kernel's per-key
   // addition), all four, and all four with MXFP8 on 4 diagonal tiles and the sink tile.
   auto tf = [](int diag, int sinks, bool sk, bool sq, bool rot, int sink_keys) {
-    Policy p;
-    p.high = Format::mxfp8_e4m3;
-    p.low = Format::mxfp4;
-    p.diag_tiles = diag;
-    p.sink_tiles = sinks;
+    Policy p = Policy::tiles(Format::mxfp8_e4m3, Format::mxfp4, diag, sinks);
     p.smooth_k = sk;
     p.smooth_q = sq;
     p.rotate = rot;
@@ -80,8 +76,8 @@ int main(int argc, char** argv) {
                             {"DMA-rot-sk-d1s1", tf(1, 1, true, false, true, 0)},
                             {"DMA-rot-sk-d4s1", tf(4, 1, true, false, true, 0)},
                             {"DMA-rot", tf(1, 0, false, false, true, 0)},
-                            {"DMA-ceil", [] { Policy p; p.scale_rule = ScaleRule::ceil; return p; }()},
-                            {"DMA-ocp", [] { Policy p; p.scale_rule = ScaleRule::ocp; return p; }()},
+                            {"DMA-ceil", [] { Policy p = Policy::plain(); p.scale_rule = ScaleRule::ceil; return p; }()},
+                            {"DMA-ocp", [] { Policy p = Policy::plain(); p.scale_rule = ScaleRule::ocp; return p; }()},
                             {"DMA-rot-sk-sink-d4s1", tf(4, 1, true, false, true, 1)},
                             {"DMA-all", tf(1, 0, true, true, true, 1)},
                             {"DMA-all-d4s1", tf(4, 1, true, true, true, 1)},
@@ -89,7 +85,7 @@ int main(int argc, char** argv) {
                             {"all-MXFP8", Policy::all(Format::mxfp8_e4m3)},
                             {"all-MXFP4", Policy::all(Format::mxfp4)},
                             {"DMA-pv-fp8", pv_fp8},
-                            {"DMA-NVFP4", Policy{Format::mxfp8_e4m3, Format::nvfp4, 1, 0}}};
+                            {"DMA-NVFP4", Policy::tiles(Format::mxfp8_e4m3, Format::nvfp4, 1, 0)}};
   // DMATTN_BENCH_WINDOW=LEFT: a causal sliding window of LEFT keys before each query (names get -wLEFT;
   // the TFLOP/s column still counts the whole causal square, so it reads as the speed-up).
   const char* window_env = std::getenv("DMATTN_BENCH_WINDOW");

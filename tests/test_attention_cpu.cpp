@@ -117,7 +117,7 @@ TEST(AttentionCpu, HugeDiagIsAllHighAndZeroIsAllLow) {
   for (bool causal : {false, true}) {
     for (PV pv : {PV::bf16, PV::mxfp8, PV::mxfp4, PV::fp8}) {
       const QKV x = random_qkv({1, 2, 1, 300, 520, 64}, 2);
-      Policy dma;
+      Policy dma = Policy::plain();
       dma.pv = pv;
       dma.diag_tiles = 100;
       Policy high = Policy::all(dma.high), low = Policy::all(dma.low);
@@ -155,7 +155,7 @@ TEST(Policy, HighTilesEqualsIsHigh) {
 }
 
 TEST(AttentionCpu, DmaSitsBetweenItsFormats) {
-  const FormatErrors e = format_errors(llm_like_qkv({1, 2, 1, 1024, 1024, 128}, 3), Policy{});
+  const FormatErrors e = format_errors(llm_like_qkv({1, 2, 1, 1024, 1024, 128}, 3), Policy::plain());
   EXPECT_LT(e.e8, e.dma);
   EXPECT_LT(e.dma, e.e4);
 }
@@ -198,11 +198,15 @@ TEST(AttentionCpu, Mxfp4ValuesCostMoreThanMxfp8) {
   for (PV pv : {PV::bf16, PV::mxfp8, PV::mxfp4, PV::fp8}) EXPECT_EQ(parse_pv(pv_name(pv)), pv);
 }
 
+// Every policy without smooth_k, whose key mean spans the call's keys, masked ones included (Policy):
+// the default's tiles and rotation, and plain DMA.
 TEST(AttentionCpu, CausalRowsIgnoreMaskedKeys) {
   for (PV pv : {PV::bf16, PV::mxfp8, PV::mxfp4, PV::fp8}) {
+    for (bool plain : {false, true})
     for (auto [nq, nk] : {std::pair<int64_t, int64_t>{300, 300}, {100, 300}}) {
       QKV x = random_qkv({1, 2, 1, nq, nk, 64}, 5);
-      Policy pol;
+      Policy pol = plain ? Policy::plain() : Policy{};
+      pol.smooth_k = false;
       pol.pv = pv;
       const Result before = run(x, opts(pol, true));
       // Perturb key n (and, for pv=bf16, its value). Rows at positions < n must not change.
@@ -220,7 +224,7 @@ TEST(AttentionCpu, CausalRowsIgnoreMaskedKeys) {
           const bool sees = r + nk - nq >= n;
           const size_t o = size_t((h * nq + r) * 64);
           const bool same = std::memcmp(&before.out[o], &after.out[o], 64 * sizeof(float)) == 0;
-          EXPECT_EQ(same, !sees) << "pv " << int(pv) << " row " << r;
+          EXPECT_EQ(same, !sees) << "pv " << int(pv) << (plain ? " plain" : " default tiles") << " row " << r;
         }
     }
   }
@@ -246,6 +250,7 @@ TEST(AttentionCpu, SlidingWindowSeesOnlyItsKeys) {
     std::vector<float> wantf(want.begin(), want.end());
     EXPECT_LT(rel_l2(ex.out, wantf), 1e-6) << c.left;
     AttentionOptions o = opts(Policy{}, c.causal);
+    o.policy.smooth_k = false;  // its key mean spans every key of the call, outside the window too
     o.window_left = c.left;
     o.window_right = c.right;
     const Result dma = run(x, o);
@@ -393,7 +398,9 @@ TEST(AttentionCpu, RejectsBadInput) {
   std::vector<float> qb = x.q.to_floats();
   for (float& f : qb) f = 3e30f;
   const HostTensor qbig = HostTensor::from_floats(qb, x.q.shape());
-  EXPECT_THROW(attention(qbig.view(), kbig.view(), x.v.view(), out.view(), nullptr, {}), Error);
+  o = {};
+  o.policy = Policy::plain();  // (smooth_k would take these equal keys to zero)
+  EXPECT_THROW(attention(qbig.view(), kbig.view(), x.v.view(), out.view(), nullptr, o), Error);
 #if !defined(DMATTN_HAVE_CUDA)
   o = {};
   o.backend = Backend::cuda;
@@ -407,9 +414,9 @@ TEST(AttentionCpu, RealActivationsOrderFormatsAndSinksHelp) {
   for (int layer : {1, 20}) {
     const std::string base = std::string(DMATTN_SOURCE_DIR) + "/tests/data/layer" + std::to_string(layer) + "_";
     const QKV x{read_npy_tensor(base + "q.npy", "q"), read_npy_tensor(base + "k.npy", "k"), read_npy_tensor(base + "v.npy", "v")};
-    const FormatErrors e = format_errors(x, Policy{});
+    const FormatErrors e = format_errors(x, Policy::plain());
     const double e8 = e.e8, e4 = e.e4, dma = e.dma;
-    Policy sink;
+    Policy sink = Policy::plain();
     sink.sink_tiles = 1;
     const double dma_sink = format_errors(x, sink).dma;
     std::printf("layer %d: all-MXFP8 %.4f  all-MXFP4 %.4f  DMA %.4f  DMA+sink %.4f\n", layer, e8, e4, dma, dma_sink);
@@ -449,7 +456,7 @@ TEST(Attention, PositionOffsetsDescribeBlocksOfALongerSequence) {
   const QKV x = random_qkv({1, 4, 2, 768, 768, 64}, 21);
   AttentionOptions o;
   o.causal = true;
-  o.policy.sink_tiles = 1;
+  o.policy.smooth_k = false;  // its key mean is the call's: a block of keys has its own
   HostTensor full(DType::f32, x.q.shape());
   std::vector<float> full_lse(4 * 768);
   attention(x.q.view(), x.k.view(), x.v.view(), full.view(), full_lse.data(), o);
@@ -639,6 +646,7 @@ TEST(AttentionCpu, SmoothQBlocksAreAbsoluteQueryTiles) {
   AttentionOptions o;
   o.causal = true;
   o.policy.smooth_q = o.policy.rotate = true;
+  o.policy.smooth_k = false;  // its key mean is the call's: a block of keys has its own
   o.policy.sink_keys = 2;
   const Result full = run(x, o);
   QKV part{HostTensor::copy_of(slice_tokens(x.q.view(), 256, 256)), HostTensor::copy_of(slice_tokens(x.k.view(), 0, 512)),

@@ -27,7 +27,7 @@ std::string refusal(const Capabilities& c, const Policy& p, int64_t d) {
 TEST(Capabilities, AcceptWhatTheTableListsAndNameTheRest) {
   const Capabilities& gpu = cuda_prefill_capabilities();
   EXPECT_EQ(refusal(gpu, Policy{}, 128), "");
-  EXPECT_EQ(refusal(gpu, Policy{Format::mxfp8_e4m3, Format::nvfp4, 1, 0}, 64), "");
+  EXPECT_EQ(refusal(gpu, Policy::tiles(Format::mxfp8_e4m3, Format::nvfp4, 1, 0), 64), "");
 
   Policy bf16 = Policy{};
   bf16.low = Format::bf16;
@@ -62,7 +62,7 @@ TEST(Capabilities, AcceptWhatTheTableListsAndNameTheRest) {
   EXPECT_EQ(refusal(cuda_kv_cache_capabilities(), rotk, 64), "");
   EXPECT_NE(refusal(cuda_kv_cache_capabilities(), Policy{}, 96).find("96"), std::string::npos);
   EXPECT_NE(refusal(cuda_kv_cache_capabilities(), pv8, 128).find("pv=fp8"), std::string::npos);
-  EXPECT_NE(refusal(cuda_decode_capabilities(), Policy{Format::mxfp8_e4m3, Format::nvfp4, 1, 0}, 64).find("not nvfp4"),
+  EXPECT_NE(refusal(cuda_decode_capabilities(), Policy::tiles(Format::mxfp8_e4m3, Format::nvfp4, 1, 0), 64).find("not nvfp4"),
             std::string::npos);
   for (const Capabilities* c : {&cpu_capabilities(), &kv_cache_capabilities(), &cuda_prefill_capabilities(),
                                 &cuda_decode_capabilities(), &cuda_kv_cache_capabilities()})

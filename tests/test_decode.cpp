@@ -69,12 +69,15 @@ Out decode(const KVCache& cache, int seq, const HostTensor& q, int splits = 1, i
 
 TEST(Decode, EqualsPrefillLastRowsBitForBit) {
   const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
-  Policy pv8{e4, f4, 1, 1};
+  Policy pv8 = Policy::tiles(e4, f4, 1, 1);
   pv8.pv = PV::mxfp8;  // V in 32-key MXFP8 blocks: the open block is re-quantized as tokens arrive
   Policy pv4 = pv8;
   pv4.pv = PV::mxfp4;  // V in 32-key MXFP4 blocks, two channels a byte
-  const Policy pols[] = {Policy{}, Policy{e4, f4, 2, 1}, Policy{e4, f4, 0, 0},
-                         Policy{Format::mxfp6_e2m3, Format::mxfp8_e5m2, 1, 0}, pv8, pv4};
+  // The default without smooth_k: the cache's key mean is its first append's, here a single token.
+  Policy tiles_rot;
+  tiles_rot.smooth_k = false;
+  const Policy pols[] = {Policy::plain(), tiles_rot, Policy::tiles(e4, f4, 2, 1), Policy::tiles(e4, f4, 0, 0),
+                         Policy::tiles(Format::mxfp6_e2m3, Format::mxfp8_e5m2, 1, 0), pv8, pv4};
   int checked = 0;
   for (int64_t L : {1, 77, 128, 129, 300, 1000})
     for (int64_t nq : {1, 4, 16}) {
@@ -98,7 +101,7 @@ TEST(Decode, EqualsPrefillLastRowsBitForBit) {
 // page, ending mid-page, wider than the sequence, and zero (each query sees itself alone).
 TEST(Decode, SlidingWindowEqualsPrefillLastRowsBitForBit) {
   const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
-  Policy sinks{e4, f4, 1, 1};
+  Policy sinks = Policy::tiles(e4, f4, 1, 1);
   sinks.sink_keys = 3;
   int checked = 0;
   for (int64_t L : {77, 300, 1000})
@@ -128,7 +131,7 @@ TEST(Decode, TransformsEqualPrefillLastRowsBitForBit) {
   const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
   std::vector<Policy> pols;
   for (int mask = 1; mask < 8; ++mask) {
-    Policy p{e4, f4, 1 + (mask & 1), mask >> 2};
+    Policy p = Policy::tiles(e4, f4, 1 + (mask & 1), mask >> 2);
     p.rotate = mask & 1;
     p.smooth_k = mask & 2;
     p.sink_keys = mask & 4 ? 3 : 0;
@@ -176,7 +179,7 @@ TEST(Decode, TransformsEqualPrefillLastRowsBitForBit) {
 // first keys as quantized, both in the byte count; smooth_q is prefill-only (decode is unchanged by it).
 TEST(Decode, TransformStateOfTheCache) {
   const QKV x = problem(4, 2, 1, 40, 64, 11);
-  Policy pol;
+  Policy pol = Policy::plain();
   pol.smooth_k = true;
   pol.sink_keys = 2;
   KVCache cache(2, 64, pol);
@@ -190,16 +193,16 @@ TEST(Decode, TransformStateOfTheCache) {
       const float centred = k[size_t((h * 40 + 1) * 64 + i)] - cache.key_mean(s)[size_t(h * 64 + i)];
       EXPECT_EQ(cache.sink_rows(s)[size_t((h * 2 + 1) * 64 + i)], round_bf16(centred));
     }
-  KVCache plain(2, 64, Policy{});
+  KVCache plain(2, 64, Policy::plain());
   const int p = fill(plain, x, {10, 30});
   EXPECT_EQ(cache.bytes(s), plain.bytes(p) + (2 * 64 + 2 * 2 * 64) * sizeof(float));
 
   // bf16 inputs, so rounding transformed rows changes nothing: smooth_q's decode is the plain one.
   const QKV b = llm_like_qkv({1, 4, 2, 40, 40, 64}, 12, DType::bf16);
   const HostTensor q = HostTensor::copy_of(slice_tokens(b.q.view(), 39, 1));
-  Policy sq;
+  Policy sq = Policy::plain();
   sq.smooth_q = true;
-  KVCache smoothed(2, 64, sq), none(2, 64, Policy{});
+  KVCache smoothed(2, 64, sq), none(2, 64, Policy::plain());
   const int a = fill(smoothed, b, {}), c = fill(none, b, {});
   EXPECT_EQ(decode(smoothed, a, q).out.to_floats(), decode(none, c, q).out.to_floats());
 }
@@ -226,7 +229,7 @@ TEST(Decode, SplitKvMergesByLse) {
 }
 
 TEST(Decode, RaggedBatchWithPageTablesWithHoles) {
-  const Policy pol{Format::mxfp8_e4m3, Format::mxfp4, 1, 1};
+  const Policy pol = Policy::tiles(Format::mxfp8_e4m3, Format::mxfp4, 1, 1);
   KVCache cache(2, 64, pol);
   const int64_t lens[3] = {700, 300, 901};
   std::vector<QKV> xs;
@@ -279,7 +282,7 @@ TEST(Decode, LengthOneReturnsTheValue) {
 TEST(Decode, MemoryAndReencoding) {
   const int64_t L = 1024, d = 128, H = 2;
   const QKV x = problem(4, H, 1, L, d, 11);
-  KVCache cache(H, d, Policy{});
+  KVCache cache(H, d, Policy::plain());  // (bytes of the plain policy: one high page)
   const int s = fill(cache, x, {});
   // 8 pages: 7 low (MXFP4: d/2 code bytes + d/32 scales per row), the newest high (MXFP8: d + d/32)
   // with its fp32 originals kept for the re-encoding ahead; V in bf16 everywhere.
@@ -291,7 +294,7 @@ TEST(Decode, MemoryAndReencoding) {
               (long long)d, (long long)H, cache.bytes(s), double(cache.bytes(s)) / bf16_kv,
               double(cache.bytes(s) - L * H * d * 2) / (bf16_kv / 2));
   // pv = mxfp8: V at 8 bits + one scale byte per 32 keys and channel, plus the open block's originals.
-  Policy pv8;
+  Policy pv8 = Policy::plain();
   pv8.pv = PV::mxfp8;
   KVCache small_v(H, d, pv8);
   const int s8 = fill(small_v, x, {});
@@ -299,17 +302,17 @@ TEST(Decode, MemoryAndReencoding) {
   std::printf("with pv = mxfp8: %zu bytes = %.3f of a bf16 K+V cache\n", small_v.bytes(s8),
               double(small_v.bytes(s8)) / bf16_kv);
   // pv = mxfp4: V at 4 bits (two channels a byte) + the same scales.
-  Policy pv4;
+  Policy pv4 = Policy::plain();
   pv4.pv = PV::mxfp4;
   KVCache v4(H, d, pv4);
   const int s4 = fill(v4, x, {});
   EXPECT_EQ(v4.bytes(s4), want - size_t(8) * rows * d * 2 + size_t(8) * rows * (d / 2 + d / 32));
   std::printf("with pv = mxfp4: %zu bytes = %.3f of a bf16 K+V cache\n", v4.bytes(s4), double(v4.bytes(s4)) / bf16_kv);
   // Re-encoding from retained originals reproduces prefill; from the MXFP8 values it rounds twice.
-  KVCache twice(H, d, Policy{});
+  KVCache twice(H, d, Policy::plain());
   twice.reencode_from_high = true;
   const int s2 = fill(twice, x, {});
-  const Out want_out = prefill(x, Policy{});
+  const Out want_out = prefill(x, Policy::plain());
   const Out a = decode(cache, s, x.q), b = decode(twice, s2, x.q);
   EXPECT_EQ(a.out.to_floats(), want_out.out.to_floats());
   const double rel = compare(b.out.to_floats(), want_out.out.to_floats()).rel_l2;
@@ -319,7 +322,7 @@ TEST(Decode, MemoryAndReencoding) {
 }
 
 TEST(Decode, RejectsWhatItCannotDo) {
-  EXPECT_THROW(KVCache(2, 64, Policy{Format::mxfp8_e4m3, Format::nvfp4, 1, 0}), Error);
+  EXPECT_THROW(KVCache(2, 64, Policy::tiles(Format::mxfp8_e4m3, Format::nvfp4, 1, 0)), Error);
   Policy many_sinks;
   many_sinks.sink_keys = 100000;  // retained in fp32: the cache caps them
   EXPECT_THROW(KVCache(2, 64, many_sinks), Error);
@@ -358,9 +361,10 @@ TEST(Decode, TokenByTokenEqualsPrefillOnRealActivations) {
   const QKV x{read_npy_tensor(base + "q.npy", "q"), read_npy_tensor(base + "k.npy", "k"),
               read_npy_tensor(base + "v.npy", "v")};
   const int64_t Hq = x.q.shape()[1], Hkv = x.k.shape()[1], N = x.k.shape()[2], d = x.k.shape()[3];
-  Policy pv8;
+  Policy pv8 = Policy::plain(), tiles_rot;
   pv8.pv = PV::mxfp8;
-  for (const Policy& pol : {Policy{}, Policy{Format::mxfp8_e4m3, Format::mxfp4, 1, 1}, pv8}) {
+  tiles_rot.smooth_k = false;  // the default without smooth_k, whose mean here would be the first token's
+  for (const Policy& pol : {Policy::plain(), tiles_rot, Policy::tiles(Format::mxfp8_e4m3, Format::mxfp4, 1, 1), pv8}) {
     const std::vector<float> wo = prefill(x, pol).out.to_floats();
     std::vector<float> gen(wo.size());
     KVCache cache(Hkv, d, pol);

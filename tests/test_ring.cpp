@@ -52,14 +52,18 @@ TEST(Ring, ScheduleVisitsEveryShardOncePerRank) {
   EXPECT_THROW(RingPlan::make(1000, 2, Sharding::zigzag), Error);
 }
 
+// The default (rotate, smooth_k with the whole sequence's key mean) and plain DMA.
 TEST(Ring, OneRankIsSingleDeviceAttentionBitForBit) {
   const QKV x = llm_like_qkv({1, 4, 2, 512, 512, 64}, 3);
-  AttentionOptions o;
-  o.causal = true;
-  o.policy.sink_tiles = 1;
-  const Result want = single(x, o), got = ring(x, o, RingPlan::make(512, 1, Sharding::contiguous));
-  EXPECT_EQ(got.out, want.out);
-  EXPECT_EQ(got.lse, want.lse);
+  for (const Policy& pol : {Policy{}, Policy::plain()}) {
+    AttentionOptions o;
+    o.causal = true;
+    o.policy = pol;
+    o.policy.sink_tiles = 1;
+    const Result want = single(x, o), got = ring(x, o, RingPlan::make(512, 1, Sharding::contiguous));
+    EXPECT_EQ(got.out, want.out) << pol.describe();
+    EXPECT_EQ(got.lse, want.lse) << pol.describe();
+  }
 }
 
 TEST(Ring, MatchesSingleDeviceToBf16Rounding) {
@@ -109,7 +113,10 @@ TEST(Ring, RefusesWhatNeedsAnAllReduce) {
   o.policy.low = Format::nvfp4;
   EXPECT_THROW(ring(x, o, RingPlan::make(256, 2, Sharding::contiguous)), Error);
   o = {};
-  o.policy.smooth_k = true;
+  o.policy.smooth_q = true;
+  EXPECT_THROW(ring(x, o, RingPlan::make(256, 2, Sharding::contiguous)), Error);
+  o = {};
+  o.policy.sink_keys = 1;
   EXPECT_THROW(ring(x, o, RingPlan::make(256, 2, Sharding::contiguous)), Error);
   EXPECT_THROW(ring(x, {}, RingPlan::make(512, 2, Sharding::contiguous)), Error);  // plan for another length
 }

@@ -40,7 +40,7 @@ TEST(Varlen, EachSequenceAsAttentionAlone) {
   HostTensor q = HostTensor::from_floats(x.q.to_floats(), {1, tq, Hq, d});
   HostTensor k = HostTensor::from_floats(x.k.to_floats(), {1, tk, Hkv, d});
   HostTensor v = HostTensor::from_floats(x.v.to_floats(), {1, tk, Hkv, d});
-  Policy sinks{Format::mxfp8_e4m3, Format::mxfp4, 1, 1};
+  Policy sinks = Policy::tiles(Format::mxfp8_e4m3, Format::mxfp4, 1, 1);
   sinks.sink_keys = 2;
   struct Case {
     Policy pol;

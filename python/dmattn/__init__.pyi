@@ -19,11 +19,13 @@ class Policy:
     smooth_q: bool
     rotate: bool
     sink_keys: int
-    def __init__(self, *, high: Format = "mxfp8-e4m3", low: Format = "mxfp4", diag_tiles: int = 1,
-                 sink_tiles: int = 0, scale_rule: Literal["ocp", "ceil"] = "ceil",
-                 pv: Literal["bf16", "mxfp8", "mxfp4", "fp8"] = "bf16", smooth_k: bool = False,
-                 smooth_q: bool = False, rotate: bool = False, sink_keys: int = 0) -> None: ...
+    def __init__(self, *, high: Format = "mxfp8-e4m3", low: Format = "mxfp4", diag_tiles: int = 4,
+                 sink_tiles: int = 1, scale_rule: Literal["ocp", "ceil"] = "ceil",
+                 pv: Literal["bf16", "mxfp8", "mxfp4", "fp8"] = "bf16", smooth_k: bool = True,
+                 smooth_q: bool = False, rotate: bool = True, sink_keys: int = 0) -> None: ...
     def __eq__(self, other: object) -> bool: ...
+    @staticmethod
+    def plain() -> Policy: ...
 
 class KVCache:
     kv_heads: int

@@ -32,10 +32,18 @@ def ring_attention(q, k, v, *, group=None, causal: bool = True, sharding: str = 
 
     q: [B, Hq, n, d], k/v: [B, Hkv, n, d] torch tensors: this rank's shard (n tokens; for zigzag
     its two chunks concatenated, each n/2 tokens). The global length is n * world_size; chunk
-    lengths must be multiples of 128. `policy` takes attention()'s keywords. Returns the output
-    shard [B, Hq, n, d] in q's dtype (and its LSE [B, Hq, n]).
+    lengths must be multiples of 128. `policy` takes attention()'s keywords; its default is
+    attention()'s without smooth_k, whose key mean spans the whole sequence (an all-reduce this
+    schedule does not take: smooth_k=True raises). Returns the output shard [B, Hq, n, d] in q's
+    dtype (and its LSE [B, Hq, n]).
     """
     from . import attention
+    given = policy.get("policy")
+    if policy.get("smooth_k") or (given is not None and given.smooth_k):
+        raise ValueError("ring_attention: smooth_k needs the key mean of the whole sequence, an all-reduce the ring "
+                         "does not take; pass smooth_k=False")
+    if given is None:
+        policy.setdefault("smooth_k", False)
     R, r = dist.get_world_size(group), dist.get_rank(group)
     n = q.shape[2]
     if sharding not in ("zigzag", "contiguous"):

@@ -11,7 +11,9 @@
 #include "cpu/parallel.hpp"
 #include "cpu/tiles.hpp"
 #include "dmattn/error.hpp"
+#include "dmattn/numeric.hpp"
 #include "dmattn/quantize.hpp"
+#include "dmattn/rotation.hpp"
 #include "problem.hpp"
 
 namespace dmattn {
@@ -43,8 +45,8 @@ void ring_attention_simulated(const TensorView& q, const TensorView& k, const Te
   if (p.Nq != plan.n || p.Nk != plan.n) throw Error("ring: q and k must both hold the plan's " + std::to_string(plan.n) + " tokens");
   for (Format f : {p.policy.high, p.policy.low})
     if (f == Format::nvfp4) throw Error("ring: nvfp4's tensor scale needs an all-reduce over the shards (not built)");
-  if (!p.policy.transforms().empty())
-    throw Error("ring: the accuracy transforms (" + p.policy.transforms() + ") need statistics across shards (not built)");
+  if (p.policy.smooth_q || p.policy.sink_keys > 0)
+    throw Error("ring: smooth_q and sink_keys are not built into the ring schedule (rotate and smooth_k are)");
   if (p.window_left >= 0 || p.window_right >= 0) throw Error("ring: sliding windows are not built into the ring schedule");
   if (p.policy.pv == PV::fp8) throw Error("ring: pv=fp8's per-channel V scales need an all-reduce over the shards (not built)");
   const int d = int(p.d);
@@ -52,9 +54,26 @@ void ring_attention_simulated(const TensorView& q, const TensorView& k, const Te
   const Format fmt[2] = {p.policy.high, p.policy.low};
   const int nslots = p.policy.high == p.policy.low ? 1 : 2;
   if (stats) stats->tile_pairs.assign(size_t(R), 0);
+  // The transforms as single-device attention applies them (cpu/dma.cpp): rows rotated; smooth_k's
+  // mean over every key of the sequence (on R devices, an all-reduce of the shards' sums, in the
+  // order of the keys), subtracted; transformed rows rounded to bf16; the LSE shifted back by
+  // q.mean. The rotation's factor comes out of the scale.
+  const Policy& pol = p.policy;
+  const bool transformed = pol.rotate || pol.smooth_k;
+  const float scale = pol.rotate ? p.scale / float(rotation_block(d)) : p.scale;
+  auto key_row = [&](int64_t b, int64_t hk, int64_t n, float* row) {
+    load_row(p.k, b, hk, n, row);
+    if (pol.rotate) rotate_row(row, d);
+  };
 
   for (int64_t b = 0; b < p.B; ++b)
     for (int64_t hk = 0; hk < p.Hkv; ++hk) {
+      std::vector<float> kmean(size_t(d), 0.0f);
+      if (pol.smooth_k) {
+        std::vector<float> all(size_t(plan.n * d));
+        for (int64_t n = 0; n < plan.n; ++n) key_row(b, hk, n, all.data() + n * d);
+        kmean = cpu::channel_mean(all.data(), plan.n, d);
+      }
       // Each rank's shard of K and V, prepared as the rank would (its chunks, ascending).
       std::vector<cpu::KeyTiles> keys(size_t(R * 2 * 2));  // [rank][chunk slot][format slot]
       std::vector<cpu::ValueRows> values(size_t(R * 2));
@@ -63,7 +82,11 @@ void ring_attention_simulated(const TensorView& q, const TensorView& k, const Te
         for (size_t c = 0; c < chunks.size(); ++c) {
           std::vector<float> kf(size_t(plan.chunk * d)), vf(size_t(plan.chunk * d));
           for (int64_t i = 0; i < plan.chunk; ++i) {
-            load_row(p.k, b, hk, chunks[c] * plan.chunk + i, kf.data() + i * d);
+            float* row = kf.data() + i * d;
+            key_row(b, hk, chunks[c] * plan.chunk + i, row);
+            for (int j = 0; j < d && pol.smooth_k; ++j) row[j] -= kmean[size_t(j)];
+            if (transformed)
+              for (int j = 0; j < d; ++j) row[j] = round_bf16(row[j]);
             load_row(p.v, b, hk, chunks[c] * plan.chunk + i, vf.data() + i * d);
           }
           for (int s = 0; s < nslots; ++s)
@@ -86,6 +109,10 @@ void ring_attention_simulated(const TensorView& q, const TensorView& k, const Te
           for (int64_t i = 0; i < plan.chunk; ++i) {
             const int64_t pos = qc * plan.chunk + i, kend = p.key_end(pos);
             load_row(p.q, b, h, pos, qf.data());
+            if (pol.rotate) rotate_row(qf.data(), d);
+            const float shift = pol.smooth_k ? cpu::dot_f64(qf.data(), kmean.data(), d) * scale : 0.0f;
+            if (transformed)
+              for (float& x : qf) x = round_bf16(x);
             for (int s = 0; s < nslots; ++s)
               quantize_row_values(qf.data(), d, fmt[s], p.policy.scale_rule, 1.0f, qe[s].data(), qs[s].data());
             cpu::Partial total(d);
@@ -102,14 +129,14 @@ void ring_attention_simulated(const TensorView& q, const TensorView& k, const Te
                   const int nvalid = int(std::min<int64_t>(T, kend - ktile * T));
                   const cpu::KeyTiles& K = keys[size_t((src * 2 + int64_t(c)) * 2 + slot)];
                   cpu::online_tile(qe[slot].data(), qs[slot].data(), K, t, values[size_t(src * 2 + int64_t(c))], t,
-                                   nvalid, d, p.scale, p.policy.pv, p.policy.scale_rule, part.m, part.l,
+                                   nvalid, d, scale, p.policy.pv, p.policy.scale_rule, part.m, part.l,
                                    part.acc.data());
                 }
               cpu::merge(total, part);
             }
             for (float& x : total.acc) x = total.l > 0.0f ? x / total.l : 0.0f;
             store_row(p.out, b, h, pos, total.acc.data());
-            if (float* l = p.lse_at(b, h, pos)) *l = total.l > 0.0f ? total.m + std::log(total.l) : kNegInf;
+            if (float* l = p.lse_at(b, h, pos)) *l = total.l > 0.0f ? total.m + std::log(total.l) + shift : kNegInf;
           }
         if (my_pairs) pairs[size_t(r)] += my_pairs;  // one writer per rank (the group's first head)
       });

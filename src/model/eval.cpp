@@ -31,14 +31,9 @@ namespace {
 // The paper's recipe: MXFP8 E4M3 on `diag` tiles at the diagonal and `sinks` leading tiles, MXFP4
 // elsewhere, OCP scales, bf16 P.V, no transforms.
 Policy dma(int diag, int sinks) {
-  Policy p;
-  p.high = Format::mxfp8_e4m3;
-  p.low = Format::mxfp4;
-  p.diag_tiles = diag;
-  p.sink_tiles = sinks;
+  Policy p = Policy::tiles(Format::mxfp8_e4m3, Format::mxfp4, diag, sinks);
   p.scale_rule = ScaleRule::ocp;
   p.pv = PV::bf16;
-  p.smooth_k = false;
   return p;
 }
 Policy uniform(Format f) {

@@ -110,9 +110,9 @@ TEST(GpuDecode, MatchesCpuDecode) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
   for (int64_t d : {64, 128})
-    for (const Policy& pol : {Policy{}, Policy{e4, f4, 2, 1}, Policy{Format::mxfp8_e5m2, Format::mxfp6_e3m2, 1, 0},
-                              Policy{Format::mxfp6_e2m3, Format::mxfp6_e2m3, 1, 0}, with_pv(Policy{}),
-                              with_pv(Policy{e4, f4, 2, 1, ScaleRule::ceil}), with_pv(Policy{}, PV::mxfp4)}) {
+    for (const Policy& pol : {Policy{}, Policy::tiles(e4, f4, 2, 1), Policy::tiles(Format::mxfp8_e5m2, Format::mxfp6_e3m2, 1, 0),
+                              Policy::tiles(Format::mxfp6_e2m3, Format::mxfp6_e2m3, 1, 0), with_pv(Policy{}),
+                              with_pv(Policy::tiles(e4, f4, 2, 1)), with_pv(Policy{}, PV::mxfp4)}) {
       const int64_t Hkv = 2, Hq = 8, lens[3] = {16, 700, 1301};
       KVCache cache(Hkv, d, pol);
       std::vector<int> ids;
@@ -150,7 +150,7 @@ TEST(GpuDecode, MatchesCpuDecode) {
 // mid-page and wider than the sequence, GQA and MQA row chunks, Nq 1..16, sink keys.
 TEST(GpuDecode, SlidingWindowsMatchCpuDecode) {
   SKIP_WITHOUT_CUDA_DEVICE();
-  Policy sinks{Format::mxfp8_e4m3, Format::mxfp4, 1, 1};
+  Policy sinks = Policy::tiles(Format::mxfp8_e4m3, Format::mxfp4, 1, 1);
   sinks.sink_keys = 4;
   for (int64_t d : {64, 128})
     for (const Policy& pol : {Policy{}, with_pv(Policy{}, PV::mxfp4), sinks}) {
@@ -178,7 +178,7 @@ TEST(GpuDecode, TransformsMatchCpuDecode) {
   const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
   std::vector<Policy> pols;
   for (int mask = 1; mask < 8; ++mask) {
-    Policy p{e4, f4, 1, mask >> 2};
+    Policy p = Policy::tiles(e4, f4, 1, mask >> 2);
     p.rotate = mask & 1;
     p.smooth_k = mask & 2;
     p.sink_keys = mask & 4 ? 4 : 0;

@@ -126,12 +126,12 @@ Policy transformed(Policy p, bool rotate, bool smooth_k, int sink_keys, bool smo
 TEST(GpuPagedCache, PagesAndDecodeMatchHostCache) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const Format e4 = Format::mxfp8_e4m3, e5 = Format::mxfp8_e5m2, f4 = Format::mxfp4;
-  Policy ceil_wide{e4, f4, 3, 1, ScaleRule::ceil};
+  Policy ceil_wide = Policy::tiles(e4, f4, 3, 1);
   const std::vector<Policy> policies = {
-      Policy{}, Policy{e4, f4, 2, 1}, pv_of(Policy{}, PV::mxfp8), pv_of(ceil_wide, PV::mxfp4),
-      Policy{e5, Format::mxfp6_e3m2, 1, 0}, Policy{f4, e4, 1, 0}, Policy{e4, e4, 1, 0}, pv_of(Policy{f4, f4, 1, 1}, PV::mxfp4),
+      Policy{}, Policy::tiles(e4, f4, 2, 1), pv_of(Policy{}, PV::mxfp8), pv_of(ceil_wide, PV::mxfp4),
+      Policy::tiles(e5, Format::mxfp6_e3m2, 1, 0), Policy::tiles(f4, e4, 1, 0), Policy::tiles(e4, e4, 1, 0), pv_of(Policy::tiles(f4, f4, 1, 1), PV::mxfp4),
       transformed(Policy{}, true, false, 0, false), transformed(ceil_wide, true, true, 4, false),
-      transformed(pv_of(Policy{e4, f4, 1, 1}, PV::mxfp8), false, true, 160, false),
+      transformed(pv_of(Policy::tiles(e4, f4, 1, 1), PV::mxfp8), false, true, 160, false),
       transformed(pv_of(Policy{}, PV::mxfp4), false, false, 0, true)};
   for (int64_t d : {64, 128})
     for (size_t pi = 0; pi < policies.size(); ++pi) {
@@ -197,7 +197,7 @@ TEST(GpuPagedCache, PagesAndDecodeMatchHostCache) {
 TEST(GpuPagedCache, RejectsWhatItCannotHold) {
   SKIP_WITHOUT_CUDA_DEVICE();
   EXPECT_THROW(PagedKVCache(2, 96, Policy{}), Error);
-  EXPECT_THROW(PagedKVCache(2, 64, Policy{Format::mxfp8_e4m3, Format::nvfp4, 1, 0}), Error);
+  EXPECT_THROW(PagedKVCache(2, 64, Policy::tiles(Format::mxfp8_e4m3, Format::nvfp4, 1, 0)), Error);
   PagedKVCache c(2, 64, Policy{});
   const int s = c.new_sequence();
   const QKV x = random_qkv({1, 2, 2, 4, 4, 64}, 1);
@@ -218,8 +218,8 @@ TEST(GpuPagedCache, GraphReplaysEqualEagerSteps) {
   SKIP_WITHOUT_CUDA_DEVICE();
   setenv("DMATTN_DECODE_CTAS", "2", 1);  // one decode instance for both caches (the graph's reads every table column)
   const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
-  const std::vector<Policy> policies = {Policy{}, pv_of(Policy{e4, f4, 3, 1, ScaleRule::ceil}, PV::mxfp4),
-                                        transformed(pv_of(Policy{e4, f4, 2, 1}, PV::mxfp8), true, true, 4, false)};
+  const std::vector<Policy> policies = {Policy{}, pv_of(Policy::tiles(e4, f4, 3, 1), PV::mxfp4),
+                                        transformed(pv_of(Policy::tiles(e4, f4, 2, 1), PV::mxfp8), true, true, 4, false)};
   const int64_t d = 128, Hkv = 2, Hq = 8, steps = 200, prompt[3] = {600, 1, 300};
   for (const Policy& pol : policies) {
     const std::string what = pol.describe();

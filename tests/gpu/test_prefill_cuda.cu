@@ -127,11 +127,10 @@ TEST(GpuPrefill, MatchesCpuOracleOnRealActivations) {
   for (int layer : {1, 20}) {
     const std::string base = std::string(src ? src : DMATTN_SOURCE_DIR) + "/tests/data/layer" + std::to_string(layer) + "_";
     const QKV x{read_npy_tensor(base + "q.npy", "q"), read_npy_tensor(base + "k.npy", "k"), read_npy_tensor(base + "v.npy", "v")};
-    Policy sink;
+    Policy sink = Policy::plain(), fp8 = Policy::plain();
     sink.sink_tiles = 1;
-    Policy fp8;
     fp8.pv = PV::fp8;
-    for (const Policy& pol : {Policy{}, sink, Policy::all(Format::mxfp4), fp8})
+    for (const Policy& pol : {Policy{}, Policy::plain(), sink, Policy::all(Format::mxfp4), fp8})
       check_qkv({9, 3, 512, 512, 64, true, pol, layer == 1 ? "real layer 1" : "real layer 20"}, x, DType::f16,
                 pol.pv == PV::fp8 ? kPvFp8Tol : kTol);
   }
@@ -144,14 +143,14 @@ TEST(GpuPrefill, MatchesCpuOracle) {
       {1, 1, 1, 1, 64, true, Policy{}, "N=1"},
       {4, 1, 77, 77, 128, true, Policy{}, "N=77 MQA"},
       {8, 8, 128, 128, 64, false, Policy{}, "N=128 MHA"},
-      {4, 1, 1000, 1000, 128, true, Policy{e4, f4, 2, 1}, "N=1000 diag2 sink1"},
+      {4, 1, 1000, 1000, 128, true, Policy::tiles(e4, f4, 2, 1), "N=1000 diag2 sink1"},
       {8, 1, 300, 1000, 64, true, Policy{}, "chunked prefill Nq<Nk"},
       {4, 4, 1000, 300, 128, true, Policy{}, "Nq>Nk (rows with no keys)"},
-      {4, 1, 4096, 4096, 128, true, Policy{e4, f4, 1, 0}, "N=4096 default"},
-      {2, 2, 4096, 4096, 128, true, Policy{f4, f4, 0, 0}, "N=4096 all-low"},
-      {4, 2, 3000, 3000, 128, true, Policy{f4, Format::mxfp6_e3m2, 2, 1}, "FP4 diag / FP6 low"},
-      {2, 2, 2000, 2000, 64, false, Policy{e4, e4, 0, 0}, "all-high non-causal"},
-      {2, 1, 2000, 2000, 128, false, Policy{Format::mxfp8_e5m2, Format::mxfp6_e2m3, 1, 1}, "e5m2/e2m3 non-causal"},
+      {4, 1, 4096, 4096, 128, true, Policy::tiles(e4, f4, 1, 0), "N=4096 default"},
+      {2, 2, 4096, 4096, 128, true, Policy::tiles(f4, f4, 0, 0), "N=4096 all-low"},
+      {4, 2, 3000, 3000, 128, true, Policy::tiles(f4, Format::mxfp6_e3m2, 2, 1), "FP4 diag / FP6 low"},
+      {2, 2, 2000, 2000, 64, false, Policy::tiles(e4, e4, 0, 0), "all-high non-causal"},
+      {2, 1, 2000, 2000, 128, false, Policy::tiles(Format::mxfp8_e5m2, Format::mxfp6_e2m3, 1, 1), "e5m2/e2m3 non-causal"},
       {8, 1, 8192, 8192, 128, true, Policy{}, "N=8192 GQA 8"},
   };
   const uint64_t seed = fresh_seed();
@@ -181,8 +180,8 @@ TEST(GpuPrefill, PvFp8MatchesCpuOracle) {
       {{4, 4, 1000, 300, 128, true, low, "fp8 P.V Nq>Nk"}, kPvFp8ExactScores},
       {{4, 2, 4096, 4096, 128, true, low, "fp8 P.V N=4096 all-low"}, kPvFp8ExactScores},
       {{4, 1, 16384, 16384, 128, true, low, "fp8 P.V N=16384 GQA 4"}, kPvFp8ExactScores},
-      {{4, 1, 1000, 1000, 128, true, fp8(Policy{e4, f4, 2, 1}), "fp8 P.V diag2 sink1"}, kPvFp8Tol},
-      {{2, 2, 2000, 2000, 64, false, fp8(Policy{e4, e4, 0, 0}), "fp8 P.V all-high non-causal"}, kPvFp8Tol},
+      {{4, 1, 1000, 1000, 128, true, fp8(Policy::tiles(e4, f4, 2, 1)), "fp8 P.V diag2 sink1"}, kPvFp8Tol},
+      {{2, 2, 2000, 2000, 64, false, fp8(Policy::tiles(e4, e4, 0, 0)), "fp8 P.V all-high non-causal"}, kPvFp8Tol},
       {{4, 1, 4096, 4096, 128, true, fp8(Policy{}), "fp8 P.V N=4096 default"}, kPvFp8Tol},
   };
   const uint64_t seed = fresh_seed();
@@ -205,11 +204,11 @@ TEST(GpuPrefill, PositionOffsetsMatchCpuOracle) {
   const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
   const Case cases[] = {
       {4, 1, 300, 700, 128, true, Policy{}, "queries after the keys", 1024, 512},
-      {4, 2, 512, 512, 64, true, Policy{e4, f4, 2, 3}, "same block, sinks partly in it", 256, 256},
-      {4, 4, 384, 640, 128, true, Policy{e4, f4, 1, 1}, "queries inside the keys", 2048 + 100, 2048},
+      {4, 2, 512, 512, 64, true, Policy::tiles(e4, f4, 2, 3), "same block, sinks partly in it", 256, 256},
+      {4, 4, 384, 640, 128, true, Policy::tiles(e4, f4, 1, 1), "queries inside the keys", 2048 + 100, 2048},
       {2, 1, 256, 256, 128, true, Policy{}, "every key in the future", 0, 1024},
-      {4, 1, 1000, 1000, 64, false, Policy{e4, f4, 2, 1}, "non-causal, sink outside", 4096, 8192},
-      {2, 2, 777, 333, 128, true, Policy{e4, Format::nvfp4, 1, 0}, "nvfp4 off the diagonal", 5000, 4608},
+      {4, 1, 1000, 1000, 64, false, Policy::tiles(e4, f4, 2, 1), "non-causal, sink outside", 4096, 8192},
+      {2, 2, 777, 333, 128, true, Policy::tiles(e4, Format::nvfp4, 1, 0), "nvfp4 off the diagonal", 5000, 4608},
   };
   const uint64_t seed = fresh_seed();
   const DType dtypes[3] = {DType::bf16, DType::f16, DType::f32};
@@ -223,21 +222,21 @@ TEST(GpuPrefill, PositionOffsetsMatchCpuOracle) {
 TEST(GpuPrefill, SlidingWindowsMatchCpuOracle) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
-  Policy transforms{e4, f4, 2, 1};
+  Policy transforms = Policy::tiles(e4, f4, 2, 1);
   transforms.rotate = transforms.smooth_k = transforms.smooth_q = true;
   transforms.sink_keys = 4;
   Policy pv8;
   pv8.pv = PV::fp8;
   const Case cases[] = {
       {4, 2, 1000, 1000, 128, true, Policy{}, "causal, left 300", {}, {}, {300, -1}},
-      {4, 1, 700, 700, 64, true, Policy{e4, f4, 1, 1}, "causal, left 0, sink tile", {}, {}, {0, -1}},
-      {2, 2, 900, 900, 128, false, Policy{e4, f4, 2, 0}, "two-sided (50, 20)", {}, {}, {50, 20}},
+      {4, 1, 700, 700, 64, true, Policy::tiles(e4, f4, 1, 1), "causal, left 0, sink tile", {}, {}, {0, -1}},
+      {2, 2, 900, 900, 128, false, Policy::tiles(e4, f4, 2, 0), "two-sided (50, 20)", {}, {}, {50, 20}},
       {4, 1, 300, 200, 64, false, Policy{}, "rows before every key", {}, {}, {10, 5}},
-      {2, 1, 640, 1500, 128, true, Policy{e4, f4, 1, 2}, "chunk, left 512", {}, {}, {512, -1}},
+      {2, 1, 640, 1500, 128, true, Policy::tiles(e4, f4, 1, 2), "chunk, left 512", {}, {}, {512, -1}},
       {4, 2, 384, 640, 128, true, Policy{}, "offsets, left 200", 2048 + 100, 2048, {200, -1}},
       {4, 2, 800, 800, 128, true, Policy{}, "wider than the sequence", {}, {}, {4096, -1}},
       {2, 1, 900, 900, 128, true, transforms, "transforms, left 333", {}, {}, {333, -1}},
-      {2, 1, 900, 900, 64, true, Policy{e4, Format::nvfp4, 1, 0}, "nvfp4, left 256", {}, {}, {256, -1}},
+      {2, 1, 900, 900, 64, true, Policy::tiles(e4, Format::nvfp4, 1, 0), "nvfp4, left 256", {}, {}, {256, -1}},
   };
   const uint64_t seed = fresh_seed();
   const DType dtypes[3] = {DType::bf16, DType::f16, DType::f32};
@@ -294,7 +293,7 @@ TEST(GpuPrefill, Nvfp4SmallMatchesCpuOracle) {
       {{4, 1, 1000, 1000, 128, true, Policy::all(nv), "all-nvfp4 N=1000 GQA 4"}, kNvExact},
       {{8, 2, 300, 1000, 64, true, Policy::all(nv), "all-nvfp4 Nq<Nk"}, kNvExact},
       {{4, 4, 1000, 300, 128, false, Policy::all(nv), "all-nvfp4 Nq>Nk non-causal"}, kNvExact},
-      {{2, 1, 700, 700, 128, true, Policy{Format::mxfp8_e4m3, nv, 1, 1}, "mxfp8 diag sink / nvfp4 N=700"}, kTol},
+      {{2, 1, 700, 700, 128, true, Policy::tiles(Format::mxfp8_e4m3, nv, 1, 1), "mxfp8 diag sink / nvfp4 N=700"}, kTol},
   };
   check_nvfp4_cases(cases, std::size(cases));
 }
@@ -307,18 +306,18 @@ TEST(GpuPrefill, Nvfp4MatchesCpuOracle) {
     return p;
   };
   const std::pair<Case, double> cases[] = {
-      {{4, 1, 4096, 4096, 128, true, Policy{e4, nv, 1, 0}, "mxfp8 diag / nvfp4 N=4096"}, kTol},
-      {{4, 2, 2000, 2000, 64, true, Policy{nv, f4, 2, 1}, "nvfp4 diag2 sink1 / mxfp4"}, kTol},
-      {{2, 2, 1500, 1500, 128, false, Policy{Format::mxfp8_e5m2, nv, 1, 1}, "e5m2 / nvfp4 non-causal"}, kTol},
+      {{4, 1, 4096, 4096, 128, true, Policy::tiles(e4, nv, 1, 0), "mxfp8 diag / nvfp4 N=4096"}, kTol},
+      {{4, 2, 2000, 2000, 64, true, Policy::tiles(nv, f4, 2, 1), "nvfp4 diag2 sink1 / mxfp4"}, kTol},
+      {{2, 2, 1500, 1500, 128, false, Policy::tiles(Format::mxfp8_e5m2, nv, 1, 1), "e5m2 / nvfp4 non-causal"}, kTol},
       {{4, 1, 2000, 2000, 128, true, fp8(Policy::all(nv)), "fp8 P.V all-nvfp4"}, kPvFp8ExactScores},
-      {{4, 1, 2000, 2000, 64, true, fp8(Policy{e4, nv, 1, 0}), "fp8 P.V mxfp8 / nvfp4"}, kPvFp8Tol},
+      {{4, 1, 2000, 2000, 64, true, fp8(Policy::tiles(e4, nv, 1, 0)), "fp8 P.V mxfp8 / nvfp4"}, kPvFp8Tol},
   };
   check_nvfp4_cases(cases, std::size(cases));
   // A real model's activations (SmolLM2, layer 1) with NVFP4 off the diagonal.
   const char* src = std::getenv("DMATTN_SOURCE_DIR");
   const std::string base = std::string(src ? src : DMATTN_SOURCE_DIR) + "/tests/data/layer1_";
   const QKV real{read_npy_tensor(base + "q.npy", "q"), read_npy_tensor(base + "k.npy", "k"), read_npy_tensor(base + "v.npy", "v")};
-  check_qkv({9, 3, 512, 512, 64, true, Policy{e4, nv, 1, 0}, "real layer 1 mxfp8 / nvfp4"}, real, DType::f16);
+  check_qkv({9, 3, 512, 512, 64, true, Policy::tiles(e4, nv, 1, 0), "real layer 1 mxfp8 / nvfp4"}, real, DType::f16);
   check_qkv({9, 3, 512, 512, 64, true, Policy::all(nv), "real layer 1 all-nvfp4"}, real, DType::f16, kNvExact);
 }
 
@@ -333,7 +332,9 @@ HostTensor spread(const HostTensor& t, int64_t d, int64_t n, int64_t lo, int64_t
 // Q: every 5th row of every other 64-row warpgroup; K: every 11th key of every third tile.
 bool q_chosen(int64_t r) { return (r / 64) % 2 == 0 && r % 5 == 0; }
 bool k_chosen(int64_t r) { return (r / 128) % 3 == 0 && r % 11 == 0; }
-const Policy kSpreadPolicies[] = {Policy{}, Policy::all(Format::mxfp4), Policy{Format::mxfp8_e4m3, Format::mxfp4, 2, 1}};
+// (The default's rotation mixes the shrunk blocks into the others: its rows fold; plain DMA's do not.)
+const Policy kSpreadPolicies[] = {Policy::plain(), Policy{}, Policy::all(Format::mxfp4),
+                                  Policy::tiles(Format::mxfp8_e4m3, Format::mxfp4, 2, 1)};
 
 // A contiguous device copy of a host tensor (the caller frees .data).
 // Whether two device buffers of n floats are bit-identical.
@@ -603,7 +604,7 @@ TEST(GpuPrefill, AccuracyTransformsMatchCpuOracle) {
     return p;
   };
   const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
-  const Policy dflt{e4, f4, 1, 0}, wide{e4, f4, 4, 1};
+  const Policy dflt = Policy::tiles(e4, f4, 1, 0), wide = Policy::tiles(e4, f4, 4, 1);
   const Case cases[] = {
       {4, 1, 700, 700, 128, true, with(dflt, false, false, true, 0), "rotate"},
       {4, 2, 700, 700, 64, true, with(dflt, true, false, false, 0), "smooth_k"},
@@ -613,7 +614,7 @@ TEST(GpuPrefill, AccuracyTransformsMatchCpuOracle) {
       {8, 1, 300, 1000, 64, true, with(dflt, true, true, true, 2), "all, chunked Nq<Nk"},
       {4, 4, 500, 500, 128, false, with(dflt, true, true, true, 1), "all, non-causal"},
       {4, 2, 4096, 4096, 128, true, with(wide, true, true, true, 1), "all, N=4096"},
-      {4, 1, 2000, 2000, 128, true, with(Policy{f4, Format::nvfp4, 1, 0}, true, false, true, 0), "rotate+smooth_k nvfp4"},
+      {4, 1, 2000, 2000, 128, true, with(Policy::tiles(f4, Format::nvfp4, 1, 0), true, false, true, 0), "rotate+smooth_k nvfp4"},
       {8, 2, 3000, 3000, 128, true, with(wide, true, false, true, 0), "rotate+smooth_k diag4 sink1"},
       {4, 4, 1000, 1000, 64, false, with(dflt, true, false, true, 0), "rotate+smooth_k non-causal"},
   };

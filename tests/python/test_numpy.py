@@ -53,20 +53,26 @@ def test_dma_sits_between_all_high_and_all_low():
     q, k, v = qkv(seed=5, Nq=512, Nk=512)
     exact = dmattn.attention(q, k, v, causal=True, high="bf16", low="bf16")
     err = lambda o: np.linalg.norm(o - exact) / np.linalg.norm(exact)  # noqa: E731
-    hi = err(dmattn.attention(q, k, v, causal=True, low="mxfp8-e4m3"))
-    lo = err(dmattn.attention(q, k, v, causal=True, high="mxfp4"))
-    dma = err(dmattn.attention(q, k, v, causal=True))
+    plain = dict(diag_tiles=1, sink_tiles=0, smooth_k=False, rotate=False)  # dmattn.Policy.plain()
+    hi = err(dmattn.attention(q, k, v, causal=True, low="mxfp8-e4m3", **plain))
+    lo = err(dmattn.attention(q, k, v, causal=True, high="mxfp4", **plain))
+    dma = err(dmattn.attention(q, k, v, causal=True, **plain))
     assert hi < dma < lo
+    # The default (four diagonal tiles, the sink tile, smooth_k, the rotation) below plain DMA.
+    assert err(dmattn.attention(q, k, v, causal=True)) < dma
 
 
 def test_policy_value_type():
     p = dmattn.Policy()
-    assert repr(p).startswith("Policy(high='mxfp8-e4m3', low='mxfp4', diag_tiles=1, sink_tiles=0, ")
+    assert repr(p).startswith("Policy(high='mxfp8-e4m3', low='mxfp4', diag_tiles=4, sink_tiles=1, ")
+    assert p.smooth_k and p.rotate and not p.smooth_q and p.sink_keys == 0
+    plain = dmattn.Policy.plain()
+    assert (plain.diag_tiles, plain.sink_tiles, plain.smooth_k, plain.rotate) == (1, 0, False, False)
     assert eval(repr(p), {"Policy": dmattn.Policy}) == p
     p2 = dmattn.Policy(low="nvfp4", sink_tiles=2)
     assert p2 != p and p2.low == "nvfp4" and p2.sink_tiles == 2
     p2.low = "mxfp4"
-    p2.sink_tiles = 0
+    p2.sink_tiles = 1
     assert p2 == p
     with pytest.raises(ValueError, match="format"):
         dmattn.Policy(high="fp7")
@@ -138,8 +144,9 @@ def test_kv_cache_decode_equals_attention_last_rows():
     L, nq = 300, 4
     q = llm_like(rng, (1, 4, L, 64))
     k, v = llm_like(rng, (1, 2, L, 64)), llm_like(rng, (1, 2, L, 64))
-    want, want_lse = dmattn.attention(q, k, v, causal=True, return_lse=True, diag_tiles=2, sink_tiles=1)
-    cache = dmattn.KVCache(2, 64, dmattn.Policy(diag_tiles=2, sink_tiles=1))
+    # (smooth_k off: the cache's key mean is its first append's, here 70 tokens of the 300)
+    want, want_lse = dmattn.attention(q, k, v, causal=True, return_lse=True, diag_tiles=2, sink_tiles=1, smooth_k=False)
+    cache = dmattn.KVCache(2, 64, dmattn.Policy(diag_tiles=2, sink_tiles=1, smooth_k=False))
     s = cache.new_sequence()
     for t0 in range(0, L, 70):  # appended in chunks, as generation would
         cache.append(s, np.ascontiguousarray(k[:, :, t0:t0 + 70]), np.ascontiguousarray(v[:, :, t0:t0 + 70]))
@@ -154,7 +161,7 @@ def test_kv_cache_decode_equals_attention_last_rows():
         dmattn.decode(cache, [s], np.ascontiguousarray(q[:, :, -17:]))
     # A sliding window: decode equals attention's last rows with the same window, bit for bit.
     want_w, want_w_lse = dmattn.attention(q, k, v, causal=True, return_lse=True, diag_tiles=2, sink_tiles=1,
-                                          window=(100, -1))
+                                          smooth_k=False, window=(100, -1))
     out_w, lse_w = dmattn.decode(cache, [s], np.ascontiguousarray(q[:, :, -nq:]), return_lse=True, window=(100, -1))
     assert np.array_equal(out_w, want_w[:, :, -nq:]) and np.array_equal(lse_w, want_w_lse[:, :, -nq:])
     assert not np.array_equal(lse_w, lse)

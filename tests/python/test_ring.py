@@ -46,7 +46,7 @@ def worker(rank, world, sharding, causal, tmp):
 def test_ring_over_gloo_matches_single_process(tmp_path, world, sharding, causal):
     mp.spawn(worker, args=(world, sharding, causal, str(tmp_path)), nprocs=world, join=True)
     q, k, v = full_inputs()
-    want, want_lse = dmattn.attention(q, k, v, causal=causal, return_lse=True, sink_tiles=1)
+    want, want_lse = dmattn.attention(q, k, v, causal=causal, return_lse=True, sink_tiles=1, smooth_k=False)
     got = torch.zeros_like(want)
     got_lse = torch.zeros_like(want_lse)
     for r in range(world):  # put the shards back in sequence order
@@ -72,6 +72,8 @@ def test_ring_refuses_shards_of_partial_tiles(tmp_path):
         one = torch.from_numpy(llm_like(np.random.default_rng(3), (1, 2, 256, 64)))
         # One rank holding the sequence in one chunk is one block call: single-process attention exactly.
         assert torch.equal(dmattn.ring_attention(one, one, one, sharding="contiguous"),
-                           dmattn.attention(one, one, one, causal=True))
+                           dmattn.attention(one, one, one, causal=True, smooth_k=False))
+        with pytest.raises(ValueError, match="smooth_k"):  # its key mean would need an all-reduce
+            dmattn.ring_attention(one, one, one, smooth_k=True)
     finally:
         dist.destroy_process_group()

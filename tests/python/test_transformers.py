@@ -191,17 +191,24 @@ def test_paged_cache_sliding_window_keeps_positions(side):
     model's over the whole sequence (dmattn's prefill with the window; positions as generate() gives
     them) to fp32 rounding, since the
     cache keeps every token at its own position. (The default cache keeps the last window's keys
-    only, so its steps quantize the window's tiles from a shifted origin: ~3e-3 off.)"""
+    only, so its steps quantize the window's tiles from a shifted origin: ~3e-3 off.) Without
+    smooth_k, whose key mean is the prompt's in the cache and the whole sequence's in the full pass."""
     from dmattn import hf
     name = dmattn.register_transformers()
     model = tiny_mistral(name, window=64)
     ids = torch.randint(0, 100, (2, 150), generator=torch.Generator().manual_seed(4))
     mask = torch.ones_like(ids) if side == "none" else padding_mask(150, "left", 37)
-    with torch.no_grad():
-        res = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, return_dict_in_generate=True,
-                             output_logits=True, past_key_values=hf.PagedCache(model))
-        whole = torch.cat([mask, torch.ones_like(res.sequences[:, 150:])], 1)
-        full = model(res.sequences, attention_mask=whole, position_ids=(whole.cumsum(-1) - 1).clamp(min=0)).logits
+    old = dmattn.hf_policy
+    dmattn.hf_policy = dmattn.Policy(smooth_k=False)
+    try:
+        with torch.no_grad():
+            res = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                 return_dict_in_generate=True, output_logits=True, past_key_values=hf.PagedCache(model))
+            whole = torch.cat([mask, torch.ones_like(res.sequences[:, 150:])], 1)
+            full = model(res.sequences, attention_mask=whole,
+                         position_ids=(whole.cumsum(-1) - 1).clamp(min=0)).logits
+    finally:
+        dmattn.hf_policy = old
     for step, logits in enumerate(res.logits):
         want = full[:, 149 + step]
         assert ((logits - want).norm() / want.norm()).item() < 1e-5, step
