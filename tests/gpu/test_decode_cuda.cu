@@ -79,6 +79,13 @@ double check_decode(const KVCache& cache, const std::vector<int>& ids, const Hos
   }
   for (size_t i = 0; i < rows; ++i)
     EXPECT_NEAR(got_lse[i], want_lse[i], (splits == 0 ? 1e-3f : 1e-5f) * (1 + std::fabs(want_lse[i]))) << what << " row " << i;  // l sums unrounded P
+  // Without the LSE a rotating policy's queries are rotated in the kernel's prologue instead of a
+  // pre-pass (smooth_k's shift has nothing to move): the same rows, bit for bit.
+  DeviceCopy dout2(want, true);
+  decode_attention(cache, ids, dq.view, dout2.view, nullptr, o);
+  HostTensor got2(q.dtype(), q.shape());
+  cudaMemcpy(got2.bytes(), dout2.ptr, got2.nbytes(), cudaMemcpyDeviceToHost);
+  EXPECT_EQ(got2.to_floats(), got.to_floats()) << what << ": the decode without the LSE";
   return c.rel_l2;
 }
 
@@ -110,9 +117,9 @@ TEST(GpuDecode, MatchesCpuDecode) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
   for (int64_t d : {64, 128})
-    for (const Policy& pol : {Policy{}, Policy::tiles(e4, f4, 2, 1), Policy::tiles(Format::mxfp8_e5m2, Format::mxfp6_e3m2, 1, 0),
-                              Policy::tiles(Format::mxfp6_e2m3, Format::mxfp6_e2m3, 1, 0), with_pv(Policy{}),
-                              with_pv(Policy::tiles(e4, f4, 2, 1)), with_pv(Policy{}, PV::mxfp4)}) {
+    for (const Policy& pol : {Policy::plain(), Policy::tiles(e4, f4, 2, 1), Policy::tiles(Format::mxfp8_e5m2, Format::mxfp6_e3m2, 1, 0),
+                              Policy::tiles(Format::mxfp6_e2m3, Format::mxfp6_e2m3, 1, 0), with_pv(Policy::plain()),
+                              with_pv(Policy::tiles(e4, f4, 2, 1)), with_pv(Policy::plain(), PV::mxfp4)}) {
       const int64_t Hkv = 2, Hq = 8, lens[3] = {16, 700, 1301};
       KVCache cache(Hkv, d, pol);
       std::vector<int> ids;
@@ -153,7 +160,7 @@ TEST(GpuDecode, SlidingWindowsMatchCpuDecode) {
   Policy sinks = Policy::tiles(Format::mxfp8_e4m3, Format::mxfp4, 1, 1);
   sinks.sink_keys = 4;
   for (int64_t d : {64, 128})
-    for (const Policy& pol : {Policy{}, with_pv(Policy{}, PV::mxfp4), sinks}) {
+    for (const Policy& pol : {Policy::plain(), with_pv(Policy::plain(), PV::mxfp4), sinks}) {
       const int64_t Hkv = 2, Hq = 8, lens[3] = {16, 700, 1301};
       KVCache cache(Hkv, d, pol);
       const std::vector<int> ids = fill_three(cache, Hq, lens, uint64_t(30 * d));
@@ -209,7 +216,7 @@ TEST(GpuDecode, ManyCtasAnSmInstancesMatchCpuDecode) {
     for (PV pv : {PV::mxfp4, PV::mxfp8})
       for (int64_t d : {64, 128}) {
         const int64_t Hkv = 2, Hq = 8, lens[2] = {300, 1301};
-        KVCache cache(Hkv, d, with_pv(Policy{}, pv));
+        KVCache cache(Hkv, d, with_pv(Policy::plain(), pv));
         std::vector<int> ids;
         for (int i = 0; i < 2; ++i) {
           const QKV x = llm_like_qkv({1, Hq, Hkv, lens[i], lens[i], d}, uint64_t(30 * d + i));
@@ -234,7 +241,7 @@ TEST(GpuDecode, RowChunksAndReusedPages) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const int64_t d = 128, Hq = 8, Hkv = 1;
   for (PV pv : {PV::bf16, PV::mxfp8, PV::mxfp4}) {
-    KVCache cache(Hkv, d, with_pv(Policy{}, pv));
+    KVCache cache(Hkv, d, with_pv(Policy::plain(), pv));
     const QKV a = llm_like_qkv({1, Hq, Hkv, 900, 900, d}, 1), b = llm_like_qkv({1, Hq, Hkv, 600, 600, d}, 2);
     const int ia = cache.new_sequence(), ib = cache.new_sequence();
     append_all(cache, ia, a, 0, 500);
@@ -253,7 +260,7 @@ TEST(GpuDecode, RowChunksAndReusedPages) {
 TEST(GpuDecode, Errors) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const int64_t d = 64, Hq = 4, Hkv = 2;
-  KVCache cache(Hkv, d, Policy{});
+  KVCache cache(Hkv, d, Policy::plain());
   const QKV x = llm_like_qkv({1, Hq, Hkv, 300, 300, d}, 5);
   const int id = cache.new_sequence();
   append_all(cache, id, x, 0, 300);
@@ -266,7 +273,7 @@ TEST(GpuDecode, Errors) {
   std::vector<float> host_lse(8);
   DeviceCopy good(qs.q, false);
   EXPECT_THROW(decode_attention(cache, {id}, good.view, dout.view, host_lse.data()), Error);  // host lse
-  KVCache wide(Hkv, 256, Policy{});  // the CPU handles d = 256, the GPU decode 64 and 128
+  KVCache wide(Hkv, 256, Policy::plain());  // the CPU handles d = 256, the GPU decode 64 and 128
   const QKV xw = llm_like_qkv({1, Hq, Hkv, 40, 40, 256}, 7);
   const int iw = wide.new_sequence();
   append_all(wide, iw, xw, 0, 40);
@@ -280,7 +287,7 @@ TEST(GpuDecode, Errors) {
 TEST(GpuDecode, OnDeviceFromHostTensors) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const int64_t d = 128, Hq = 8, Hkv = 2;
-  KVCache cache(Hkv, d, with_pv(Policy{}));
+  KVCache cache(Hkv, d, with_pv(Policy::plain()));
   const QKV x = llm_like_qkv({1, Hq, Hkv, 700, 700, d}, 11);
   const int id = cache.new_sequence();
   append_all(cache, id, x, 0, 700);

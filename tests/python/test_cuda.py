@@ -72,7 +72,7 @@ def test_ring_blocks_on_cuda_match_cpu(tmp_path):
         assert got.is_cuda
         rel = ((got.cpu().float() - want.float()).norm() / want.float().norm()).item()
         assert rel < 5e-3, rel  # 2e-3 on the same codes, plus bf16 output rounding
-        whole = dmattn.attention(q.cuda(), k.cuda(), v.cuda(), causal=True, sink_tiles=1)
+        whole = dmattn.attention(q.cuda(), k.cuda(), v.cuda(), causal=True, sink_tiles=1, smooth_k=False)  # the ring's
         rel = ((got.float() - whole.float()).norm() / whole.float().norm()).item()
         assert rel < 5e-3, rel
     finally:

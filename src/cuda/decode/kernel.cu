@@ -209,9 +209,13 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   p.qsh = q.stride[1];
   p.qsn = q.stride[2];
   float* lse_shift = nullptr;
-  if (qt.on) {
-    // The rotation multiplies every score by its block size: the scale divides it out (exactly).
-    if (qt.rotate) scale /= float(rotation_block(int(d)));
+  // The rotation multiplies every score by its block size: the scale divides it out (exactly).
+  if (qt.on && qt.rotate) scale /= float(rotation_block(int(d)));
+  // The transforms' query side runs in the kernel's prologue where it is the rotation alone (no sink
+  // scores, no LSE shift of smooth_k's to report); else in a pre-pass, whose dependent the kernel is.
+  const bool prepass = qt.on && (!qt.rotate || qt.sink_keys > 0 || (qt.smooth_k && lse));
+  p.rotate_q = qt.on && !prepass;
+  if (prepass) {
     // One scratch allocation: the transformed q (bf16), the sink scores, the LSE shifts.
     const size_t qx_bytes = (size_t(rows * d) * sizeof(uint16_t) + 15) / 16 * 16;
     const size_t sink_floats = size_t(rows * qt.sink_keys), shift_floats = qt.smooth_k ? size_t(rows) : 0;
@@ -242,7 +246,7 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   p.scale = float(double(scale) * 1.4426950408889634);  // base 2 in the kernel, the product rounded once
   p.part = buf.alloc<float>(size_t(rows * p.splits * (d + 2)) * sizeof(float));
   const dim3 grid(unsigned(p.splits), unsigned(Hkv * p.chunks), unsigned(S));
-  launch(p, grid, int(d), vbits, nr, plan.ctas_per_sm, stream, qt.on);
+  launch(p, grid, int(d), vbits, nr, plan.ctas_per_sm, stream, prepass);
   check(cudaGetLastError(), "decode kernel");
   const unsigned mblocks = unsigned((rows * (d / 32) + 7) / 8);  // 8 warps a block, a warp per 32 columns of a row
   // Launched as the decode kernel's programmatic dependent: its CTAs are placed while the decode

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "cuda/common/rotate_lanes.cuh"
 #include "cuda/decode/pages.cuh"
 #include "cuda/decode/scores.cuh"
 #include "cuda/ptx/fp8.cuh"
@@ -17,8 +18,10 @@ namespace dmattn::cuda::decode {
 
 // Rows r0 .. r0 + rows - 1 of KV head hk's G x Nq of sequence s (their q rows are consecutive); rows
 // past them get zero codes and scales. Waits for the prior grid (the transforms' query pre-pass) before
-// its first read of q, after the pages' first copies were issued. Leaves qb, sq and the FP6 lut
-// (Smem) written and visible to the CTA, and the last stage buffer (q's bytes on the way) free for copies.
+// its first read of q, after the pages' first copies were issued. With p.rotate_q, each row is first
+// rotated as the pre-pass would, a warp a row (rotate_lanes, then rounded to bf16): the rotation needs
+// no launch of its own. Leaves qb, sq and the FP6 lut (Smem) written and visible to the CTA,
+// and the last stage buffer (q's bytes on the way) free for copies.
 template <int D, int kVB, int kNR, int kCtas>
 __device__ __forceinline__ void load_q(const Params& p, const PageStream<D, kVB, kNR, kCtas>& pages, int s, int hk, int r0,
                                        int rows) {
@@ -45,12 +48,32 @@ __device__ __forceinline__ void load_q(const Params& p, const PageStream<D, kVB,
   // Launched after the transforms' query pre-pass as its programmatic dependent, the kernel has issued
   // its first page copies by now; q and the sink scores are the pre-pass's output. (A no-op otherwise.)
   wait_prior_grids();
+  // The stage buffer the codes go to (below) first takes the rotated rows, after the codes' room.
+  uint8_t* q8 = pages.buffer(kStages - 1) - warp * S_::kWarpStage;  // [slot][kRows][D] bytes
+  float* qrot = reinterpret_cast<float*>(q8 + 2 * kRows * D);        // [kRows][D] (rotate_q)
+  static_assert(2 * kRows * D + 4 * kRows * D <= kWarps * S_::kWarpStage);
+  if (p.rotate_q) {
+    constexpr int E = D / 32;
+    for (int r = warp; r < rows; r += kWarps) {  // uniform across the warp (the shuffle)
+      const int64_t off = __shfl_sync(0xffffffffu, row_off, r) + E * lane;
+      float x[E];
+#pragma unroll
+      for (int e = 0; e < E; ++e)
+        x[e] = q32 ? static_cast<const float*>(p.q)[off + e]
+                   : p.qdt == DType::f16 ? to_float(static_cast<const fp16*>(p.q)[off + e])
+                                         : to_float(static_cast<const bf16*>(p.q)[off + e]);
+      rotate_lanes(x);
+#pragma unroll
+      for (int e = 0; e < E; ++e) qrot[r * D + E * lane + e] = round_bf16(x[e]);
+    }
+    __syncthreads();
+  }
   uint32_t qraw[kJobs];  // f32 bits, or a 16-bit value's in the low half
 #pragma unroll
   for (int i = 0; i < kJobs; ++i) {
     const int it = warp + i * kWarps;  // uniform across the warp (the shuffle below)
     qraw[i] = 0;
-    if (it < rows * NB) {
+    if (it < rows * NB && !p.rotate_q) {
       const int64_t off = __shfl_sync(0xffffffffu, row_off, it / NB) + (it % NB) * 32 + lane;
       qraw[i] = q32 ? static_cast<const uint32_t*>(p.q)[off] : static_cast<const uint16_t*>(p.q)[off];
     }
@@ -62,8 +85,6 @@ __device__ __forceinline__ void load_q(const Params& p, const PageStream<D, kVB,
   // E4M3) go to the still unused last stage buffer, the block scale to sq.
   uint32_t* qb = reinterpret_cast<uint32_t*>(smem + S_::kQb);
   float* sq = reinterpret_cast<float*>(smem + S_::kSq);  // [slot][c][row]
-  uint8_t* q8 = pages.buffer(kStages - 1) - warp * S_::kWarpStage;  // [slot][kRows][D] bytes
-  static_assert(2 * kRows * D <= kWarps * S_::kWarpStage);
   for (int i = tid; i < 2 * (kRows - rows) * D; i += kThreads) {  // rows past the GQA group's: zero codes and scales
     const int sl = i / ((kRows - rows) * D), k = i % ((kRows - rows) * D);
     q8[(sl * kRows + rows) * D + k] = 0;
@@ -76,7 +97,9 @@ __device__ __forceinline__ void load_q(const Params& p, const PageStream<D, kVB,
     if (it >= rows * NB) break;
     const int r = it / NB, c = it % NB;
     const uint16_t h = uint16_t(qraw[i]);
-    const float v = q32 ? __uint_as_float(qraw[i]) : p.qdt == DType::f16 ? to_float(fp16{h}) : to_float(bf16{h});
+    const float v = p.rotate_q ? qrot[r * D + c * 32 + lane]
+                    : q32      ? __uint_as_float(qraw[i])
+                    : p.qdt == DType::f16 ? to_float(fp16{h}) : to_float(bf16{h});
     const bool bad = __any_sync(0xffffffffu, !hd::is_finite(v));
     float amax = fabsf(v);
 #pragma unroll

@@ -24,6 +24,7 @@ struct Params {
   const void* q;         // [S, Hq, Nq, d] f32 / f16 / bf16, unit stride on d: quantized by each CTA
   DType qdt;
   int64_t qsb, qsh, qsn;
+  bool rotate_q;         // rotate each q row, then round it to bf16 (the transforms' query side, no pre-pass)
   int* nonfinite;        // set to 1 where q holds NaN / Inf
   Elem kelem[2];         // K's element type per slot (q's too: it takes the page's format)
   float* part;           // [rows][splits][d + 2]: unnormalised acc, m (raw score units), l
