@@ -19,6 +19,20 @@
 
 using namespace dmattn;
 
+namespace {
+
+// rows x d normal values, element i of row r scaled by 2^level(r, i).
+template <class F>
+std::vector<float> leveled_rows(int64_t rows, int64_t d, uint64_t seed, F&& level) {
+  Rng rng(seed);
+  std::vector<float> x(size_t(rows * d));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < d; ++i) x[size_t(r * d + i)] = float(rng.normal() * std::ldexp(1.0, level(r, i)));
+  return x;
+}
+
+}  // namespace
+
 TEST(GpuQuantize, MatchesCpuCodecBitForBit) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const int64_t B = 2, H = 3, N = 77, d = 128;
@@ -208,11 +222,9 @@ TEST(GpuQuantize, FoldingKeepsValuesAndUnifiesRowScales) {
   SKIP_WITHOUT_CUDA_DEVICE();
   for (int64_t d : {64, 128}) {
     const int64_t rows = 512, nb = d / 32;
-    Rng rng(99 + d);
-    std::vector<float> x(size_t(rows * d));
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t i = 0; i < d; ++i)  // per-block magnitudes 2^0..2^2 over a per-row level
-        x[size_t(r * d + i)] = float(rng.normal() * std::ldexp(1.0, int((i / 32 + r) % 3) + int(r % 9) - 4));
+    // per-block magnitudes 2^0..2^2 over a per-row level
+    const std::vector<float> x =
+        leveled_rows(rows, d, uint64_t(99 + d), [](int64_t r, int64_t i) { return int((i / 32 + r) % 3) + int(r % 9) - 4; });
     HostTensor host = HostTensor::from_floats(x, {1, 1, rows, d}, DType::f32);
     void* dx;
     CUDA_OK(cudaMalloc(&dx, host.nbytes()));
@@ -260,15 +272,12 @@ TEST(GpuQuantize, FoldingKeepsValuesAndUnifiesRowScales) {
 // that step; rows with a block 2^-10 below the rest keep their scales unless the shift is exact.
 TEST(GpuQuantize, RoundFoldMovesOnlySubnormalValuesByHalfAStep) {
   SKIP_WITHOUT_CUDA_DEVICE();
+  // Block levels 2^0..2^3 over a per-row level; every 7th row one block at 2^-10.
+  auto level = [](int64_t r, int64_t i) { return (r % 7 == 0 && i / 32 == 1 ? -10 : int((i / 32 + r) % 4)) + int(r % 9) - 4; };
+  constexpr int64_t rows = 700;
   for (int64_t d : {64, 128}) {
-    const int64_t rows = 700, nb = d / 32;
-    Rng rng(7 + d);
-    std::vector<float> x(size_t(rows * d));
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t i = 0; i < d; ++i) {  // block levels 2^0..2^3 over a per-row level; every 7th row one block at 2^-10
-        const int level = r % 7 == 0 && i / 32 == 1 ? -10 : int((i / 32 + r) % 4);
-        x[size_t(r * d + i)] = float(rng.normal() * std::ldexp(1.0, level + int(r % 9) - 4));
-      }
+    const int64_t nb = d / 32;
+    const std::vector<float> x = leveled_rows(rows, d, uint64_t(7 + d), level);
     HostTensor host = HostTensor::from_floats(x, {1, 1, rows, d}, DType::bf16);
     const std::vector<float> rounded = host.to_floats();
     void* dx;
