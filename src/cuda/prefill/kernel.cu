@@ -1,6 +1,7 @@
 // DMA prefill on Hopper's warpgroup tensor cores (wgmma), warp-specialised. One CTA = one
-// 128-position query tile (aligned in absolute positions, so one format per key tile) x the key tiles
-// its mask reaches (mask.cuh: causal and sliding windows), in ascending order. A producer warpgroup streams each tile's K (in the tile's format, FP8 bytes),
+// 128-position query tile (aligned in absolute positions, so one format per key tile; scheduler.cuh
+// picks it) x the key tiles its mask reaches (mask.cuh: causal and sliding windows), in ascending
+// order. A producer warpgroup streams each tile's K (in the tile's format, FP8 bytes),
 // V (bf16, transposed by the pre-pass so both wgmma operands are K-major) and key scales into a
 // 3-stage ring with TMA (or K and V rings of 2 where 3 stages do not fit: Smem), signalled through
 // mbarriers; two consumer warpgroups of 64 query rows each
@@ -8,7 +9,7 @@
 // S_j and P_{j-1}.V_{j-1} execute (FA3's ping-pong); within a warpgroup P_{j-1}.V_{j-1} is issued with S_j
 // and, in the NVFP4 split-ring instance only, runs under S_j's softmax (elsewhere that measured slower:
 // see the wait after the softmax). Each consumer warpgroup loads its own Q rows (both formats, from the quantize
-// pass) while the first copies are in flight. Heavy (late) causal tiles are scheduled first.
+// pass) while the first copies are in flight.
 //
 // S = Q.K^T per tile with MX scaling (docs/DESIGN.md). Where every row of the warpgroup's Q and every
 // key of the tile carries one scale for all of d (block scales are folded into the FP8 codes where
@@ -28,6 +29,7 @@
 #include "cuda/prefill/mask.cuh"
 #include "cuda/prefill/params.cuh"
 #include "cuda/prefill/pv.cuh"
+#include "cuda/prefill/scheduler.cuh"
 #include "cuda/prefill/scores.cuh"
 #include "cuda/prefill/smem.cuh"
 #include "cuda/prefill/softmax.cuh"
@@ -62,9 +64,10 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   auto q_folded = reinterpret_cast<int(*)[2]>(smem + S::kFlags);
   if (threadIdx.x == 0 && (__cvta_generic_to_shared(smem) & 1023) != 0) __trap();  // the swizzle needs it
 
-  const int h = blockIdx.y, b = blockIdx.z, hk = h / (p.Hq / p.Hkv);
+  const TileScheduler tile(p);
+  const int h = tile.h, b = tile.b, hk = h / (p.Hq / p.Hkv);
   const int64_t off = p.q_pos0;
-  const int64_t pos0 = (p.first_block + (p.blocks - 1 - blockIdx.x)) * BM;  // late tiles first
+  const int64_t pos0 = tile.pos0;
   const int64_t qtile = hd::floor_div(pos0, kTile);
   const int nslots = p.nslots;
   const KeyTiles kt = key_tiles(p.mask, pos0);
@@ -361,7 +364,7 @@ void launch(PrefillParams p, int64_t blocks, int batch, cudaStream_t stream) {
   constexpr int bytes = Smem<D, kF8V, kNv, kFix>::kBytes;
   constexpr auto kernel = prefill_kernel<D, TOut, kF8V, kNv, kFix>;
   allow_dynamic_smem<kernel>(bytes);
-  kernel<<<dim3(unsigned(blocks), unsigned(p.Hq), unsigned(batch)), kThreads, bytes, stream>>>(p);
+  kernel<<<TileScheduler::grid(p, blocks, batch), kThreads, bytes, stream>>>(p);
 }
 
 template <int D, bool kF8V, bool kNv, bool kFix = false>
