@@ -52,17 +52,8 @@ void dma_attention(const Problem& p) {
       for (int64_t n = 0; n < p.Nk; ++n) {
         load_row(p.k, b, hk, n, kf.data() + n * d);
         load_row(p.v, b, hk, n, vf.data() + n * d);
-        if (pol.rotate) rotate_row(kf.data() + n * d, d);
       }
-      // smooth_k: K minus its per-channel mean.
-      std::vector<float> kmean(static_cast<size_t>(d), 0.0f);
-      if (pol.smooth_k) {
-        kmean = channel_mean(kf.data(), p.Nk, d);
-        for (int64_t n = 0; n < p.Nk; ++n)
-          for (int i = 0; i < d; ++i) kf[size_t(n * d + i)] -= kmean[size_t(i)];
-      }
-      if (transformed)  // transformed rows enter quantization as bf16 values
-        for (float& x : kf) x = round_bf16(x);
+      const std::vector<float> kmean = transform_keys(kf.data(), p.Nk, d, pol);
       KeyTiles keys[2];
       for (int s = 0; s < slots.count; ++s) keys[s] = prepare_keys(kf, p.Nk, d, slots.fmt[s], rule, p.threads);
       const ValueRows values = prepare_values(vf, p.Nk, d, pol.pv, rule, p.threads);

@@ -54,26 +54,19 @@ void ring_attention_simulated(const TensorView& q, const TensorView& k, const Te
   const Format fmt[2] = {p.policy.high, p.policy.low};
   const int nslots = p.policy.high == p.policy.low ? 1 : 2;
   if (stats) stats->tile_pairs.assign(size_t(R), 0);
-  // The transforms as single-device attention applies them (cpu/dma.cpp): rows rotated; smooth_k's
-  // mean over every key of the sequence (on R devices, an all-reduce of the shards' sums, in the
-  // order of the keys), subtracted; transformed rows rounded to bf16; the LSE shifted back by
+  // The transforms as single-device attention applies them: K's rows through cpu::transform_keys,
+  // whose smooth_k mean spans every key of the sequence (on R devices, an all-reduce of the shards'
+  // sums in the order of the keys); q's rows rotated and rounded to bf16, the LSE shifted back by
   // q.mean. The rotation's factor comes out of the scale.
   const Policy& pol = p.policy;
-  const bool transformed = pol.rotate || pol.smooth_k;
+  const bool transformed = !pol.transforms().empty();
   const float scale = pol.rotate ? p.scale / float(rotation_block(d)) : p.scale;
-  auto key_row = [&](int64_t b, int64_t hk, int64_t n, float* row) {
-    load_row(p.k, b, hk, n, row);
-    if (pol.rotate) rotate_row(row, d);
-  };
 
   for (int64_t b = 0; b < p.B; ++b)
     for (int64_t hk = 0; hk < p.Hkv; ++hk) {
-      std::vector<float> kmean(size_t(d), 0.0f);
-      if (pol.smooth_k) {
-        std::vector<float> all(size_t(plan.n * d));
-        for (int64_t n = 0; n < plan.n; ++n) key_row(b, hk, n, all.data() + n * d);
-        kmean = cpu::channel_mean(all.data(), plan.n, d);
-      }
+      std::vector<float> kall(size_t(plan.n * d));  // the sequence's keys, as they enter quantization
+      for (int64_t n = 0; n < plan.n; ++n) load_row(p.k, b, hk, n, kall.data() + n * d);
+      const std::vector<float> kmean = cpu::transform_keys(kall.data(), plan.n, d, pol);
       // Each rank's shard of K and V, prepared as the rank would (its chunks, ascending).
       std::vector<cpu::KeyTiles> keys(size_t(R * 2 * 2));  // [rank][chunk slot][format slot]
       std::vector<cpu::ValueRows> values(size_t(R * 2));
@@ -81,14 +74,8 @@ void ring_attention_simulated(const TensorView& q, const TensorView& k, const Te
         const std::vector<int64_t> chunks = plan.chunks_of(int(r));
         for (size_t c = 0; c < chunks.size(); ++c) {
           std::vector<float> kf(size_t(plan.chunk * d)), vf(size_t(plan.chunk * d));
-          for (int64_t i = 0; i < plan.chunk; ++i) {
-            float* row = kf.data() + i * d;
-            key_row(b, hk, chunks[c] * plan.chunk + i, row);
-            for (int j = 0; j < d && pol.smooth_k; ++j) row[j] -= kmean[size_t(j)];
-            if (transformed)
-              for (int j = 0; j < d; ++j) row[j] = round_bf16(row[j]);
-            load_row(p.v, b, hk, chunks[c] * plan.chunk + i, vf.data() + i * d);
-          }
+          std::copy_n(kall.data() + chunks[c] * plan.chunk * d, plan.chunk * d, kf.data());
+          for (int64_t i = 0; i < plan.chunk; ++i) load_row(p.v, b, hk, chunks[c] * plan.chunk + i, vf.data() + i * d);
           for (int s = 0; s < nslots; ++s)
             keys[size_t((r * 2 + int64_t(c)) * 2 + s)] =
                 cpu::prepare_keys(kf, plan.chunk, d, fmt[s], p.policy.scale_rule, 1);

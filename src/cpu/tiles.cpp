@@ -8,6 +8,7 @@
 #include "cpu/parallel.hpp"
 #include "dmattn/numeric.hpp"
 #include "dmattn/quantize.hpp"
+#include "dmattn/rotation.hpp"
 
 namespace dmattn::cpu {
 
@@ -17,6 +18,20 @@ std::vector<float> channel_mean(const float* x, int64_t n, int d) {
     for (int i = 0; i < d; ++i) acc[size_t(i)] += x[r * d + i];
   std::vector<float> mean(static_cast<size_t>(d));
   for (int i = 0; i < d; ++i) mean[size_t(i)] = float(acc[size_t(i)] / double(n));
+  return mean;
+}
+
+std::vector<float> transform_keys(float* k, int64_t n, int d, const Policy& pol) {
+  std::vector<float> mean(static_cast<size_t>(d), 0.0f);
+  if (pol.transforms().empty()) return mean;
+  if (pol.rotate)
+    for (int64_t r = 0; r < n; ++r) rotate_row(k + r * d, d);
+  if (pol.smooth_k) {
+    mean = channel_mean(k, n, d);
+    for (int64_t r = 0; r < n; ++r)
+      for (int i = 0; i < d; ++i) k[r * d + i] -= mean[size_t(i)];
+  }
+  for (int64_t i = 0; i < n * d; ++i) k[i] = round_bf16(k[i]);  // transformed rows enter quantization as bf16
   return mean;
 }
 

@@ -16,6 +16,11 @@ constexpr int kPVBlock = 32;  // MXFP8 block along keys for pv = mxfp8
 // The per-channel mean of rows x [n, d], accumulated in fp64 and rounded once to fp32 (smooth_k's
 // and smooth_q's means).
 std::vector<float> channel_mean(const float* x, int64_t n, int d);
+// The key side of the accuracy transforms on K's n rows of one (batch, kv head), [n][d], in place:
+// each row rotated (Policy::rotate), then smooth_k's per-channel mean over the n rows subtracted,
+// then every value rounded to bf16 where any transform is on. Returns the mean (zeros without
+// smooth_k), from which the LSE's shift comes.
+std::vector<float> transform_keys(float* k, int64_t n, int d, const Policy& pol);
 // dot(a, b) over d channels, accumulated in fp64 and rounded once to fp32 (the transforms' exact
 // terms: sink scores, smooth_q's mu.k, smooth_k's LSE shift).
 float dot_f64(const float* a, const float* b, int d);
