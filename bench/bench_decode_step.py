@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import dmattn
+from bench_python import parse
 
 warnings.filterwarnings("ignore")  # SDPA warns on every GQA call that a backend cannot take it
 Hq, Hkv, d = 32, 8, 128
@@ -126,12 +127,8 @@ def print_kernels(label, fn):
 
 
 def policy_fields():
-    """POLICY's fields: 0/1 for the boolean ones, digits as ints, other values as strings."""
-    kw = {}
-    for item in filter(None, os.environ.get("POLICY", "").split(",")):
-        key, _, val = item.partition(":")
-        kw[key] = bool(int(val)) if key in ("smooth_k", "smooth_q", "rotate") else int(val) if val.isdigit() else val
-    return kw
+    """POLICY's fields, read as bench_python.py reads a policy on its command line."""
+    return parse("POLICY=" + os.environ.get("POLICY", ""))[1]
 
 
 def run(B, ctx, rows):

@@ -294,9 +294,10 @@ void dma_attention(const Problem& p) {
       kn[s] = {reinterpret_cast<uint16_t*>(x.k8), nullptr, ldv, krs, x.kts};  // keys' scales into krs, tiles 0
       pp.qten[s] = x.qten;
     } else {
+      qt[s] = {fmt[s], x.q8, x.qs, true, true};
+      kt[s] = {fmt[s], x.k8, x.ks, true, true, krs, ldv, ksplit};
       // MXFP8 rows fold where a shifted value rounds too (QuantTarget::round_fold): one MMA chain a tile.
-      qt[s] = {fmt[s], x.q8, x.qs, true, true, nullptr, 0, nullptr, true};
-      kt[s] = {fmt[s], x.k8, x.ks, true, true, krs, ldv, ksplit, true};
+      qt[s].round_fold = kt[s].round_fold = true;
       folds[n_mx] = {x.k8, x.ks, krs, ksplit, x.kts, pp.elem[s] == Elem::e5m2};
       mx[n_mx++] = s;
     }
