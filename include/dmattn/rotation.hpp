@@ -18,6 +18,9 @@ namespace dmattn {
 // The largest power of two that divides d (d itself when d is a power of two).
 DMATTN_HD int rotation_block(int d) { return d & -d; }
 
+// The softmax scale the scores of rotated rows take: `scale` divided by the block size (exactly).
+DMATTN_HD float rotated_scale(float scale, int d, bool rotate) { return rotate ? scale / float(rotation_block(d)) : scale; }
+
 // The signs of channels 8g .. 8g + 7 as bits 0..7 (1: -1): a hash of g (murmur3's finaliser), a
 // fixed pseudo-random pattern (the rotation's seed); one hash serves a GPU lane's 8 channels.
 DMATTN_HD uint32_t rotation_sign_bits(int g) {

@@ -90,8 +90,7 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
   const Policy& pol = cache.policy();
   const int64_t group = Hq / Hkv;
   const bool transformed = !pol.transforms().empty();
-  // The rotation multiplies every score by its block size: the scale divides it out (as prefill).
-  const float kscale = pol.rotate ? scale / float(rotation_block(int(d))) : scale;
+  const float kscale = rotated_scale(scale, int(d), pol.rotate);
 
   cpu::parallel_for(S * Hkv, opts.threads, [&](int64_t item) {
     const int64_t si = item / Hkv, hk = item % Hkv;

@@ -38,8 +38,7 @@ void dma_attention(const Problem& p) {
   const ScaleRule rule = pol.scale_rule;
   const int64_t row_chunks = (p.Nq + T - 1) / T;
   constexpr float kNegInf = -std::numeric_limits<float>::infinity();
-  // The rotation multiplies every score by its block size (a power of two): the scale divides it out.
-  const float scale = pol.rotate ? p.scale / float(rotation_block(d)) : p.scale;
+  const float scale = rotated_scale(p.scale, d, pol.rotate);
   // Local indices of the keys scored exactly: absolute positions below sink_keys.
   const int64_t exact_keys = std::clamp<int64_t>(pol.sink_keys - p.k_pos0, 0, p.Nk);
   const bool transformed = !pol.transforms().empty();

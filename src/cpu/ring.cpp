@@ -60,7 +60,7 @@ void ring_attention_simulated(const TensorView& q, const TensorView& k, const Te
   // q.mean. The rotation's factor comes out of the scale.
   const Policy& pol = p.policy;
   const bool transformed = !pol.transforms().empty();
-  const float scale = pol.rotate ? p.scale / float(rotation_block(d)) : p.scale;
+  const float scale = rotated_scale(p.scale, d, pol.rotate);
 
   for (int64_t b = 0; b < p.B; ++b)
     for (int64_t hk = 0; hk < p.Hkv; ++hk) {

@@ -209,8 +209,7 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   p.qsh = q.stride[1];
   p.qsn = q.stride[2];
   float* lse_shift = nullptr;
-  // The rotation multiplies every score by its block size: the scale divides it out (exactly).
-  if (qt.on && qt.rotate) scale /= float(rotation_block(int(d)));
+  scale = rotated_scale(scale, int(d), qt.on && qt.rotate);
   // The transforms' query side runs in the kernel's prologue where it is the rotation alone (no sink
   // scores, no LSE shift of smooth_k's to report); else in a pre-pass, whose dependent the kernel is.
   const bool prepass = qt.on && (!qt.rotate || qt.sink_keys > 0 || (qt.smooth_k && lse));

@@ -236,7 +236,7 @@ void dma_attention(const Problem& p) {
   // then reads instead of the inputs.
   const Policy& pol = p.policy;
   const bool transformed = !pol.transforms().empty();
-  const float scale = pol.rotate ? p.scale / float(rotation_block(int(d))) : p.scale;
+  const float scale = rotated_scale(p.scale, int(d), pol.rotate);
   Transformed tf;
   TensorView q_in = p.q, k_in = p.k;
   // Fast path: rotate and smooth_k with MX tiles need no rows of their own: the quantize pass
