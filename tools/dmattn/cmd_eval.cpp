@@ -31,6 +31,8 @@ std::vector<model::EvalConfig> chosen(std::vector<std::string> only, const Polic
     if (name == "all") {
       for (const model::EvalConfig& c : model::named_configs())
         if (!c.exact) out.push_back(c);
+    } else if (name == "custom") {
+      if (!pa.policy_given()) throw Error("--only custom needs policy flags (--high, --low, --diag-tiles, ...)");
     } else if (name != "exact") {
       out.push_back(model::config_by_name(name));
     }
