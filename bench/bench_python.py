@@ -8,7 +8,8 @@ Usage: python3 bench/bench_python.py [POLICY ...]   (POLICY: name=key:value,key:
 Environment: SHAPES=0 skips the shape matrix; ROUNDS=n times the policies n times, interleaved,
 and reports each one's median over the rounds (differences of a few percent need that);
 POLICY_SHAPES="BxN ..." the shapes the policies run at (default 1x16384; Hq 32, Hkv 8, d 128);
-DECODE=1 adds decode through dmattn.KVCache (B=8, 8k tokens, Hq 32 / Hkv 8, d 128, one new query)
+PROFILE=1 adds, per policy at each of those shapes, where a call's GPU time goes (torch.profiler:
+device µs a call per kernel, largest first); DECODE=1 adds decode through dmattn.KVCache (B=8, 8k tokens, Hq 32 / Hkv 8, d 128, one new query)
 for each policy's cache-side transforms, against SDPA over a bf16 cache.
 Prints one table a section: ms (median of CUDA-event timings) and the ratio to the best SDPA backend.
 """
@@ -97,6 +98,30 @@ def prefill_policies(policies, rounds, B, N):
     del q, k, v
 
 
+def kernels(fn, calls=5):
+    """Device µs a call per kernel name (torch.profiler), largest first, and their sum."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(e.device_time_total / calls, e.key) for e in prof.key_averages() if e.device_time_total > 0]
+    rows.sort(reverse=True)
+    return rows, sum(us for us, _ in rows)
+
+
+def profile_policies(policies, B, N):
+    q, k, v = inputs(B, N, 32, 8, 128)
+    for name, kw in policies:
+        rows, total = kernels(lambda: dmattn.attention(q, k, v, causal=True, **kw))
+        print(f"\n{name} {kw or ''} at {B} x {N}: {total:.1f} µs of kernels a call")
+        for us, key in rows:
+            print(f"  {us:9.1f}  {key[:100]}")
+    del q, k, v
+
+
 def decode_policies(policies, rounds):
     B, L, Hq, Hkv, d = 8, 8192, 32, 8, 128
     g = torch.Generator(device="cuda").manual_seed(1)
@@ -138,6 +163,8 @@ def main():
         for shape in os.environ.get("POLICY_SHAPES", "1x16384").split():
             B, N = (int(x) for x in shape.split("x"))
             prefill_policies(policies, rounds, B, N)
+            if os.environ.get("PROFILE", "0") == "1":
+                profile_policies(policies, B, N)
         if os.environ.get("DECODE", "0") == "1":
             decode_policies(policies, rounds)
 

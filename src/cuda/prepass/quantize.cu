@@ -108,14 +108,22 @@ __device__ __forceinline__ void emit(const QuantTarget& q, ScaleRule rule, const
 // RowTransform on one lane-unit (kPerLane channels 8 u.. of its row, u = its unit in the row; a
 // row's units sit in consecutive lanes of the warp, 4 nblk of them from a multiple of 4 nblk): the
 // butterfly's stages below 8 channels in registers, the rest across lanes, in the oracle's order.
+// kRowLanes: the row's lane count where the form fixes it (a power of two, so d is one and the
+// rotation block is d): the unit is then the thread index's low bits (a CTA's lane-units, and the
+// grid's stride between a thread's units, are multiples of kRowLanes), so a thread's units share
+// their signs, and the lane stages unroll, where a run-time row length needs a division and a
+// counted loop.
+template <int kRowLanes>
 __device__ __forceinline__ void transform_unit(float (&v)[kPerLane], const Lanes& l, uint32_t nblk, int d,
                                                const RowTransform& tf) {
-  const int unit = int(4 * (l.blk % nblk)) + l.part, ch0 = kPerLane * unit;
+  static_assert((kRowLanes & (kRowLanes - 1)) == 0);
+  const int unit = kRowLanes ? int(threadIdx.x % kRowLanes) : int(4 * (l.blk % nblk)) + l.part, ch0 = kPerLane * unit;
   if (tf.rotate) {
-    const int blk = rotation_block(d);
+    const int blk = kRowLanes ? kPerLane * kRowLanes : rotation_block(d);
+    // The signs flip sign bits (a product by -1, exactly, in one logic op an element).
     const uint32_t signs = rotation_sign_bits(unit);  // channels ch0 = 8 unit ..
 #pragma unroll
-    for (int e = 0; e < kPerLane; ++e) v[e] *= (signs >> e) & 1u ? -1.0f : 1.0f;
+    for (int e = 0; e < kPerLane; ++e) v[e] = __uint_as_float(__float_as_uint(v[e]) ^ ((signs << (31 - e)) & 0x80000000u));
 #pragma unroll
     for (int h = 1; h < kPerLane; h *= 2)
 #pragma unroll
@@ -125,6 +133,7 @@ __device__ __forceinline__ void transform_unit(float (&v)[kPerLane], const Lanes
           v[e] = a + c;
           v[e + h] = a - c;
         }
+#pragma unroll
     for (int m = 1; kPerLane * m < blk; m *= 2) {  // partner lanes m apart: channels 8 m apart
       const float sign = unit & m ? -1.0f : 1.0f;  // the upper of a pair takes other - v: one exact FMA
 #pragma unroll
@@ -173,6 +182,7 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T* __rest
                                                             ScaleRule rule, QuantTarget t0, QuantTarget t1, Elem e0,
                                                             Elem e1, int targets, int* nonfinite, RowTransform tf) {
   constexpr int kUnits = F::kUnits;
+  static_assert(F::kRowLanes == 0 || kThreads % F::kRowLanes == 0, "transform_unit takes a row's unit from threadIdx");
   const uint32_t nblk = uint32_t(g.nblk), N = uint32_t(g.N), H = uint32_t(g.H);  // as FastDiv in g
   Lanes l[kUnits];
   alignas(16) T raw[kUnits][kPerLane];
@@ -214,7 +224,7 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T* __rest
   for (int u = 0; u < kUnits; ++u) {
     float v[kPerLane];
     to_floats(raw[u], v);
-    if constexpr (kTf) transform_unit(v, l[u], nblk, int(nblk) * kBlock, tf);
+    if constexpr (kTf) transform_unit<F::kRowLanes>(v, l[u], nblk, int(nblk) * kBlock, tf);
     float amax;
     bool bad;
     block_stats(v, amax, bad);
