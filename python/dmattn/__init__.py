@@ -113,7 +113,7 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
       scale: softmax scale; default 1/sqrt(d).
       return_lse: also return the row log-sum-exp, float32 [B, Hq, Nq] (for merging partial results).
       layout: "bhnd" or "bnhd" (how the four axes of q, k, v and the output are ordered).
-      policy: a Policy (default: dmattn.Policy(), the library's default: MXFP8 on four diagonal
+      policy: a Policy (default: dmattn.Policy(), the library's default: MXFP8 on eight diagonal
         tiles and the sink tile, MXFP4 elsewhere, smooth_k and the rotation, about +1% perplexity;
         dmattn.Policy.plain(), the diagonal tile alone without transforms, is the fastest, +15%).
       **policy_fields: instead of policy=, its fields by keyword (POLICY_FIELDS; help(dmattn.Policy)):

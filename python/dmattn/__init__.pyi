@@ -19,7 +19,7 @@ class Policy:
     smooth_q: bool
     rotate: bool
     sink_keys: int
-    def __init__(self, *, high: Format = "mxfp8-e4m3", low: Format = "mxfp4", diag_tiles: int = 4,
+    def __init__(self, *, high: Format = "mxfp8-e4m3", low: Format = "mxfp4", diag_tiles: int = 8,
                  sink_tiles: int = 1, scale_rule: Literal["ocp", "ceil"] = "ceil",
                  pv: Literal["bf16", "mxfp8", "mxfp4", "fp8"] = "bf16", smooth_k: bool = True,
                  smooth_q: bool = False, rotate: bool = True, sink_keys: int = 0) -> None: ...

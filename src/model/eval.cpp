@@ -58,7 +58,7 @@ std::vector<EvalConfig> named_configs() {
       {"mxfp4", uniform(Format::mxfp4), false, "every tile in MXFP4"},
       {"nvfp4", uniform(Format::nvfp4), false, "every tile in NVFP4"}};
   for (int sinks : {0, 1})
-    for (int diag : {1, 2, 4}) {
+    for (int diag : {1, 2, 4, 8}) {
       const std::string name = "diag" + std::to_string(diag) + (sinks ? "-sink" + std::to_string(sinks) : "");
       c.push_back({name, dma(diag, sinks), false,
                    "MXFP8 on " + std::to_string(diag) + " diagonal tile(s)" + (sinks ? " and the sink tile" : "") +

@@ -64,7 +64,7 @@ def test_dma_sits_between_all_high_and_all_low():
 
 def test_policy_value_type():
     p = dmattn.Policy()
-    assert repr(p).startswith("Policy(high='mxfp8-e4m3', low='mxfp4', diag_tiles=4, sink_tiles=1, ")
+    assert repr(p).startswith("Policy(high='mxfp8-e4m3', low='mxfp4', diag_tiles=8, sink_tiles=1, ")
     assert p.smooth_k and p.rotate and not p.smooth_q and p.sink_keys == 0
     plain = dmattn.Policy.plain()
     assert (plain.diag_tiles, plain.sink_tiles, plain.smooth_k, plain.rotate) == (1, 0, False, False)
