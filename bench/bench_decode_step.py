@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import dmattn
-from bench_python import parse
+from bench_python import parse, profiled
 
 warnings.filterwarnings("ignore")  # SDPA warns on every GQA call that a backend cannot take it
 Hq, Hkv, d = 32, 8, 128
@@ -105,13 +105,7 @@ def kernels(fn, steps=20):
     """Where a step's GPU time goes (torch.profiler): device µs a step per kernel or copy, largest
     first, and the span from the first op's start to the last op's end over `steps` steps, a step.
     A programmatic dependent's time counts from its launch, which may precede its predecessor's end."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
+    prof = profiled(fn, steps)
     ops = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     per = {}
     for e in ops:

@@ -59,7 +59,8 @@ int main(int argc, char** argv) {
   Policy pv_fp8 = Policy::plain();
   pv_fp8.pv = PV::fp8;
   // The accuracy transforms: rotate + smooth_k (the pre-pass alone), smooth_q (the kernel's per-key
-  // addition), all four, and all four with MXFP8 on 4 diagonal tiles and the sink tile.
+  // addition), all four, and all four with MXFP8 on 4 diagonal tiles and the sink tile; the bands
+  // without transforms.
   auto tf = [](int diag, int sinks, bool sk, bool sq, bool rot, int sink_keys) {
     Policy p = Policy::tiles(Format::mxfp8_e4m3, Format::mxfp4, diag, sinks);
     p.smooth_k = sk;
@@ -82,6 +83,7 @@ int main(int argc, char** argv) {
                             {"DMA-all", tf(1, 0, true, true, true, 1)},
                             {"DMA-all-d4s1", tf(4, 1, true, true, true, 1)},
                             {"DMA-d4s1", tf(4, 1, false, false, false, 0)},
+                            {"DMA-d8s1", tf(8, 1, false, false, false, 0)},
                             {"all-MXFP8", Policy::all(Format::mxfp8_e4m3)},
                             {"all-MXFP4", Policy::all(Format::mxfp4)},
                             {"DMA-pv-fp8", pv_fp8},

@@ -98,8 +98,8 @@ def prefill_policies(policies, rounds, B, N):
     del q, k, v
 
 
-def kernels(fn, calls=5):
-    """Device µs a call per kernel name (torch.profiler), largest first, and their sum."""
+def profiled(fn, calls):
+    """torch.profiler's record of `calls` calls of fn on the GPU, after one unrecorded call."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
@@ -107,6 +107,12 @@ def kernels(fn, calls=5):
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
+    return prof
+
+
+def kernels(fn, calls=5):
+    """Device µs a call per kernel name (torch.profiler), largest first, and their sum."""
+    prof = profiled(fn, calls)
     rows = [(e.device_time_total / calls, e.key) for e in prof.key_averages() if e.device_time_total > 0]
     rows.sort(reverse=True)
     return rows, sum(us for us, _ in rows)
