@@ -58,7 +58,7 @@ def test_dma_sits_between_all_high_and_all_low():
     lo = err(dmattn.attention(q, k, v, causal=True, high="mxfp4", **plain))
     dma = err(dmattn.attention(q, k, v, causal=True, **plain))
     assert hi < dma < lo
-    # The default (four diagonal tiles, the sink tile, smooth_k, the rotation) below plain DMA.
+    # The default (eight diagonal tiles, the sink tile, smooth_k, the rotation) below plain DMA.
     assert err(dmattn.attention(q, k, v, causal=True)) < dma
 
 
