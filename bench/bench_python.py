@@ -9,8 +9,9 @@ Environment: SHAPES=0 skips the shape matrix; ROUNDS=n times the policies n time
 and reports each one's median over the rounds (differences of a few percent need that);
 POLICY_SHAPES="BxN ..." the shapes the policies run at (default 1x16384; Hq 32, Hkv 8, d 128);
 PROFILE=1 adds, per policy at each of those shapes, where a call's GPU time goes (torch.profiler:
-device µs a call per kernel, largest first); DECODE=1 adds decode through dmattn.KVCache (B=8, 8k tokens, Hq 32 / Hkv 8, d 128, one new query)
-for each policy's cache-side transforms, against SDPA over a bf16 cache.
+device µs a call per kernel, largest first); DECODE=1 adds decode through dmattn.KVCache (B=8, 8k
+tokens, Hq 32 / Hkv 8, d 128, one new query) for each policy's cache-side transforms, against SDPA
+over a bf16 cache.
 Prints one table a section: ms (median of CUDA-event timings) and the ratio to the best SDPA backend.
 """
 import os

@@ -98,22 +98,24 @@ int main() {
   const float qr_ms = time_ms(
       [&] { cuda::quantize_rows(v, ScaleRule::ceil, rq8, rq4, nullptr, nullptr, {true, true, nullptr}); }, iters);
   CK(cudaDeviceSynchronize());
-  const double copy_gbs = 2.0 * elems * 2 / (copy_ms * 1e6);
+  // Bytes each kernel moves (read + written), and a row of the table from them.
+  const double copy_bytes = 2.0 * elems * 2, copy_gbs = copy_bytes / (copy_ms * 1e6);
   const double q2_bytes = elems * 2 + elems + elems / 2 + 2 * elems / 32, q1_bytes = elems * 2 + elems / 2 + elems / 32;
-  const double q2_gbs = q2_bytes / (q2_ms * 1e6), q1_gbs = q1_bytes / (q1_ms * 1e6);
-  const double qp_bytes = elems * 2 + 2 * elems + 2 * elems / 32 + 2 * rows * 4, qp_gbs = qp_bytes / (qp_ms * 1e6);
-  const double qq_bytes = elems * 2 + 2 * elems + 2 * elems / 32, qq_gbs = qq_bytes / (qq_ms * 1e6);
+  const double qp_bytes = elems * 2 + 2 * elems + 2 * elems / 32 + 2 * rows * 4;
+  const double qq_bytes = elems * 2 + 2 * elems + 2 * elems / 32;
+  auto row = [&](const char* name, float ms, double bytes) {
+    const double gbs = bytes / (ms * 1e6);
+    std::printf("%-34s %9.4f %9.1f %7.1f%%\n", name, ms, gbs, 100 * gbs / copy_gbs);
+  };
   std::printf("quantize bench: bf16 [%lld,%lld,%lld,%lld] (%.0f MiB)\n", (long long)B, (long long)H, (long long)N,
               (long long)d, elems * 2 / 1048576.0);
   std::printf("%-34s %9s %9s %8s\n", "kernel", "ms", "GB/s", "of copy");
-  std::printf("%-34s %9.4f %9.1f %7.1f%%\n", "device copy (baseline)", copy_ms, copy_gbs, 100.0);
-  std::printf("%-34s %9.4f %9.1f %7.1f%%\n", "quantize mxfp8-e4m3 + mxfp4", q2_ms, q2_gbs, 100 * q2_gbs / copy_gbs);
-  std::printf("%-34s %9.4f %9.1f %7.1f%%\n", "quantize mxfp4", q1_ms, q1_gbs, 100 * q1_gbs / copy_gbs);
-  std::printf("%-34s %9.4f %9.1f %7.1f%%\n", "pre-pass K (fp8 bytes, folded)", qp_ms, qp_gbs, 100 * qp_gbs / copy_gbs);
-  std::printf("%-34s %9.4f %9.1f %7.1f%%\n", "pre-pass Q (fp8 bytes, folded)", qq_ms, qq_gbs, 100 * qq_gbs / copy_gbs);
-  std::printf("%-34s %9.4f %9.1f %7.1f%%\n", "pre-pass Q, ceil, round_fold", qd_ms, qq_bytes / (qd_ms * 1e6),
-              100 * qq_bytes / (qd_ms * 1e6) / copy_gbs);
-  std::printf("%-34s %9.4f %9.1f %7.1f%%\n", "the same, rotated (default)", qr_ms, qq_bytes / (qr_ms * 1e6),
-              100 * qq_bytes / (qr_ms * 1e6) / copy_gbs);
+  row("device copy (baseline)", copy_ms, copy_bytes);
+  row("quantize mxfp8-e4m3 + mxfp4", q2_ms, q2_bytes);
+  row("quantize mxfp4", q1_ms, q1_bytes);
+  row("pre-pass K (fp8 bytes, folded)", qp_ms, qp_bytes);
+  row("pre-pass Q (fp8 bytes, folded)", qq_ms, qq_bytes);
+  row("pre-pass Q, ceil, round_fold", qd_ms, qq_bytes);
+  row("the same, rotated (default)", qr_ms, qq_bytes);
   return 0;
 }
