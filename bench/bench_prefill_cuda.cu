@@ -69,7 +69,10 @@ int main(int argc, char** argv) {
     p.sink_keys = sink_keys;
     return p;
   };
+  Policy default_sq;
+  default_sq.smooth_q = true;
   const Named policies[] = {{"DMA-default", Policy{}},
+                            {"DMA-default-sq", default_sq},
                             {"DMA-plain", tf(1, 0, false, false, false, 0)},
                             {"DMA-rot-sk", tf(1, 0, true, false, true, 0)},
                             {"DMA-sq", tf(1, 0, false, true, false, 0)},

@@ -639,27 +639,29 @@ TEST(AttentionCpu, AccuracyTransformsHelpOnRealActivations) {
   }
 }
 
-// smooth_q's blocks are query tiles in absolute positions, like the policy's tiles: a tile-aligned
-// chunk of queries against its key prefix reproduces the full call's rows bit for bit.
-TEST(AttentionCpu, SmoothQBlocksAreAbsoluteQueryTiles) {
-  const QKV x = random_qkv({1, 4, 2, 768, 768, 64}, 44);
-  AttentionOptions o;
-  o.causal = true;
-  o.policy.smooth_q = o.policy.rotate = true;
-  o.policy.smooth_k = false;  // its key mean is the call's: a block of keys has its own
-  o.policy.sink_keys = 2;
-  const Result full = run(x, o);
-  QKV part{HostTensor::copy_of(slice_tokens(x.q.view(), 256, 256)), HostTensor::copy_of(slice_tokens(x.k.view(), 0, 512)),
-           HostTensor::copy_of(slice_tokens(x.v.view(), 0, 512))};
-  const Result r = run(part, o);  // bottom-right alignment puts these queries at 256..511
-  for (int64_t h = 0; h < 4; ++h)
-    for (int64_t i = 0; i < 256 * 64; ++i)
-      ASSERT_EQ(r.out[size_t(h * 256 * 64 + i)], full.out[size_t((h * 768 + 256) * 64 + i)]) << h << " " << i;
-  // A chunk that starts mid-tile: its first rows share their tile's mean with rows it does not hold,
-  // so they differ from the full call's, while the rows of whole tiles agree.
-  QKV mid{HostTensor::copy_of(slice_tokens(x.q.view(), 200, 312)), HostTensor::copy_of(slice_tokens(x.k.view(), 0, 512)),
-          HostTensor::copy_of(slice_tokens(x.v.view(), 0, 512))};
-  const Result m = run(mid, o);
-  for (int64_t i = 0; i < 256 * 64; ++i)  // rows 256..511 of the sequence: whole tiles
-    ASSERT_EQ(m.out[size_t(56 * 64 + i)], full.out[size_t(256 * 64 + i)]) << i;
+// smooth_q's mean spans all of a head's queries in the call: where every row of a head is the same
+// vector (one per head, several query tiles), q - mu is exactly zero and each score is mu.k' in
+// fp32, so MXFP4 tiles give the same output, bit for bit, as bf16 tiles (the scores are equal and
+// P.V is bf16 in both). Without smooth_q the MXFP4 scores differ.
+TEST(AttentionCpu, SmoothQMeanSpansTheHeadsQueries) {
+  QKV x = random_qkv({2, 4, 2, 300, 333, 64}, 44);
+  std::vector<float> q = x.q.to_floats();
+  for (size_t i = 0; i < q.size(); ++i) {
+    const size_t bh = i / (300 * 64), c = i % 64;  // one vector per (batch, head) across its 300 rows
+    q[i] = round_bf16(0.25f * float((bh * 7 + c * 3) % 11) - 1.2f);
+  }
+  x.q = HostTensor::from_floats(q, x.q.shape());
+  for (bool causal : {true, false}) {
+    Policy four = Policy::all(Format::mxfp4), bf = Policy::all(Format::bf16);
+    four.smooth_q = bf.smooth_q = true;
+    four.smooth_k = bf.smooth_k = false;
+    for (bool rotate : {false, true}) {
+      four.rotate = bf.rotate = rotate;
+      const Result a = run(x, opts(four, causal)), b = run(x, opts(bf, causal));
+      for (size_t i = 0; i < a.out.size(); ++i) ASSERT_EQ(a.out[i], b.out[i]) << "rotate " << rotate << " at " << i;
+    }
+    Policy plain = Policy::all(Format::mxfp4);
+    plain.smooth_k = plain.rotate = false;
+    EXPECT_GT(rel_l2(run(x, opts(plain, causal)).out, run(x, opts(bf, causal)).out), 1e-3);
+  }
 }

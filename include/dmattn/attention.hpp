@@ -25,9 +25,9 @@
 //  - Accuracy transforms (policy; exact in real arithmetic, they change only what is quantized), in
 //    this order: rotate (Q and K rows by the randomized Hadamard of dmattn/rotation.hpp; the scale is
 //    divided by its block size), smooth_k (K minus its per-channel mean over Nk, per batch and KV
-//    head; lse adds back scale * q.mean), smooth_q (each query tile's rows minus their per-channel
-//    mean mu, per batch and head; every score of the tile gains mu.k' in fp32, k' the key as
-//    quantized below but unquantized). With any transform on, the transformed Q and K rows are
+//    head; lse adds back scale * q.mean), smooth_q (Q minus its per-channel mean mu over the Nq rows of
+//    the call, per batch and head; every score gains mu.k' in fp32, k' the key as quantized below
+//    but unquantized). With any transform on, the transformed Q and K rows are
 //    rounded to bf16 and quantized from there. sink_keys: the keys at positions < sink_keys score
 //    dot(q_rot, k') in fp32 (q_rot: q rotated, unrounded) instead of the quantized sum (+ mu.k').
 //    Means and these dots accumulate in fp64 and round once to fp32.

@@ -47,11 +47,12 @@ struct Policy {
   // unshifted. The mean spans every key of the call, so a masked key can change the rounding of the
   // visible ones (as pv = fp8's channel scales do); the KV cache takes the mean of its first append.
   bool smooth_k = true;
-  // Subtract from each query tile of Q (the rows at positions [128c, 128c + 128), per batch and head)
-  // its per-channel mean mu before quantizing, and add the tile's mu.k back to every score in fp32
-  // from the unquantized K (SageAttention2's smoothing): exact in real arithmetic; it removes Q's
-  // common part, which holds most of its energy, from the quantized product, and scales K's
-  // quantization error by q - mu instead of q.
+  // Subtract from Q its per-channel mean mu (over the Nq rows of the call, per batch and head) before
+  // quantizing, and add mu.k back to every score in fp32 from the unquantized K: exact in real
+  // arithmetic; it removes Q's common part, which holds most of its energy, from the quantized
+  // product, and scales K's quantization error by q - mu instead of q. One mean a head makes the
+  // correction one value a (head, key), which rides in K's pre-pass. Like smooth_k's, the mean spans
+  // the call: a chunk of queries has its own. Prefill only (decode's queries are not smoothed).
   bool smooth_q = false;
   // Rotate Q and K by one randomized Hadamard transform along d before quantizing
   // (include/dmattn/rotation.hpp): exact in real arithmetic (QH (KH)^T = Q K^T up to a power-of-two

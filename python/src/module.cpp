@@ -228,7 +228,7 @@ NB_MODULE(_dmattn, m) {
           "pv", [](const Policy& p) { return std::string(pv_name(p.pv)); },
           [](Policy& p, const std::string& v) { p.pv = parse_pv(v); }, "P.V precision: bf16, mxfp8, mxfp4 (V in MXFP4) or fp8 (E4M3 P at 2^-8, per-channel V scales; prefill only)")
       .def_rw("smooth_k", &Policy::smooth_k, "subtract K's per-channel mean before quantizing")
-      .def_rw("smooth_q", &Policy::smooth_q, "subtract each 128-row Q block's mean; its scores are added back exactly")
+      .def_rw("smooth_q", &Policy::smooth_q, "subtract each head's query mean; its scores are added back exactly")
       .def_rw("rotate", &Policy::rotate, "rotate Q and K by a randomized Hadamard transform along d before quantizing")
       .def_rw("sink_keys", &Policy::sink_keys, "leading keys whose scores come from unquantized q and k")
       .def("__repr__", &policy_repr)

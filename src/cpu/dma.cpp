@@ -42,8 +42,6 @@ void dma_attention(const Problem& p) {
   // Local indices of the keys scored exactly: absolute positions below sink_keys.
   const int64_t exact_keys = std::clamp<int64_t>(pol.sink_keys - p.k_pos0, 0, p.Nk);
   const bool transformed = !pol.transforms().empty();
-  // smooth_q's blocks are the query tiles (absolute positions, as the policy's): qtile0 is row 0's.
-  const int64_t qtile0 = p.query_tile(0), qtiles = p.query_tile(p.Nq - 1) - qtile0 + 1;
 
   for (int64_t b = 0; b < p.B; ++b) {
     for (int64_t hk = 0; hk < p.Hkv; ++hk) {
@@ -57,11 +55,12 @@ void dma_attention(const Problem& p) {
       for (int s = 0; s < slots.count; ++s) keys[s] = prepare_keys(kf, p.Nk, d, slots.fmt[s], rule, p.threads);
       const ValueRows values = prepare_values(vf, p.Nk, d, pol.pv, rule, p.threads);
 
-      // Q of each head of the group as it is quantized: rotated, with smooth_q each query tile's
-      // mean removed (qmean, [tile][d], tiles counted from the first row's), then rounded to bf16
-      // when transformed; qfull keeps the rotated rows in fp32 (exact sink scores, the LSE shift).
+      // Q of each head of the group as it is quantized: rotated, with smooth_q the head's mean mu
+      // over its Nq rows removed, then rounded to bf16 when transformed; qfull keeps the rotated rows
+      // in fp32 (exact sink scores, the LSE shift).
       const int64_t G = p.group();
-      std::vector<std::vector<float>> qt(static_cast<size_t>(G)), qfull(static_cast<size_t>(G)), qmean(static_cast<size_t>(G));
+      // ds[g]: smooth_q's mu.k for every key of head g (zero past Nk), added to every row's scores.
+      std::vector<std::vector<float>> qt(static_cast<size_t>(G)), qfull(static_cast<size_t>(G)), ds(static_cast<size_t>(G));
       parallel_for(G, p.threads, [&](int64_t g) {
         std::vector<float>& x = qt[size_t(g)];
         x.resize(size_t(p.Nq * d));
@@ -71,15 +70,11 @@ void dma_attention(const Problem& p) {
         }
         qfull[size_t(g)] = x;
         if (pol.smooth_q) {
-          qmean[size_t(g)].resize(size_t(qtiles * d));
-          for (int64_t c = 0; c < qtiles; ++c) {
-            const int64_t r0 = std::max<int64_t>(0, (qtile0 + c) * T - p.q_pos0);
-            const int64_t r1 = std::min<int64_t>(p.Nq, (qtile0 + c + 1) * T - p.q_pos0);
-            const std::vector<float> mu = channel_mean(x.data() + r0 * d, r1 - r0, d);
-            std::copy(mu.begin(), mu.end(), qmean[size_t(g)].begin() + c * d);
-            for (int64_t r = r0; r < r1; ++r)
-              for (int i = 0; i < d; ++i) x[size_t(r * d + i)] -= mu[size_t(i)];
-          }
+          const std::vector<float> mu = channel_mean(x.data(), p.Nq, d);
+          for (int64_t r = 0; r < p.Nq; ++r)
+            for (int i = 0; i < d; ++i) x[size_t(r * d + i)] -= mu[size_t(i)];
+          ds[size_t(g)].assign(size_t((p.Nk + T - 1) / T * T), 0.0f);
+          for (int64_t n = 0; n < p.Nk; ++n) ds[size_t(g)][size_t(n)] = dot_f64(mu.data(), kf.data() + n * d, d);
         }
         if (transformed)
           for (float& v : x) v = round_bf16(v);
@@ -105,16 +100,6 @@ void dma_attention(const Problem& p) {
                                 qe[s].data() + ri * d,
                                 qs[s].data() + ri * keys[s].nblk);
         }
-        // smooth_q: each query tile's mu.k for every key (zero past Nk), added to its rows' scores.
-        const int64_t c0 = p.query_tile(r0) - qtile0, c1 = p.query_tile(r0 + rows - 1) - qtile0;
-        const int64_t padded = (p.Nk + T - 1) / T * T;
-        std::vector<float> ds;
-        if (pol.smooth_q) {
-          ds.assign(size_t((c1 - c0 + 1) * padded), 0.0f);
-          for (int64_t c = c0; c <= c1; ++c)
-            for (int64_t n = 0; n < p.Nk; ++n)
-              ds[size_t((c - c0) * padded + n)] = dot_f64(qmean[size_t(g)].data() + c * d, kf.data() + n * d, d);
-        }
         // Sink keys scored exactly, from the rows before quantization (and before smooth_q, which
         // is an identity on exact scores).
         std::vector<float> exact(size_t(rows * exact_keys));
@@ -132,7 +117,7 @@ void dma_attention(const Problem& p) {
             const int slot = pol.is_high(p.query_tile(r), p.key_tile0() + j) ? slots.high() : slots.low();
             const int nvalid = int(std::min<int64_t>(T, kend - j * T));
             ScoreFix fix;
-            if (pol.smooth_q) fix.add = ds.data() + (p.query_tile(r) - qtile0 - c0) * padded + j * T;
+            if (pol.smooth_q) fix.add = ds[size_t(g)].data() + j * T;
             if (j * T < exact_keys) {
               fix.exact = int(std::min<int64_t>(T, exact_keys - j * T));
               fix.exact_s = exact.data() + ri * exact_keys + j * T;

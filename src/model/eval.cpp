@@ -76,7 +76,7 @@ std::vector<std::string> default_eval_names() { return {"exact", "default", "mxf
 const std::vector<ConfigModifier>& config_modifiers() {
   static const std::vector<ConfigModifier> m{
       {"sk", "smooth_k: K's channel mean removed", [](Policy& p) { p.smooth_k = true; }},
-      {"sq", "smooth_q: each 128-row Q block's mean removed, mu.k added back exactly", [](Policy& p) { p.smooth_q = true; }},
+      {"sq", "smooth_q: each head's query mean removed, mu.k added back exactly", [](Policy& p) { p.smooth_q = true; }},
       {"rot", "rotate: randomized Hadamard along d on Q and K", [](Policy& p) { p.rotate = true; }},
       {"sink", "sink_keys=1: key 0 scored exactly", [](Policy& p) { p.sink_keys = 1; }},
       {"ceil", "the ceil scale rule", [](Policy& p) { p.scale_rule = ScaleRule::ceil; }},

@@ -61,7 +61,7 @@ Pair run_pair(const Case& c, const QKV& x) {
   o.window_left = c.window.first;
   o.window_right = c.window.second;
   HostTensor ref(DType::f32, x.q.shape()), got(DType::f32, x.q.shape());
-  const size_t rows = size_t(c.hq * c.nq);
+  const size_t rows = size_t(x.q.numel() / c.d);  // every batch's
   Pair r{{}, {}, std::vector<float>(rows), std::vector<float>(rows, std::numeric_limits<float>::quiet_NaN())};
   attention(x.q.view(), x.k.view(), x.v.view(), ref.view(), r.ref_lse.data(), o);
   std::vector<float> poison(size_t(got.numel()), std::numeric_limits<float>::quiet_NaN());
@@ -81,7 +81,7 @@ Pair run_pair(const Case& c, const QKV& x) {
 constexpr double kTol = 2e-3, kPvFp8Tol = 1e-2, kPvFp8ExactScores = 1e-3;
 
 void check_qkv(const Case& c, const QKV& x, DType dtype, double tol = kTol) {
-  const size_t rows = size_t(c.hq * c.nq);
+  const size_t rows = size_t(x.q.numel() / c.d);
   const Pair pr = run_pair(c, x);
   const std::vector<float>&r = pr.ref, &g = pr.got, &ref_lse = pr.ref_lse, &got_lse = pr.got_lse;
   const Comparison cmp = compare(g, r);
@@ -616,6 +616,8 @@ TEST(GpuPrefill, AccuracyTransformsMatchCpuOracle) {
       {4, 2, 4096, 4096, 128, true, with(wide, true, true, true, 1), "all, N=4096"},
       {4, 1, 2000, 2000, 128, true, with(Policy::tiles(f4, Format::nvfp4, 1, 0), true, false, true, 0), "rotate+smooth_k nvfp4"},
       {8, 2, 3000, 3000, 128, true, with(wide, true, false, true, 0), "rotate+smooth_k diag4 sink1"},
+      {8, 2, 2000, 2000, 128, true, with(Policy::tiles(e4, f4, 8, 1), true, true, true, 0), "sk+sq+rot diag8 sink1"},
+      {4, 4, 900, 900, 64, false, with(dflt, false, true, true, 0), "smooth_q+rotate non-causal"},
       {4, 4, 1000, 1000, 64, false, with(dflt, true, false, true, 0), "rotate+smooth_k non-causal"},
   };
   const uint64_t seed = fresh_seed();
@@ -630,6 +632,9 @@ TEST(GpuPrefill, AccuracyTransformsMatchCpuOracle) {
     x.k = HostTensor::from_floats(k, x.k.shape(), dtypes[i % 3]);
     check_qkv(c, x, dtypes[i % 3]);
   }
+  // A batch: each (batch, head) its own query mean, key mean and correction.
+  const Case batch{8, 2, 600, 600, 128, true, with(Policy::tiles(e4, f4, 8, 1), true, true, true, 0), "sk+sq+rot batch 3"};
+  check_qkv(batch, random_qkv({3, batch.hq, batch.hkv, batch.nq, batch.nk, batch.d}, seed + 30, DType::bf16), DType::bf16);
   // Key blocks: the sink keys only where the block holds them.
   Case block{4, 2, 256, 384, 128, true, with(dflt, false, true, true, 2), "all, key block", 512, 256};
   check_case(block, DType::bf16, seed + 20);
@@ -654,4 +659,6 @@ TEST(GpuPrefill, AccuracyTransformsSmallMatchCpuOracle) {
   const uint64_t seed = fresh_seed();
   check_case({2, 1, 300, 300, 64, true, p, "all, small d=64"}, DType::bf16, seed);
   check_case({2, 2, 200, 260, 128, true, p, "all, small d=128"}, DType::f16, seed + 1);
+  p.sink_keys = 0;  // the fused pre-pass (rows transformed as they are quantized)
+  check_case({2, 1, 300, 300, 128, true, p, "sk+sq+rot, small d=128"}, DType::bf16, seed + 2);
 }

@@ -20,7 +20,7 @@ void PolicyArgs::add_to(CLI::App& app, bool with_backend) {
     app.add_flag("--" + name + ",!--no-" + name, field, help + (field ? " (on by default)" : " (off by default)"));
   };
   on_off("smooth-k", policy.smooth_k, "subtract K's per-channel mean before quantizing (softmax-invariant)");
-  on_off("smooth-q", policy.smooth_q, "subtract each 128-row Q block's mean, add its scores back exactly");
+  on_off("smooth-q", policy.smooth_q, "subtract each head's query mean, add its scores back exactly");
   on_off("rotate", policy.rotate, "randomized Hadamard rotation of Q and K along d before quantizing");
   app.add_option("--sink-keys", policy.sink_keys, "leading keys scored exactly from unquantized q and k")->capture_default_str();
   if (with_backend) {

@@ -239,10 +239,10 @@ void dma_attention(const Problem& p) {
   const float scale = rotated_scale(p.scale, int(d), pol.rotate);
   Transformed tf;
   TensorView q_in = p.q, k_in = p.k;
-  // Fast path: rotate and smooth_k with MX tiles need no rows of their own: the quantize pass
-  // rotates and centres each row as it reads it (RowTransform); smooth_k's mean comes first.
+  // Fast path: rotate, smooth_k and smooth_q with MX tiles need no rows of their own: the quantize
+  // pass rotates and centres each row as it reads it (RowTransform); the means come first.
   const bool any_nv = fmt[0] == Format::nvfp4 || fmt[nslots - 1] == Format::nvfp4;
-  const bool fused = transformed && !pol.smooth_q && pol.sink_keys == 0 && !any_nv;
+  const bool fused = transformed && pol.sink_keys == 0 && !any_nv;
   RowTransform q_tf, k_tf;
   if (transformed) query_tiles(p, tf.qtile0, tf.qtiles);
   if (pol.smooth_k) {  // the key mean (fused: on K's side stream, ahead of K's quantize below)
@@ -250,17 +250,18 @@ void dma_attention(const Problem& p) {
     tf.kmean = buf.alloc<float>(size_t(p.B * p.Hkv * d) * 4);
     if (p.lse) tf.lse_shift = buf.alloc<float>(size_t(q_rows) * 4);
   }
+  if (pol.smooth_q) {  // the query mean (fused: on the caller's stream, before the fork below)
+    tf.q_part = buf.alloc<double>(size_t(p.B * p.Hq * ((p.Nq + kTile - 1) / kTile) * d) * 8);
+    tf.qmean = buf.alloc<float>(size_t(p.B * p.Hq * d) * 4);
+    tf.ds = buf.alloc<float>(size_t(p.B * p.Hq * ldv) * 4);
+  }
   if (fused) {
-    q_tf = {true, pol.rotate, nullptr};
+    q_tf = {true, pol.rotate, tf.qmean};
     k_tf = {true, pol.rotate, tf.kmean};
   } else if (transformed) {
     tf.sink_keys = int(std::min<int64_t>(std::max<int64_t>(pol.sink_keys - p.k_pos0, 0), p.Nk));
     tf.q = buf.alloc<uint16_t>(size_t(q_rows * d) * 2);
     tf.k = buf.alloc<uint16_t>(size_t(k_rows * d) * 2);
-    if (pol.smooth_q) {
-      tf.qmean = buf.alloc<float>(size_t(p.B * p.Hq * tf.qtiles * d) * 4);
-      tf.ds = buf.alloc<float>(size_t(p.B * p.Hq * tf.qtiles * ldv) * 4);
-    }
     if (tf.sink_keys > 0) tf.sink = buf.alloc<float>(size_t(q_rows * tf.sink_keys) * 4);
     transform_qk(p, tf, scale, stream);
     q_in = TensorView::contiguous(tf.q, DType::bf16, p.q.shape, Device::cuda);
@@ -309,6 +310,7 @@ void dma_attention(const Problem& p) {
   // where the pre-pass takes ~30 us on the device). The quantize pass reads every element
   // of Q and K once and flags NaN/Inf on the way. (Q quantized inside the prefill kernel instead was
   // 5-12% slower at N = 16384: bench/RESULTS.md.)
+  if (fused && pol.smooth_q) query_means(p, tf.q_part, tf.qmean, stream);  // Q's pass and K's dots take it
   StreamFork fork(stream);
   if (n_mx > 0)
     quantize_rows(q_in, p.policy.scale_rule, qt[mx[0]], n_mx == 2 ? qt[mx[1]] : QuantTarget{}, stream, flags, q_tf);
@@ -324,6 +326,7 @@ void dma_attention(const Problem& p) {
     // one scale per key tile where exact (always for MXFP4 keys within 2^8)
     fold_key_tiles(folds, n_mx, p.B * p.Hkv, p.Nk, ldv, d, fork.side(1));
   }
+  if (fused && pol.smooth_q) key_dots(p, tf.kmean, tf.qmean, scale, tf.ds, fork.side(1));
   for (int s = 0; s < nslots; ++s)
     if (pp.nv[s]) quantize_rows_nvfp4(k_in, kn[s], fork.side(1), flags + 1);
   transpose_v(p.v, ldv, vt, flags + 2, pv_fp8, p.policy.scale_rule, vamax, vscale, fork.side(0));
@@ -352,7 +355,6 @@ void dma_attention(const Problem& p) {
   pp.Nk = int(p.Nk);
   pp.scale = scale;
   pp.ds = tf.ds;
-  pp.ds_tiles = tf.qtiles;
   pp.sink = tf.sink;
   pp.sink_keys = tf.sink_keys;
   pp.mask = p.mask();

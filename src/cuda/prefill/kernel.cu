@@ -104,9 +104,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
         // kSplit: K's copies first, then V's into a ring whose buffer frees later (after P.V).
         const uint32_t ds_bytes = kFix && p.ds ? BN * 4 : 0;
         tma::arrive_expect(&full[st], (nv ? S::kTxKBf16 : S::kTxK) + (S::kSplit ? 0 : S::kVt) + ds_bytes);
-        if (ds_bytes)  // smooth_q's additions of this query tile for the tile's keys
-          tma::load_bytes(sK(st) + S::kDs, p.ds + ((int64_t(b) * p.Hq + h) * p.ds_tiles + (qtile - p.first_block)) * p.ldv +
-                                               int64_t(j) * BN, ds_bytes, &full[st]);
+        if (ds_bytes)  // smooth_q's additions of this head for the tile's keys
+          tma::load_bytes(sK(st) + S::kDs, p.ds + (int64_t(b) * p.Hq + h) * p.ldv + int64_t(j) * BN, ds_bytes, &full[st]);
         if (nv) {
           for (int a = 0; a < D / 64; ++a) tma::load_3d(sK(st) + a * BN * 128, &p.kmap[slot], a * 64, j * BN, bh, &full[st]);
         } else {

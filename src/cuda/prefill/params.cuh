@@ -48,10 +48,9 @@ struct PrefillParams {
   int64_t first_block;  // the first 128-position block (positions can be negative when Nq > Nk)
   int64_t blocks;       // number of query blocks (the grid's x)
   // Accuracy transforms (transform.hpp), in logits (the softmax scale applied): smooth_q's per-key
-  // additions ds [B*Hq][ds_tiles][ldv] of each query tile (tile first_block + c at c), and the exact
-  // scores sink [B*Hq*Nq][sink_keys] of the leading keys; null / 0 when off.
+  // additions ds [B*Hq][ldv] of each query head, and the exact scores sink [B*Hq*Nq][sink_keys] of the
+  // leading keys; null / 0 when off.
   const float* ds;
-  int64_t ds_tiles;
   const float* sink;
   int sink_keys;
 };

@@ -6,7 +6,6 @@
 #include <type_traits>
 
 #include "cuda/common/buffers.hpp"
-#include "cuda/ptx/mma.cuh"
 #include "cuda/common/rotate_lanes.cuh"
 #include "cuda/prepass/transform.hpp"
 #include "dmattn/error.hpp"
@@ -81,13 +80,14 @@ __device__ __forceinline__ void load_bf16_row(const uint16_t* row, float (&r)[E]
   for (int e = 0; e < E; ++e) r[e] = to_float(bf16{row[lane * E + e]});
 }
 
-// K rows rotated, minus sub[b*Hkv + h] where given (smooth_k's mean), to bf16 (out) and/or into each
-// 128-row chunk's channel sums (part, fp64, before any subtraction). Grid: (chunks, B * Hkv); kWarps warps.
+// Rows of x ([B, H, N, d]) rotated, minus sub[b*H + h] where given (smooth_k's mean), to bf16 (out)
+// and/or into each 128-row chunk's channel sums (part, fp64, before any subtraction): K's transformed
+// rows, and the means of K (smooth_k) and Q (smooth_q). Grid: (chunks, B * H); kWarps warps.
 template <class T, int E>
-__global__ void __launch_bounds__(kRowThreads) k_rows_kernel(TensorView k, bool vec, bool rotate, const float* sub,
-                                                             uint16_t* out, double* part) {
+__global__ void __launch_bounds__(kRowThreads) rows_kernel(TensorView x, bool vec, bool rotate, const float* sub,
+                                                           uint16_t* out, double* part) {
   constexpr int d = 32 * E;
-  const int64_t bh = blockIdx.y, b = bh / k.shape[1], h = bh % k.shape[1], N = k.shape[2];
+  const int64_t bh = blockIdx.y, b = bh / x.shape[1], h = bh % x.shape[1], N = x.shape[2];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   __shared__ double sums[kWarps][d];
   double acc[E] = {};
@@ -97,7 +97,7 @@ __global__ void __launch_bounds__(kRowThreads) k_rows_kernel(TensorView k, bool 
     for (int e = 0; e < E; ++e) m[e] = sub[bh * d + lane * E + e];
   for (int64_t n = int64_t(blockIdx.x) * 128 + warp; n < min(N, int64_t(blockIdx.x + 1) * 128); n += kWarps) {
     float r[E];
-    load_row<T, E>(k, b, h, n, vec, rotate, r);
+    load_row<T, E>(x, b, h, n, vec, rotate, r);
     if (part)
 #pragma unroll
       for (int e = 0; e < E; ++e) acc[e] += r[e];
@@ -119,44 +119,78 @@ __global__ void __launch_bounds__(kRowThreads) k_rows_kernel(TensorView k, bool 
   }
 }
 
-// kmean = (sum of the chunks' sums) / N; grid B * Hkv, a thread a channel.
-__global__ void kmean_kernel(const double* part, int chunks, int d, int64_t N, float* kmean) {
+// mean = (sum of the chunks' sums) / N; grid B * H, a thread a channel.
+__global__ void mean_kernel(const double* part, int chunks, int d, int64_t N, float* mean) {
   for (int c = threadIdx.x; c < d; c += blockDim.x) {
     double s = 0;
     for (int i = 0; i < chunks; ++i) s += part[(int64_t(blockIdx.x) * chunks + i) * d + c];
-    kmean[int64_t(blockIdx.x) * d + c] = float(s / double(N));
+    mean[int64_t(blockIdx.x) * d + c] = float(s / double(N));
+  }
+}
+
+// smooth_q's correction ds[b*Hq + h][n] = scale * mu(h).k'[n], k' key n as the quantize pass takes it
+// (rotated, minus kmean where given, rounded to bf16), for every query head of the key's group; 0 for
+// n in [Nk, ldv). A warp a key, its G dots in fp64 (the oracle's dot_f64). Grid: (ldv / 128, B * Hkv).
+template <class T, int E>
+__global__ void __launch_bounds__(kRowThreads) key_dots_kernel(TensorView k, bool vec, bool rotate, const float* kmean,
+                                                               const float* qmean, int G, float scale, int64_t ldv,
+                                                               float* ds) {
+  constexpr int d = 32 * E;
+  const int64_t bh = blockIdx.y, b = bh / k.shape[1], h = bh % k.shape[1], N = k.shape[2];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  float m[E] = {};
+  if (kmean)
+#pragma unroll
+    for (int e = 0; e < E; ++e) m[e] = kmean[bh * d + lane * E + e];
+  const int64_t bhq0 = (b * k.shape[1] + h) * G;  // the group's first query head
+  for (int64_t n = int64_t(blockIdx.x) * 128 + warp; n < int64_t(blockIdx.x + 1) * 128; n += kWarps) {
+    if (n >= N) {
+      if (lane < G) ds[(bhq0 + lane) * ldv + n] = 0.0f;
+      continue;
+    }
+    float r[E];
+    load_row<T, E>(k, b, h, n, vec, rotate, r);
+#pragma unroll
+    for (int e = 0; e < E; ++e) r[e] = to_float(to_bf16(r[e] - m[e]));
+    for (int g = 0; g < G; ++g) {
+      float mu[E];
+#pragma unroll
+      for (int e = 0; e < E; ++e) mu[e] = qmean[(bhq0 + g) * d + lane * E + e];
+      const double s = warp_dot<E>(mu, r);
+      if (lane == 0) ds[(bhq0 + g) * ldv + n] = float(s) * scale;
+    }
   }
 }
 
 struct QArgs {
   TensorView q;
-  bool vec, rotate, smooth_q;
+  bool vec, rotate;
   int64_t Hkv, Nk, q_pos0, qtile0;  // q_pos0: row 0's position from key 0
   float scale;
   const uint16_t* k;   // transformed K [B, Hkv, Nk, d] (the sink scores)
   const float* kmean;  // smooth_k with an LSE: [B*Hkv, d] (the LSE shift), else null
+  const float* qmean;  // smooth_q: [B*Hq, d], subtracted from the rows written to out; else null
   int sink;
   uint16_t* out;
-  float *qmean, *lse_shift, *sinks;
-  int64_t qtiles;
+  float *lse_shift, *sinks;
 };
 
 // One query tile's rows of one (b, h): rotated; the exact sink scores and the LSE shift from the
-// rotated rows; with smooth_q the tile's mean (fp64 over its rows in order) subtracted. Grid
-// (qtiles, Hq, B); kWarps warps; dynamic shared memory: the tile's rows as fp32 (smooth_q).
+// rotated rows; then minus the head's mean (smooth_q) to bf16. Grid (qtiles, Hq, B); kWarps warps.
 template <class T, int E>
 __global__ void __launch_bounds__(kRowThreads) q_rows_kernel(QArgs a) {
   constexpr int d = 32 * E;
-  extern __shared__ float rows[];  // [128][d]
-  __shared__ float mu[d];
   const int64_t b = blockIdx.z, h = blockIdx.y, c = blockIdx.x, Nq = a.q.shape[2], Hq = a.q.shape[1];
   const int64_t hk = h / (Hq / a.Hkv), bhq = b * Hq + h, kv_head = (b * a.Hkv + hk) * a.Nk;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t r0 = max(int64_t(0), (a.qtile0 + c) * 128 - a.q_pos0), r1 = min(Nq, (a.qtile0 + c + 1) * 128 - a.q_pos0);
-  float km[E];
+  float km[E], mu[E] = {};
   if (a.kmean)
 #pragma unroll
     for (int e = 0; e < E; ++e) km[e] = a.kmean[(b * a.Hkv + hk) * d + lane * E + e];
+  if (a.qmean)
+#pragma unroll
+    for (int e = 0; e < E; ++e) mu[e] = a.qmean[bhq * d + lane * E + e];
   for (int64_t r = r0 + warp; r < r1; r += kWarps) {
     float x[E];
     load_row<T, E>(a.q, b, h, r, a.vec, a.rotate, x);
@@ -171,87 +205,11 @@ __global__ void __launch_bounds__(kRowThreads) q_rows_kernel(QArgs a) {
       const double s = warp_dot<E>(x, km);
       if (lane == 0) a.lse_shift[row] = float(s) * a.scale;
     }
-    if (a.smooth_q) {
+    if (a.out) {
 #pragma unroll
-      for (int e = 0; e < E; ++e) rows[(r - r0) * d + lane * E + e] = x[e];
-    } else if (a.out) {
+      for (int e = 0; e < E; ++e) x[e] -= mu[e];
       store_bf16<E>(a.out + row * d, x);
     }
-  }
-  if (!a.smooth_q) return;
-  __syncthreads();
-  for (int ch = threadIdx.x; ch < d; ch += kRowThreads) {
-    double s = 0;
-    for (int64_t r = r0; r < r1; ++r) s += rows[(r - r0) * d + ch];
-    mu[ch] = float(s / double(r1 - r0));
-    a.qmean[(bhq * a.qtiles + c) * d + ch] = mu[ch];
-  }
-  __syncthreads();
-  float m[E];
-#pragma unroll
-  for (int e = 0; e < E; ++e) m[e] = mu[lane * E + e];
-  for (int64_t r = r0 + warp; r < r1; r += kWarps) {
-    float x[E];
-#pragma unroll
-    for (int e = 0; e < E; ++e) x[e] = rows[(r - r0) * d + lane * E + e] - m[e];
-    store_bf16<E>(a.out + (bhq * Nq + r) * d, x);
-  }
-}
-
-// smooth_q's correction ds[b*Hq + h][c][n] = scale * mu(c).k'[n] on the tensor cores: mu split into
-// bf16 high and low parts (mu - hi is exact in fp32 and its bf16 rounding leaves ~2^-16 of mu), k'
-// already bf16, so hi.k' + lo.k' in fp32 accumulation is mu.k' to ~1e-5. One CTA a 128-key chunk
-// of one (b, kv head): its keys in shared memory, then 16 query-tile rows (mu of (tile c, head g)
-// at row c * G + g) at a time, each of 4 warps 32 keys, m16n8k16 over 2d contraction slots.
-// Causal: only the tiles that see the chunk (a suffix of the rows).
-__global__ void __launch_bounds__(128) delta_s_kernel(const uint16_t* k, const float* qmean, int64_t Hkv, int G,
-                                                      int64_t Nk, int d, int64_t ldv, int64_t qtiles, int64_t qtile0,
-                                                      bool causal, float scale, float* ds) {
-  extern __shared__ uint32_t keys[];  // [128][d / 2 + 4] bf16 pairs (padded against bank conflicts)
-  const int pitch = d / 2 + 4;
-  const int64_t bh = blockIdx.y, j = blockIdx.x, n0 = j * 128;
-  for (int i = threadIdx.x; i < 128 * (d / 2); i += 128) {
-    const int r = i / (d / 2), w = i % (d / 2);
-    const int64_t n = n0 + r;
-    keys[r * pitch + w] = n < Nk ? reinterpret_cast<const uint32_t*>(k + (bh * Nk + n) * d)[w] : 0u;
-  }
-  __syncthreads();
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  const int64_t b = bh / Hkv, hk = bh % Hkv, Hq = Hkv * G;
-  // Tile c sees this chunk unless causal and the chunk starts at or after the tile's end.
-  const int64_t c_first = causal ? std::max<int64_t>(0, j - qtile0) : 0;
-  const int64_t rows = qtiles * G;
-  // Row m's (bhq, tile): mu at qmean + mu_off(m), its ds row at ds + mu_off(m) / d * ldv.
-  auto mu_off = [&](int64_t m) { return ((b * Hq + hk * G + m % G) * qtiles + m / G) * d; };
-  for (int64_t m0 = c_first * G; m0 < rows; m0 += 16) {
-    const int64_t mr[2] = {m0 + g, m0 + g + 8};
-    const bool ok[2] = {mr[0] < rows, mr[1] < rows};
-    const int64_t off[2] = {ok[0] ? mu_off(mr[0]) : 0, ok[1] ? mu_off(mr[1]) : 0};
-    float acc[4][4] = {};
-    for (int kk = 0; kk < d; kk += 16) {
-      uint32_t hi[4], lo[4];
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {  // a[q]: row g (+8 for q odd), channels kk + 2t (+8 for q >= 2)
-        const float2 v = ok[q % 2] ? *reinterpret_cast<const float2*>(qmean + off[q % 2] + kk + 2 * t + 8 * (q / 2))
-                                   : make_float2(0.0f, 0.0f);
-        hi[q] = bf16x2_rn(v.x, v.y);
-        const float hx = to_float(bf16{uint16_t(hi[q] & 0xFFFFu)}), hy = to_float(bf16{uint16_t(hi[q] >> 16)});
-        lo[q] = bf16x2_rn(v.x - hx, v.y - hy);
-      }
-#pragma unroll
-      for (int nt = 0; nt < 4; ++nt) {  // keys warp * 32 + nt * 8 + g
-        const uint32_t* kr = keys + (warp * 32 + nt * 8 + g) * pitch + kk / 2 + t;
-        mma_16816<true>(acc[nt], hi, kr[0], kr[4]);
-        mma_16816<true>(acc[nt], lo, kr[0], kr[4]);
-      }
-    }
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int q = 0; q < 4; ++q) {  // c[q]: row g (+8 for q >= 2), key 2t + q % 2
-        const int64_t n = n0 + warp * 32 + nt * 8 + 2 * t + q % 2;
-        if (ok[q / 2]) ds[off[q / 2] / d * ldv + n] = n < Nk ? acc[nt][q] * scale : 0.0f;
-      }
   }
 }
 
@@ -272,46 +230,52 @@ bool vector_rows(const TensorView& v, int E) {
   return true;
 }
 
+// The channel means of x's rotated rows (H = x.shape[1], N = x.shape[2]): part [B*H][chunks][d]
+// scratch, mean [B*H][d].
 template <int E>
-void key_means_d(const Problem& p, double* part, float* kmean, cudaStream_t stream) {
+void row_means_d(const TensorView& x, bool rotate, double* part, float* mean, cudaStream_t stream) {
+  const int64_t BH = x.shape[0] * x.shape[1], N = x.shape[2], chunks = (N + kTile - 1) / kTile;
+  with_typed(x, [&](auto* typed) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
+    rows_kernel<T, E><<<dim3(unsigned(chunks), unsigned(BH)), kRowThreads, 0, stream>>>(x, vector_rows(x, E), rotate,
+                                                                                        nullptr, nullptr, part);
+  });
+  check(cudaGetLastError(), "rows_kernel");
+  mean_kernel<<<unsigned(BH), 128, 0, stream>>>(part, int(chunks), 32 * E, N, mean);
+  check(cudaGetLastError(), "mean_kernel");
+}
+
+template <int E>
+void key_dots_d(const Problem& p, const float* kmean, const float* qmean, float scale, float* ds, cudaStream_t stream) {
   const int64_t chunks = (p.Nk + kTile - 1) / kTile;
   with_typed(p.k, [&](auto* typed) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
-    k_rows_kernel<T, E><<<dim3(unsigned(chunks), unsigned(p.B * p.Hkv)), kRowThreads, 0, stream>>>(
-        p.k, vector_rows(p.k, E), p.policy.rotate, nullptr, nullptr, part);
+    key_dots_kernel<T, E><<<dim3(unsigned(chunks), unsigned(p.B * p.Hkv)), kRowThreads, 0, stream>>>(
+        p.k, vector_rows(p.k, E), p.policy.rotate, kmean, qmean, int(p.group()), scale, chunks * kTile, ds);
   });
-  check(cudaGetLastError(), "k_rows_kernel");
-  kmean_kernel<<<unsigned(p.B * p.Hkv), 128, 0, stream>>>(part, int(chunks), 32 * E, p.Nk, kmean);
+  check(cudaGetLastError(), "key_dots_kernel");
 }
 
 template <int E>
 void transform_d(const Problem& p, const Transformed& t, float scale, cudaStream_t stream) {
-  constexpr int d = 32 * E;
   const Policy& pol = p.policy;
-  const int64_t chunks = (p.Nk + kTile - 1) / kTile, ldv = chunks * kTile;
-  if (pol.smooth_k) key_means_d<E>(p, t.k_part, t.kmean, stream);
+  const int64_t chunks = (p.Nk + kTile - 1) / kTile;
+  if (pol.smooth_k) row_means_d<E>(p.k, pol.rotate, t.k_part, t.kmean, stream);
+  if (pol.smooth_q) row_means_d<E>(p.q, pol.rotate, t.q_part, t.qmean, stream);
   with_typed(p.k, [&](auto* typed) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
-    k_rows_kernel<T, E><<<dim3(unsigned(chunks), unsigned(p.B * p.Hkv)), kRowThreads, 0, stream>>>(
+    rows_kernel<T, E><<<dim3(unsigned(chunks), unsigned(p.B * p.Hkv)), kRowThreads, 0, stream>>>(
         p.k, vector_rows(p.k, E), pol.rotate, pol.smooth_k ? t.kmean : nullptr, t.k, nullptr);
   });
-  check(cudaGetLastError(), "k_rows_kernel");
-  QArgs a{p.q, vector_rows(p.q, E), pol.rotate, pol.smooth_q, p.Hkv, p.Nk, p.q_pos0 - p.k_pos0, t.qtile0, scale, t.k,
-          t.lse_shift ? t.kmean : nullptr, t.sink_keys, t.q, t.qmean, t.lse_shift, t.sink, t.qtiles};
-  const size_t smem = pol.smooth_q ? size_t(128) * d * sizeof(float) : 0;
+  check(cudaGetLastError(), "rows_kernel");
+  QArgs a{p.q,   vector_rows(p.q, E), pol.rotate, p.Hkv, p.Nk, p.q_pos0 - p.k_pos0, t.qtile0, scale, t.k,
+          t.lse_shift ? t.kmean : nullptr, pol.smooth_q ? t.qmean : nullptr, t.sink_keys, t.q, t.lse_shift, t.sink};
   with_typed(p.q, [&](auto* typed) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
-    check(cudaFuncSetAttribute(q_rows_kernel<T, E>, cudaFuncAttributeMaxDynamicSharedMemorySize, int(smem)), "q_rows smem");
-    q_rows_kernel<T, E><<<dim3(unsigned(t.qtiles), unsigned(p.Hq), unsigned(p.B)), kRowThreads, smem, stream>>>(a);
+    q_rows_kernel<T, E><<<dim3(unsigned(t.qtiles), unsigned(p.Hq), unsigned(p.B)), kRowThreads, 0, stream>>>(a);
   });
   check(cudaGetLastError(), "q_rows_kernel");
-  if (pol.smooth_q) {
-    const size_t ksmem = size_t(128) * (d / 2 + 4) * sizeof(uint32_t);
-    check(cudaFuncSetAttribute(delta_s_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(ksmem)), "delta_s smem");
-    delta_s_kernel<<<dim3(unsigned(chunks), unsigned(p.B * p.Hkv)), 128, ksmem, stream>>>(
-        t.k, t.qmean, p.Hkv, int(p.group()), p.Nk, d, ldv, t.qtiles, t.qtile0, p.causal, scale, t.ds);
-    check(cudaGetLastError(), "delta_s_kernel");
-  }
+  if (pol.smooth_q) key_dots_d<E>(p, pol.smooth_k ? t.kmean : nullptr, t.qmean, scale, t.ds, stream);
 }
 
 template <class F>
@@ -340,8 +304,8 @@ void transform_qk(const Problem& p, const Transformed& t, float scale, cudaStrea
 template <int E>
 void lse_shifts_d(const Problem& p, const float* kmean, float scale, int64_t qtile0, int64_t qtiles, float* shift,
                   cudaStream_t stream) {
-  QArgs a{p.q, vector_rows(p.q, E), p.policy.rotate, false, p.Hkv, p.Nk, p.q_pos0 - p.k_pos0, qtile0, scale, nullptr,
-          kmean, 0, nullptr, nullptr, shift, nullptr, qtiles};
+  QArgs a{p.q,   vector_rows(p.q, E), p.policy.rotate, p.Hkv, p.Nk, p.q_pos0 - p.k_pos0, qtile0, scale, nullptr,
+          kmean, nullptr, 0, nullptr, shift, nullptr};
   with_typed(p.q, [&](auto* typed) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
     q_rows_kernel<T, E><<<dim3(unsigned(qtiles), unsigned(p.Hq), unsigned(p.B)), kRowThreads, 0, stream>>>(a);
@@ -350,7 +314,15 @@ void lse_shifts_d(const Problem& p, const float* kmean, float scale, int64_t qti
 }
 
 void key_means(const Problem& p, double* part, float* kmean, cudaStream_t stream) {
-  by_head_dim(p.d, [&](auto e) { key_means_d<decltype(e)::value>(p, part, kmean, stream); });
+  by_head_dim(p.d, [&](auto e) { row_means_d<decltype(e)::value>(p.k, p.policy.rotate, part, kmean, stream); });
+}
+
+void query_means(const Problem& p, double* part, float* qmean, cudaStream_t stream) {
+  by_head_dim(p.d, [&](auto e) { row_means_d<decltype(e)::value>(p.q, p.policy.rotate, part, qmean, stream); });
+}
+
+void key_dots(const Problem& p, const float* kmean, const float* qmean, float scale, float* ds, cudaStream_t stream) {
+  by_head_dim(p.d, [&](auto e) { key_dots_d<decltype(e)::value>(p, kmean, qmean, scale, ds, stream); });
 }
 
 void lse_shifts(const Problem& p, const float* kmean, float scale, int64_t qtile0, int64_t qtiles, float* shift,

@@ -11,12 +11,13 @@ namespace dmattn::cuda {
 // Outputs, all device memory of the caller (sizes from Problem p, qtiles = the query tiles the
 // call's rows touch, ldv = Nk rounded up to 128).
 struct Transformed {
-  uint16_t* q = nullptr;     // [B, Hq, Nq, d] bf16 bits: rotated, minus the tile mean (smooth_q)
+  uint16_t* q = nullptr;     // [B, Hq, Nq, d] bf16 bits: rotated, minus the head's mean (smooth_q)
   uint16_t* k = nullptr;     // [B, Hkv, Nk, d] bf16 bits: rotated, minus the key mean (smooth_k)
   double* k_part = nullptr;  // smooth_k: [B*Hkv, ceil(Nk/128), d] scratch (partial channel sums)
   float* kmean = nullptr;    // smooth_k: [B*Hkv, d]
-  float* qmean = nullptr;    // smooth_q: [B*Hq, qtiles, d]
-  float* ds = nullptr;       // smooth_q: [B*Hq, qtiles, ldv], mu.k' times the softmax scale (logits)
+  double* q_part = nullptr;  // smooth_q: [B*Hq, ceil(Nq/128), d] scratch (partial channel sums)
+  float* qmean = nullptr;    // smooth_q: [B*Hq, d]
+  float* ds = nullptr;       // smooth_q: [B*Hq, ldv], mu.k' times the softmax scale (logits), 0 past Nk
   float* lse_shift = nullptr;  // smooth_k with an LSE: [B*Hq*Nq], scale * q_rot.kmean
   float* sink = nullptr;     // sink_keys: [B*Hq*Nq, sink] exact scores times the softmax scale
   int sink_keys = 0;         // keys scored exactly (sink_keys less the key offset, at most Nk)
@@ -30,10 +31,13 @@ void query_tiles(const Problem& p, int64_t& first, int64_t& count);
 // `scale` is the softmax scale the kernel applies (rotation's block size already divided out).
 void transform_qk(const Problem& p, const Transformed& t, float scale, cudaStream_t stream);
 
-// The fast path's pieces (rotation and the key mean applied by the quantize pass as it reads the
-// rows, quantize.hpp's RowTransform): smooth_k's key means (part: [B*Hkv][chunks][d] scratch), and
-// the LSE shifts scale * q_rot.kmean of every query row.
+// The fast path's pieces (rotation and the means applied by the quantize pass as it reads the rows,
+// quantize.hpp's RowTransform): smooth_k's key means and smooth_q's query means (part: [B*H][chunks][d]
+// scratch), smooth_q's correction ds (Transformed::ds) from the keys as transformed, and the LSE
+// shifts scale * q_rot.kmean of every query row.
 void key_means(const Problem& p, double* part, float* kmean, cudaStream_t stream);
+void query_means(const Problem& p, double* part, float* qmean, cudaStream_t stream);
+void key_dots(const Problem& p, const float* kmean, const float* qmean, float scale, float* ds, cudaStream_t stream);
 void lse_shifts(const Problem& p, const float* kmean, float scale, int64_t qtile0, int64_t qtiles, float* shift,
                 cudaStream_t stream);
 
