@@ -52,10 +52,13 @@ TEST(Ring, ScheduleVisitsEveryShardOncePerRank) {
   EXPECT_THROW(RingPlan::make(1000, 2, Sharding::zigzag), Error);
 }
 
-// The default (rotate, smooth_k with the whole sequence's key mean) and plain DMA.
+// The default (rotate, smooth_k with the whole sequence's key mean), smooth_q (each head's query
+// mean over the sequence) and plain DMA.
 TEST(Ring, OneRankIsSingleDeviceAttentionBitForBit) {
   const QKV x = llm_like_qkv({1, 4, 2, 512, 512, 64}, 3);
-  for (const Policy& pol : {Policy{}, Policy::plain()}) {
+  Policy sq;
+  sq.smooth_q = true;
+  for (const Policy& pol : {Policy{}, sq, Policy::plain()}) {
     AttentionOptions o;
     o.causal = true;
     o.policy = pol;
@@ -75,6 +78,7 @@ TEST(Ring, MatchesSingleDeviceToBf16Rounding) {
         o.causal = causal;
         o.policy.diag_tiles = 2;
         o.policy.sink_tiles = 1;
+        o.policy.smooth_q = R == 4;  // the query mean's all-reduce
         const Result want = single(x, o), got = ring(x, o, RingPlan::make(1024, R, sh));
         const double rel = compare(got.out, want.out).rel_l2;
         std::printf("R=%d %s %s: rel. L2 %.2e vs one device\n", R, sh == Sharding::zigzag ? "zigzag" : "contiguous",
@@ -111,9 +115,6 @@ TEST(Ring, RefusesWhatNeedsAnAllReduce) {
   const QKV x = random_qkv({1, 2, 2, 256, 256, 64}, 6);
   AttentionOptions o;
   o.policy.low = Format::nvfp4;
-  EXPECT_THROW(ring(x, o, RingPlan::make(256, 2, Sharding::contiguous)), Error);
-  o = {};
-  o.policy.smooth_q = true;
   EXPECT_THROW(ring(x, o, RingPlan::make(256, 2, Sharding::contiguous)), Error);
   o = {};
   o.policy.sink_keys = 1;

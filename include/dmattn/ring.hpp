@@ -39,9 +39,9 @@ struct RingStats {
 };
 
 // q, k, v: full [B, H, n, d] CPU views (each simulated rank reads only its shards); out and lse
-// (or null) full. MX formats and bf16 tiles; rotate and smooth_k (its key mean over the whole
-// sequence, as one device's: the all-reduce a real ring takes first). NVFP4's tensor scale, pv = fp8's
-// channel scales, smooth_q and sink_keys are refused.
+// (or null) full. MX formats and bf16 tiles; rotate, smooth_k and smooth_q (their key and query
+// means over the whole sequence, as one device's: the all-reduces a real ring takes first). NVFP4's
+// tensor scale, pv = fp8's channel scales and sink_keys are refused.
 void ring_attention_simulated(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                               float* lse, const AttentionOptions& opts, const RingPlan& plan,
                               RingStats* stats = nullptr);

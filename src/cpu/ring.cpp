@@ -45,8 +45,8 @@ void ring_attention_simulated(const TensorView& q, const TensorView& k, const Te
   if (p.Nq != plan.n || p.Nk != plan.n) throw Error("ring: q and k must both hold the plan's " + std::to_string(plan.n) + " tokens");
   for (Format f : {p.policy.high, p.policy.low})
     if (f == Format::nvfp4) throw Error("ring: nvfp4's tensor scale needs an all-reduce over the shards (not built)");
-  if (p.policy.smooth_q || p.policy.sink_keys > 0)
-    throw Error("ring: smooth_q and sink_keys are not built into the ring schedule (rotate and smooth_k are)");
+  if (p.policy.sink_keys > 0)
+    throw Error("ring: sink_keys are not built into the ring schedule (rotate, smooth_k and smooth_q are)");
   if (p.window_left >= 0 || p.window_right >= 0) throw Error("ring: sliding windows are not built into the ring schedule");
   if (p.policy.pv == PV::fp8) throw Error("ring: pv=fp8's per-channel V scales need an all-reduce over the shards (not built)");
   const int d = int(p.d);
@@ -56,8 +56,9 @@ void ring_attention_simulated(const TensorView& q, const TensorView& k, const Te
   if (stats) stats->tile_pairs.assign(size_t(R), 0);
   // The transforms as single-device attention applies them: K's rows through cpu::transform_keys,
   // whose smooth_k mean spans every key of the sequence (on R devices, an all-reduce of the shards'
-  // sums in the order of the keys); q's rows rotated and rounded to bf16, the LSE shifted back by
-  // q.mean. The rotation's factor comes out of the scale.
+  // sums in the order of the keys); q's rows rotated, minus smooth_q's per-head mean (an all-reduce
+  // too) and rounded to bf16, the LSE shifted back by q.mean(K), the scores given mu.k' (each rank
+  // computes it for the keys that visit). The rotation's factor comes out of the scale.
   const Policy& pol = p.policy;
   const bool transformed = !pol.transforms().empty();
   const float scale = rotated_scale(p.scale, d, pol.rotate);
@@ -82,6 +83,19 @@ void ring_attention_simulated(const TensorView& q, const TensorView& k, const Te
           values[size_t(r * 2 + int64_t(c))] = cpu::prepare_values(vf, plan.chunk, d, p.policy.pv, p.policy.scale_rule, 1);
         }
       });
+      // smooth_q: each head's query mean over the sequence and its mu.k' for every key.
+      std::vector<std::vector<float>> qmean(size_t(p.group())), ds(size_t(p.group()));
+      if (pol.smooth_q)
+        cpu::parallel_for(p.group(), p.threads, [&](int64_t g) {
+          std::vector<float> rows(size_t(plan.n * d));
+          for (int64_t n = 0; n < plan.n; ++n) {
+            load_row(p.q, b, hk * p.group() + g, n, rows.data() + n * d);
+            if (pol.rotate) rotate_row(rows.data() + n * d, d);
+          }
+          qmean[size_t(g)] = cpu::channel_mean(rows.data(), plan.n, d);
+          ds[size_t(g)].resize(size_t(plan.n));
+          for (int64_t n = 0; n < plan.n; ++n) ds[size_t(g)][size_t(n)] = cpu::dot_f64(qmean[size_t(g)].data(), kall.data() + n * d, d);
+        });
       std::vector<int64_t> pairs(size_t(R), 0);
       cpu::parallel_for(R * p.group(), p.threads, [&](int64_t item) {
         const int r = int(item / p.group());
@@ -98,6 +112,8 @@ void ring_attention_simulated(const TensorView& q, const TensorView& k, const Te
             load_row(p.q, b, h, pos, qf.data());
             if (pol.rotate) rotate_row(qf.data(), d);
             const float shift = pol.smooth_k ? cpu::dot_f64(qf.data(), kmean.data(), d) * scale : 0.0f;
+            if (pol.smooth_q)
+              for (int c = 0; c < d; ++c) qf[size_t(c)] -= qmean[size_t(item % p.group())][size_t(c)];
             if (transformed)
               for (float& x : qf) x = round_bf16(x);
             for (int s = 0; s < nslots; ++s)
@@ -117,7 +133,8 @@ void ring_attention_simulated(const TensorView& q, const TensorView& k, const Te
                   const cpu::KeyTiles& K = keys[size_t((src * 2 + int64_t(c)) * 2 + slot)];
                   cpu::online_tile(qe[slot].data(), qs[slot].data(), K, t, values[size_t(src * 2 + int64_t(c))], t,
                                    nvalid, d, scale, p.policy.pv, p.policy.scale_rule, part.m, part.l,
-                                   part.acc.data());
+                                   part.acc.data(),
+                                   {pol.smooth_q ? ds[size_t(item % p.group())].data() + ktile * T : nullptr});
                 }
               cpu::merge(total, part);
             }
