@@ -56,7 +56,7 @@ void dma_attention(const Problem& p) {
       const ValueRows values = prepare_values(vf, p.Nk, d, pol.pv, rule, p.threads);
 
       // Q of each head of the group as it is quantized: rotated, with smooth_q the head's mean mu
-      // over its Nq rows removed, then rounded to bf16 when transformed; qfull keeps the rotated rows
+      // (query_mean) removed, then rounded to bf16 when transformed; qfull keeps the rotated rows
       // in fp32 (exact sink scores, the LSE shift).
       const int64_t G = p.group();
       // ds[g]: smooth_q's mu.k for every key of head g (zero past Nk), added to every row's scores.
@@ -64,13 +64,13 @@ void dma_attention(const Problem& p) {
       parallel_for(G, p.threads, [&](int64_t g) {
         std::vector<float>& x = qt[size_t(g)];
         x.resize(size_t(p.Nq * d));
-        for (int64_t r = 0; r < p.Nq; ++r) {
-          load_row(p.q, b, hk * G + g, r, x.data() + r * d);
-          if (pol.rotate) rotate_row(x.data() + r * d, d);
-        }
+        for (int64_t r = 0; r < p.Nq; ++r) load_row(p.q, b, hk * G + g, r, x.data() + r * d);
+        std::vector<float> mu;
+        if (pol.smooth_q) mu = query_mean(x.data(), p.Nq, d, pol.rotate);
+        if (pol.rotate)
+          for (int64_t r = 0; r < p.Nq; ++r) rotate_row(x.data() + r * d, d);
         qfull[size_t(g)] = x;
         if (pol.smooth_q) {
-          const std::vector<float> mu = channel_mean(x.data(), p.Nq, d);
           for (int64_t r = 0; r < p.Nq; ++r)
             for (int i = 0; i < d; ++i) x[size_t(r * d + i)] -= mu[size_t(i)];
           ds[size_t(g)].assign(size_t((p.Nk + T - 1) / T * T), 0.0f);

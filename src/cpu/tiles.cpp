@@ -21,6 +21,12 @@ std::vector<float> channel_mean(const float* x, int64_t n, int d) {
   return mean;
 }
 
+std::vector<float> query_mean(const float* x, int64_t n, int d, bool rotate) {
+  std::vector<float> mean = channel_mean(x, n, d);
+  if (rotate) rotate_row(mean.data(), d);
+  return mean;
+}
+
 std::vector<float> transform_keys(float* k, int64_t n, int d, const Policy& pol) {
   std::vector<float> mean(static_cast<size_t>(d), 0.0f);
   if (pol.transforms().empty()) return mean;

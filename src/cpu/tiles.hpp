@@ -16,6 +16,10 @@ constexpr int kPVBlock = 32;  // MXFP8 block along keys for pv = mxfp8
 // The per-channel mean of rows x [n, d], accumulated in fp64 and rounded once to fp32 (smooth_k's
 // and smooth_q's means).
 std::vector<float> channel_mean(const float* x, int64_t n, int d);
+// smooth_q's mean of n query rows x [n, d] as read: their channel mean, then rotated where `rotate`
+// (in real arithmetic the mean of the rotated rows; this way the GPU adds rows instead of rotating
+// each one).
+std::vector<float> query_mean(const float* x, int64_t n, int d, bool rotate);
 // The key side of the accuracy transforms on K's n rows of one (batch, kv head), [n][d], in place:
 // each row rotated (Policy::rotate), then smooth_k's per-channel mean over the n rows subtracted,
 // then every value rounded to bf16 where any transform is on. Returns the mean (zeros without

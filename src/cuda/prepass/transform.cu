@@ -119,13 +119,22 @@ __global__ void __launch_bounds__(kRowThreads) rows_kernel(TensorView x, bool ve
   }
 }
 
-// mean = (sum of the chunks' sums) / N; grid B * H, a thread a channel.
-__global__ void mean_kernel(const double* part, int chunks, int d, int64_t N, float* mean) {
-  for (int c = threadIdx.x; c < d; c += blockDim.x) {
+// mean = (sum of the chunks' sums) / N, then rotated where `rotate` (the mean of the rows as read,
+// carried to the rotated frame: smooth_q's); grid B * H, one warp, lane channels lane E + e.
+template <int E>
+__global__ void mean_kernel(const double* part, int chunks, int64_t N, bool rotate, float* mean) {
+  constexpr int d = 32 * E;
+  const int lane = threadIdx.x;
+  float m[E];
+#pragma unroll
+  for (int e = 0; e < E; ++e) {
     double s = 0;
-    for (int i = 0; i < chunks; ++i) s += part[(int64_t(blockIdx.x) * chunks + i) * d + c];
-    mean[int64_t(blockIdx.x) * d + c] = float(s / double(N));
+    for (int i = 0; i < chunks; ++i) s += part[(int64_t(blockIdx.x) * chunks + i) * d + lane * E + e];
+    m[e] = float(s / double(N));
   }
+  if (rotate) rotate_lanes(m);
+#pragma unroll
+  for (int e = 0; e < E; ++e) mean[int64_t(blockIdx.x) * d + lane * E + e] = m[e];
 }
 
 // smooth_q's correction ds[b*Hq + h][n] = scale * mu(h).k'[n], k' key n as the quantize pass takes it
@@ -230,18 +239,20 @@ bool vector_rows(const TensorView& v, int E) {
   return true;
 }
 
-// The channel means of x's rotated rows (H = x.shape[1], N = x.shape[2]): part [B*H][chunks][d]
+// The channel means of x's rows (H = x.shape[1], N = x.shape[2]), in the rotated frame where
+// `rotate`: of the rotated rows (rows_first, smooth_k's), or of the rows as read, then rotated
+// (smooth_q's: the same vector in real arithmetic, without a butterfly per row). part [B*H][chunks][d]
 // scratch, mean [B*H][d].
 template <int E>
-void row_means_d(const TensorView& x, bool rotate, double* part, float* mean, cudaStream_t stream) {
+void row_means_d(const TensorView& x, bool rotate, bool rows_first, double* part, float* mean, cudaStream_t stream) {
   const int64_t BH = x.shape[0] * x.shape[1], N = x.shape[2], chunks = (N + kTile - 1) / kTile;
   with_typed(x, [&](auto* typed) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
-    rows_kernel<T, E><<<dim3(unsigned(chunks), unsigned(BH)), kRowThreads, 0, stream>>>(x, vector_rows(x, E), rotate,
-                                                                                        nullptr, nullptr, part);
+    rows_kernel<T, E><<<dim3(unsigned(chunks), unsigned(BH)), kRowThreads, 0, stream>>>(
+        x, vector_rows(x, E), rotate && rows_first, nullptr, nullptr, part);
   });
   check(cudaGetLastError(), "rows_kernel");
-  mean_kernel<<<unsigned(BH), 128, 0, stream>>>(part, int(chunks), 32 * E, N, mean);
+  mean_kernel<E><<<unsigned(BH), 32, 0, stream>>>(part, int(chunks), N, rotate && !rows_first, mean);
   check(cudaGetLastError(), "mean_kernel");
 }
 
@@ -260,8 +271,8 @@ template <int E>
 void transform_d(const Problem& p, const Transformed& t, float scale, cudaStream_t stream) {
   const Policy& pol = p.policy;
   const int64_t chunks = (p.Nk + kTile - 1) / kTile;
-  if (pol.smooth_k) row_means_d<E>(p.k, pol.rotate, t.k_part, t.kmean, stream);
-  if (pol.smooth_q) row_means_d<E>(p.q, pol.rotate, t.q_part, t.qmean, stream);
+  if (pol.smooth_k) row_means_d<E>(p.k, pol.rotate, true, t.k_part, t.kmean, stream);
+  if (pol.smooth_q) row_means_d<E>(p.q, pol.rotate, false, t.q_part, t.qmean, stream);
   with_typed(p.k, [&](auto* typed) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
     rows_kernel<T, E><<<dim3(unsigned(chunks), unsigned(p.B * p.Hkv)), kRowThreads, 0, stream>>>(
@@ -314,11 +325,11 @@ void lse_shifts_d(const Problem& p, const float* kmean, float scale, int64_t qti
 }
 
 void key_means(const Problem& p, double* part, float* kmean, cudaStream_t stream) {
-  by_head_dim(p.d, [&](auto e) { row_means_d<decltype(e)::value>(p.k, p.policy.rotate, part, kmean, stream); });
+  by_head_dim(p.d, [&](auto e) { row_means_d<decltype(e)::value>(p.k, p.policy.rotate, true, part, kmean, stream); });
 }
 
 void query_means(const Problem& p, double* part, float* qmean, cudaStream_t stream) {
-  by_head_dim(p.d, [&](auto e) { row_means_d<decltype(e)::value>(p.q, p.policy.rotate, part, qmean, stream); });
+  by_head_dim(p.d, [&](auto e) { row_means_d<decltype(e)::value>(p.q, p.policy.rotate, false, part, qmean, stream); });
 }
 
 void key_dots(const Problem& p, const float* kmean, const float* qmean, float scale, float* ds, cudaStream_t stream) {
