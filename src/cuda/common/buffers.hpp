@@ -177,6 +177,10 @@ class StreamFork {
     for (cudaStream_t side : s_.stream) check(cudaStreamWaitEvent(side, s_.fork, 0), "cudaStreamWaitEvent");
   }
   cudaStream_t side(int i) const { return s_.stream[i]; }
+  // mark() records where `main` stands now; side_waits_mark(i) orders side(i)'s later work after it
+  // (one mark a fork).
+  void mark() { check(cudaEventRecord(s_.mark, main_), "cudaEventRecord"); }
+  void side_waits_mark(int i) { check(cudaStreamWaitEvent(s_.stream[i], s_.mark, 0), "cudaStreamWaitEvent"); }
   void join() {
     if (joined_) return;
     joined_ = true;
@@ -197,7 +201,7 @@ class StreamFork {
  private:
   struct Sides {
     std::array<cudaStream_t, kSides> stream{};
-    cudaEvent_t fork = nullptr;
+    cudaEvent_t fork = nullptr, mark = nullptr;
     std::array<cudaEvent_t, kSides> done{};
   };
   static Sides& sides() {
@@ -212,6 +216,7 @@ class StreamFork {
         check(cudaEventCreateWithFlags(&s->done[i], cudaEventDisableTiming), "cudaEventCreate");
       }
       check(cudaEventCreateWithFlags(&s->fork, cudaEventDisableTiming), "cudaEventCreate");
+      check(cudaEventCreateWithFlags(&s->mark, cudaEventDisableTiming), "cudaEventCreate");
       return s;
     });
   }

@@ -310,8 +310,11 @@ void dma_attention(const Problem& p) {
   // where the pre-pass takes ~30 us on the device). The quantize pass reads every element
   // of Q and K once and flags NaN/Inf on the way. (Q quantized inside the prefill kernel instead was
   // 5-12% slower at N = 16384: bench/RESULTS.md.)
-  if (fused && pol.smooth_q) query_means(p, tf.q_part, tf.qmean, stream);  // Q's pass and K's dots take it
   StreamFork fork(stream);
+  if (fused && pol.smooth_q) {  // Q's pass (after it on this stream) and K's dots (on K's side stream) take it
+    query_means(p, tf.q_part, tf.qmean, stream);
+    fork.mark();
+  }
   if (n_mx > 0)
     quantize_rows(q_in, p.policy.scale_rule, qt[mx[0]], n_mx == 2 ? qt[mx[1]] : QuantTarget{}, stream, flags, q_tf);
   for (int s = 0; s < nslots; ++s)
@@ -326,7 +329,10 @@ void dma_attention(const Problem& p) {
     // one scale per key tile where exact (always for MXFP4 keys within 2^8)
     fold_key_tiles(folds, n_mx, p.B * p.Hkv, p.Nk, ldv, d, fork.side(1));
   }
-  if (fused && pol.smooth_q) key_dots(p, tf.kmean, tf.qmean, scale, tf.ds, fork.side(1));
+  if (fused && pol.smooth_q) {
+    fork.side_waits_mark(1);
+    key_dots(p, tf.kmean, tf.qmean, scale, tf.ds, fork.side(1));
+  }
   for (int s = 0; s < nslots; ++s)
     if (pp.nv[s]) quantize_rows_nvfp4(k_in, kn[s], fork.side(1), flags + 1);
   transpose_v(p.v, ldv, vt, flags + 2, pv_fp8, p.policy.scale_rule, vamax, vscale, fork.side(0));

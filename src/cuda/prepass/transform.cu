@@ -80,8 +80,8 @@ __device__ __forceinline__ void load_bf16_row(const uint16_t* row, float (&r)[E]
   for (int e = 0; e < E; ++e) r[e] = to_float(bf16{row[lane * E + e]});
 }
 
-// Rows of x ([B, H, N, d]) rotated, minus sub[b*H + h] where given (smooth_k's mean), to bf16 (out)
-// and/or into each 128-row chunk's channel sums (part, fp64, before any subtraction): K's transformed
+// Rows of x ([B, H, N, d]) rotated, minus sub[b*H + h] where given (smooth_k's mean), to bf16 (out),
+// or into each 128-row chunk's channel sums (part, fp64): K's transformed
 // rows, and the means of K (smooth_k) and Q (smooth_q). Grid: (chunks, B * H); kWarps warps.
 template <class T, int E>
 __global__ void __launch_bounds__(kRowThreads) rows_kernel(TensorView x, bool vec, bool rotate, const float* sub,
@@ -95,19 +95,23 @@ __global__ void __launch_bounds__(kRowThreads) rows_kernel(TensorView x, bool ve
   if (sub)
 #pragma unroll
     for (int e = 0; e < E; ++e) m[e] = sub[bh * d + lane * E + e];
-  for (int64_t n = int64_t(blockIdx.x) * 128 + warp; n < min(N, int64_t(blockIdx.x + 1) * 128); n += kWarps) {
-    float r[E];
-    load_row<T, E>(x, b, h, n, vec, rotate, r);
-    if (part)
-#pragma unroll
-      for (int e = 0; e < E; ++e) acc[e] += r[e];
-    if (out) {
+  const int64_t n0 = int64_t(blockIdx.x) * 128 + warp, n1 = min(N, int64_t(blockIdx.x + 1) * 128);
+  if (out) {
+    for (int64_t n = n0; n < n1; n += kWarps) {
+      float r[E];
+      load_row<T, E>(x, b, h, n, vec, rotate, r);
 #pragma unroll
       for (int e = 0; e < E; ++e) r[e] -= m[e];
       store_bf16<E>(out + (bh * N + n) * d, r);
     }
+    return;
   }
-  if (!part) return;
+  for (int64_t n = n0; n < n1; n += kWarps) {
+    float r[E];
+    load_row<T, E>(x, b, h, n, vec, rotate, r);
+#pragma unroll
+    for (int e = 0; e < E; ++e) acc[e] += r[e];
+  }
   // Rows n = warp (mod kWarps) summed per warp: the chunk's sum then adds the warps' in a fixed order.
 #pragma unroll
   for (int e = 0; e < E; ++e) sums[warp][lane * E + e] = acc[e];
@@ -120,26 +124,33 @@ __global__ void __launch_bounds__(kRowThreads) rows_kernel(TensorView x, bool ve
 }
 
 // mean = (sum of the chunks' sums) / N, then rotated where `rotate` (the mean of the rows as read,
-// carried to the rotated frame: smooth_q's); grid B * H, one warp, lane channels lane E + e.
+// carried to the rotated frame: smooth_q's); grid B * H, a thread a channel (d threads), then one
+// warp rotates (lane channels lane E + e).
 template <int E>
 __global__ void mean_kernel(const double* part, int chunks, int64_t N, bool rotate, float* mean) {
   constexpr int d = 32 * E;
-  const int lane = threadIdx.x;
-  float m[E];
-#pragma unroll
-  for (int e = 0; e < E; ++e) {
-    double s = 0;
-    for (int i = 0; i < chunks; ++i) s += part[(int64_t(blockIdx.x) * chunks + i) * d + lane * E + e];
-    m[e] = float(s / double(N));
+  __shared__ float m[d];
+  const int c = threadIdx.x;
+  double s = 0;
+  for (int i = 0; i < chunks; ++i) s += part[(int64_t(blockIdx.x) * chunks + i) * d + c];
+  m[c] = float(s / double(N));
+  if (!rotate) {
+    mean[int64_t(blockIdx.x) * d + c] = m[c];
+    return;
   }
-  if (rotate) rotate_lanes(m);
+  __syncthreads();
+  if (c >= 32) return;
+  float r[E];
 #pragma unroll
-  for (int e = 0; e < E; ++e) mean[int64_t(blockIdx.x) * d + lane * E + e] = m[e];
+  for (int e = 0; e < E; ++e) r[e] = m[c * E + e];
+  rotate_lanes(r);
+#pragma unroll
+  for (int e = 0; e < E; ++e) mean[int64_t(blockIdx.x) * d + c * E + e] = r[e];
 }
 
 // smooth_q's correction ds[b*Hq + h][n] = scale * mu(h).k'[n], k' key n as the quantize pass takes it
 // (rotated, minus kmean where given, rounded to bf16), for every query head of the key's group; 0 for
-// n in [Nk, ldv). A warp a key, its G dots in fp64 (the oracle's dot_f64). Grid: (ldv / 128, B * Hkv).
+// n in [Nk, ldv). A warp takes 8 keys, the G dots of each in fp64 (the oracle's dot_f64). Grid: (ldv / 128, B * Hkv).
 template <class T, int E>
 __global__ void __launch_bounds__(kRowThreads) key_dots_kernel(TensorView k, bool vec, bool rotate, const float* kmean,
                                                                const float* qmean, int G, float scale, int64_t ldv,
@@ -152,20 +163,24 @@ __global__ void __launch_bounds__(kRowThreads) key_dots_kernel(TensorView k, boo
 #pragma unroll
     for (int e = 0; e < E; ++e) m[e] = kmean[bh * d + lane * E + e];
   const int64_t bhq0 = (b * k.shape[1] + h) * G;  // the group's first query head
-  for (int64_t n = int64_t(blockIdx.x) * 128 + warp; n < int64_t(blockIdx.x + 1) * 128; n += kWarps) {
-    if (n >= N) {
-      if (lane < G) ds[(bhq0 + lane) * ldv + n] = 0.0f;
-      continue;
-    }
-    float r[E];
-    load_row<T, E>(k, b, h, n, vec, rotate, r);
+  // The warp's keys all loaded before the first dot, so their loads are in flight together.
+  constexpr int kPerWarp = 128 / kWarps;
+  const int64_t n0 = int64_t(blockIdx.x) * 128 + warp;
+  float r[kPerWarp][E];
 #pragma unroll
-    for (int e = 0; e < E; ++e) r[e] = to_float(to_bf16(r[e] - m[e]));
-    for (int g = 0; g < G; ++g) {
-      float mu[E];
+  for (int i = 0; i < kPerWarp; ++i)
+    if (n0 + i * kWarps < N) load_row<T, E>(k, b, h, n0 + i * kWarps, vec, rotate, r[i]);
+  for (int g = 0; g < G; ++g) {
+    float mu[E];
 #pragma unroll
-      for (int e = 0; e < E; ++e) mu[e] = qmean[(bhq0 + g) * d + lane * E + e];
-      const double s = warp_dot<E>(mu, r);
+    for (int e = 0; e < E; ++e) mu[e] = qmean[(bhq0 + g) * d + lane * E + e];
+#pragma unroll
+    for (int i = 0; i < kPerWarp; ++i) {
+      const int64_t n = n0 + i * kWarps;
+      float y[E];
+#pragma unroll
+      for (int e = 0; e < E; ++e) y[e] = to_float(to_bf16(r[i][e] - m[e]));
+      const double s = n < N ? warp_dot<E>(mu, y) : 0.0;
       if (lane == 0) ds[(bhq0 + g) * ldv + n] = float(s) * scale;
     }
   }
@@ -252,7 +267,7 @@ void row_means_d(const TensorView& x, bool rotate, bool rows_first, double* part
         x, vector_rows(x, E), rotate && rows_first, nullptr, nullptr, part);
   });
   check(cudaGetLastError(), "rows_kernel");
-  mean_kernel<E><<<unsigned(BH), 32, 0, stream>>>(part, int(chunks), N, rotate && !rows_first, mean);
+  mean_kernel<E><<<unsigned(BH), 32 * E, 0, stream>>>(part, int(chunks), N, rotate && !rows_first, mean);
   check(cudaGetLastError(), "mean_kernel");
 }
 
