@@ -73,8 +73,7 @@ void dma_attention(const Problem& p) {
         if (pol.smooth_q) {
           for (int64_t r = 0; r < p.Nq; ++r)
             for (int i = 0; i < d; ++i) x[size_t(r * d + i)] -= mu[size_t(i)];
-          ds[size_t(g)].assign(size_t((p.Nk + T - 1) / T * T), 0.0f);
-          for (int64_t n = 0; n < p.Nk; ++n) ds[size_t(g)][size_t(n)] = dot_f64(mu.data(), kf.data() + n * d, d);
+          ds[size_t(g)] = mean_dots(mu, kf.data(), p.Nk, d, (p.Nk + T - 1) / T * T);
         }
         if (transformed)
           for (float& v : x) v = round_bf16(v);

@@ -90,8 +90,7 @@ void ring_attention_simulated(const TensorView& q, const TensorView& k, const Te
           std::vector<float> rows(size_t(plan.n * d));
           for (int64_t n = 0; n < plan.n; ++n) load_row(p.q, b, hk * p.group() + g, n, rows.data() + n * d);
           qmean[size_t(g)] = cpu::query_mean(rows.data(), plan.n, d, pol.rotate);
-          ds[size_t(g)].resize(size_t(plan.n));
-          for (int64_t n = 0; n < plan.n; ++n) ds[size_t(g)][size_t(n)] = cpu::dot_f64(qmean[size_t(g)].data(), kall.data() + n * d, d);
+          ds[size_t(g)] = cpu::mean_dots(qmean[size_t(g)], kall.data(), plan.n, d, plan.n);
         });
       std::vector<int64_t> pairs(size_t(R), 0);
       cpu::parallel_for(R * p.group(), p.threads, [&](int64_t item) {

@@ -27,6 +27,12 @@ std::vector<float> query_mean(const float* x, int64_t n, int d, bool rotate) {
   return mean;
 }
 
+std::vector<float> mean_dots(const std::vector<float>& mu, const float* k, int64_t n, int d, int64_t padded) {
+  std::vector<float> out(static_cast<size_t>(padded), 0.0f);
+  for (int64_t i = 0; i < n; ++i) out[size_t(i)] = dot_f64(mu.data(), k + i * d, d);
+  return out;
+}
+
 std::vector<float> transform_keys(float* k, int64_t n, int d, const Policy& pol) {
   std::vector<float> mean(static_cast<size_t>(d), 0.0f);
   if (pol.transforms().empty()) return mean;

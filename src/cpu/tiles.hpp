@@ -20,6 +20,8 @@ std::vector<float> channel_mean(const float* x, int64_t n, int d);
 // (in real arithmetic the mean of the rotated rows; this way the GPU adds rows instead of rotating
 // each one).
 std::vector<float> query_mean(const float* x, int64_t n, int d, bool rotate);
+// smooth_q's correction: mu.k for each of the n keys k [n, d], in fp64 (dot_f64), zeros up to `padded`.
+std::vector<float> mean_dots(const std::vector<float>& mu, const float* k, int64_t n, int d, int64_t padded);
 // The key side of the accuracy transforms on K's n rows of one (batch, kv head), [n][d], in place:
 // each row rotated (Policy::rotate), then smooth_k's per-channel mean over the n rows subtracted,
 // then every value rounded to bf16 where any transform is on. Returns the mean (zeros without

@@ -250,7 +250,7 @@ void dma_attention(const Problem& p) {
     tf.kmean = buf.alloc<float>(size_t(p.B * p.Hkv * d) * 4);
     if (p.lse) tf.lse_shift = buf.alloc<float>(size_t(q_rows) * 4);
   }
-  if (pol.smooth_q) {  // the query mean (fused: on the caller's stream, before the fork below)
+  if (pol.smooth_q) {  // the query mean (fused: on the caller's stream, ahead of Q's pass below)
     tf.q_part = buf.alloc<double>(size_t(p.B * p.Hq * ((p.Nq + kTile - 1) / kTile) * d) * 8);
     tf.qmean = buf.alloc<float>(size_t(p.B * p.Hq * d) * 4);
     tf.ds = buf.alloc<float>(size_t(p.B * p.Hq * ldv) * 4);

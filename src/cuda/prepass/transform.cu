@@ -81,8 +81,8 @@ __device__ __forceinline__ void load_bf16_row(const uint16_t* row, float (&r)[E]
 }
 
 // Rows of x ([B, H, N, d]) rotated, minus sub[b*H + h] where given (smooth_k's mean), to bf16 (out),
-// or into each 128-row chunk's channel sums (part, fp64): K's transformed
-// rows, and the means of K (smooth_k) and Q (smooth_q). Grid: (chunks, B * H); kWarps warps.
+// or into each 128-row chunk's channel sums (part, fp64): K's transformed rows, and the means of K
+// (smooth_k) and Q (smooth_q). Grid: (chunks, B * H); kWarps warps.
 template <class T, int E>
 __global__ void __launch_bounds__(kRowThreads) rows_kernel(TensorView x, bool vec, bool rotate, const float* sub,
                                                            uint16_t* out, double* part) {
