@@ -100,33 +100,57 @@ def _check_4d(mask, L, S, causal, left=-1):
         raise NotImplementedError(_MASK_NOTE)
 
 
-def _padded(query, key, value, keep, causal, scaling, left=-1):
-    """Each batch row over its own valid tokens (keep [B, S] bool, True for a real token), packed into
-    one variable-length call."""
-    import torch
+class _Packing:
+    """How a padded batch packs into one variable-length call: the (batch, position) of every real key
+    and of every query among them, and the offsets. Read from the mask with one copy to the host and
+    kept for the mask's other layers (transformers passes one mask to every layer of a forward)."""
+
+    def __init__(self, mask, L, S, left, device):
+        import torch
+        keep = mask[:, -S:].bool().cpu()
+        self.all_real = bool(keep.all())
+        kb, kp, qb, ql, self.cq, self.ck = [], [], [], [], [0], [0]
+        for b in range(keep.shape[0]):
+            kidx = torch.nonzero(keep[b], as_tuple=True)[0]
+            if left >= 0 and kidx.numel() > 0 and int(kidx[-1] - kidx[0]) + 1 != kidx.numel():
+                raise NotImplementedError(_MASK_NOTE)  # a window over cache slots: holes would shift it
+            qidx = kidx[kidx >= S - L] - (S - L)  # the queries are the last L positions
+            kb.append(torch.full_like(kidx, b))
+            kp.append(kidx)
+            qb.append(torch.full_like(qidx, b))
+            ql.append(qidx)
+            self.cq.append(self.cq[-1] + qidx.numel())
+            self.ck.append(self.ck[-1] + kidx.numel())
+        self.kb, self.kp, self.qb, self.ql = (torch.cat(x).to(device) for x in (kb, kp, qb, ql))
+
+
+_last_packing = None  # (weak reference to the mask, its version and the shape asked, the _Packing)
+
+
+def _packing(mask, L, S, left, device):
+    import weakref
+    global _last_packing
+    key = (mask._version, L, S, left, str(device))
+    last = _last_packing
+    if last is not None and last[0]() is mask and last[1] == key:
+        return last[2]
+    pk = _Packing(mask, L, S, left, device)
+    _last_packing = (weakref.ref(mask), key, pk)
+    return pk
+
+
+def _padded(query, key, value, pk, causal, scaling, left=-1):
+    """Each batch row over its own valid tokens (pk: _packing's gather), packed into one
+    variable-length call; rows of padding queries are zeros."""
     from . import attention
-    B, _, L, _ = query.shape
-    S = key.shape[-2]
-    qs, ks, vs, rows, cq, ck = [], [], [], [], [0], [0]
-    for b in range(B):
-        kidx = torch.nonzero(keep[b], as_tuple=True)[0]
-        if left >= 0 and kidx.numel() > 0 and int(kidx[-1] - kidx[0]) + 1 != kidx.numel():
-            raise NotImplementedError(_MASK_NOTE)  # a window over cache slots: holes would shift it
-        qidx = kidx[kidx >= S - L] - (S - L)  # the queries are the last L positions
-        qs.append(query[b].index_select(1, qidx).transpose(0, 1))
-        ks.append(key[b].index_select(1, kidx).transpose(0, 1))
-        vs.append(value[b].index_select(1, kidx).transpose(0, 1))
-        rows.append(qidx)
-        cq.append(cq[-1] + qidx.numel())
-        ck.append(ck[-1] + kidx.numel())
-    out = torch.zeros_like(query)
-    if cq[-1] == 0:
-        return out
-    packed = attention(torch.cat(qs), torch.cat(ks), torch.cat(vs), causal=causal, scale=scaling, policy=_policy(),
-                       window=(left, -1), cu_seqlens_q=cq, cu_seqlens_k=ck)
-    for b in range(B):
-        out[b].index_copy_(1, rows[b], packed[cq[b]:cq[b + 1]].transpose(0, 1))
-    return out
+    out = query.new_zeros(query.shape[0], query.shape[2], query.shape[1], query.shape[3])  # [B, L, Hq, E]
+    if pk.cq[-1] == 0:
+        return out.transpose(1, 2)
+    rows = lambda t, b, p: t.transpose(1, 2)[b, p]  # noqa: E731  [tokens, heads, E]
+    packed = attention(rows(query, pk.qb, pk.ql), rows(key, pk.kb, pk.kp), rows(value, pk.kb, pk.kp), causal=causal,
+                       scale=scaling, policy=_policy(), window=(left, -1), cu_seqlens_q=pk.cq, cu_seqlens_k=pk.ck)
+    out[pk.qb, pk.ql] = packed
+    return out.transpose(1, 2)
 
 
 def attention_function(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -147,11 +171,11 @@ def attention_function(module, query, key, value, attention_mask, scaling=None, 
         drawn = getattr(attention_mask, "dmattn_window_left", left)
         if window is not None and drawn != left:
             raise NotImplementedError(_MASK_NOTE)
-        keep = attention_mask.bool()
-        if bool(keep.all()):
+        pk = _packing(attention_mask, L, S, drawn, query.device)
+        if pk.all_real:
             out = _attend(query, key, value, causal, scaling, drawn)
         else:
-            out = _padded(query, key, value, keep, causal, scaling, drawn)
+            out = _padded(query, key, value, pk, causal, scaling, drawn)
     else:
         _check_4d(attention_mask, L, S, causal, left)
         out = _attend(query, key, value, causal, scaling, left)

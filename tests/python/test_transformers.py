@@ -212,3 +212,28 @@ def test_paged_cache_sliding_window_keeps_positions(side):
     for step, logits in enumerate(res.logits):
         want = full[:, 149 + step]
         assert ((logits - want).norm() / want.norm()).item() < 1e-5, step
+
+
+def test_padding_is_read_once_a_mask_and_again_when_the_mask_changes():
+    """The padded batch's gather comes from one host copy of the mask, kept for the mask's other
+    layers; an in-place change of the mask (a new version) or another shape is read afresh."""
+    from dmattn import hf
+    mask = torch.ones(3, 10, dtype=torch.bool)
+    mask[0, :4] = False
+    mask[2, 7:] = False
+    pk = hf._packing(mask, 10, 10, -1, "cpu")
+    assert hf._packing(mask, 10, 10, -1, "cpu") is pk
+    assert not pk.all_real and pk.cq == [0, 6, 16, 23] and pk.ck == pk.cq
+    assert pk.kb.tolist() == [0] * 6 + [1] * 10 + [2] * 7 and pk.kp[:6].tolist() == list(range(4, 10))
+    short = hf._packing(mask, 2, 10, -1, "cpu")  # the last two positions are the queries
+    assert short is not pk and short.cq == [0, 2, 4, 4] and short.ql.tolist() == [0, 1, 0, 1]
+    mask[0, :4] = True
+    again = hf._packing(mask, 10, 10, -1, "cpu")
+    assert again is not pk and again.cq == [0, 10, 20, 27]
+    mask[2, 7:] = True
+    assert hf._packing(mask, 10, 10, -1, "cpu").all_real
+    holes = torch.ones(1, 10, dtype=torch.bool)
+    holes[0, 5] = False
+    hf._packing(holes, 10, 10, -1, "cpu")  # holes are exact without a window
+    with pytest.raises(NotImplementedError):
+        hf._packing(holes, 10, 10, 3, "cpu")  # and not computable through one
