@@ -5,6 +5,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/prefill/packing.hpp"
 #include "problem.hpp"
 #include "dmattn/error.hpp"
 
@@ -147,11 +148,22 @@ void varlen_attention(const TensorView& q, const TensorView& k, const TensorView
       if ((*cu)[i] < (*cu)[i - 1])
         throw Error(std::string(what) + ": cu_seqlens_" + (is_q ? "q" : "k") + " decreases at " + std::to_string(i));
   }
+  for (size_t i = 0; i + 1 < cu_q.size(); ++i)
+    if (cu_q[i + 1] > cu_q[i] && cu_k[i + 1] == cu_k[i])
+      throw Error(std::string(what) + ": sequence " + std::to_string(i) + " has queries but no keys");
+#if defined(DMATTN_HAVE_CUDA)
+  // The CUDA prefill takes the whole packed batch in one call where the policy allows.
+  if (runs_on_cuda(q, k, v, out, opts) && cuda::packs(opts.policy, q.dtype) && k.dtype == q.dtype && v.dtype == q.dtype) {
+    const Problem p = validate(q, k, v, out, lse, opts);
+    const cuda::Packing packing(cu_q, cu_k, p.mask());
+    cuda::dma_attention(p, &packing);
+    return;
+  }
+#endif
   const int64_t Hq = q.shape[1], total_q = q.shape[2];
   for (size_t i = 0; i + 1 < cu_q.size(); ++i) {
     const int64_t q0 = cu_q[i], nq = cu_q[i + 1] - q0, k0 = cu_k[i], nk = cu_k[i + 1] - k0;
     if (nq == 0) continue;
-    if (nk == 0) throw Error(std::string(what) + ": sequence " + std::to_string(i) + " has queries but no keys");
     const TensorView qi = slice_tokens(q, q0, nq), ki = slice_tokens(k, k0, nk), vi = slice_tokens(v, k0, nk),
                      oi = slice_tokens(out, q0, nq);
     if (!lse) {

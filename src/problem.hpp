@@ -47,11 +47,15 @@ void dma_attention(const Problem& p);    // DMA, docs/DESIGN.md
 }  // namespace cpu
 
 namespace cuda {
+struct Packing;
 // Decode over the cache's pages, mirrored on the device (KVCache::device_state); q, out and lse on
 // the device; opts' splits, window and stream (scale: the softmax scale). Returns when the results are written.
 void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const TensorView& q, const TensorView& out,
                       float* lse, float scale, const DecodeOptions& opts);
-void dma_attention(const Problem& p);  // all tensors on the current CUDA device; ordered on p.stream
+// All tensors on the current CUDA device; ordered on p.stream. With `packing` (prefill/packing.hpp),
+// p holds packed sequences ([1, H, total, d]), attended in one call as each alone (packs(policy)).
+void dma_attention(const Problem& p, const Packing* packing = nullptr);
+bool packs(const Policy& policy, DType dtype);  // whether one call takes packed sequences of this policy and dtype
 // dma_attention with p.lse's [B][Hq][Nq] rows written at dst, rows `stride` floats apart (varlen's [Hq, total_q]).
 void dma_attention_lse_rows(Problem p, float* dst, int64_t stride);
 }  // namespace cuda

@@ -1,13 +1,17 @@
 // Packed variable-length batches (varlen_attention): each sequence of the packed tensors must come
 // out exactly as attention() computes that sequence alone (outputs and LSE bit for bit, the LSE in
 // flash-attn's [Hq, total_q] layout), for causal and windowed masks, GQA and a policy with sink and
-// diagonal tiles (the tiles count from each sequence's own first token); bad offsets are errors.
+// diagonal tiles (the tiles count from each sequence's own first token); bad offsets are errors; and
+// the tables with which the CUDA prefill takes a packed batch in one call.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <climits>
 #include <cstring>
 #include <string>
 #include <vector>
 
+#include "cuda/prefill/packing.hpp"
 #include "dmattn/attention.hpp"
 #include "dmattn/error.hpp"
 #include "dmattn/synthetic.hpp"
@@ -92,4 +96,63 @@ TEST(Varlen, RejectsBadOffsets) {
   AttentionOptions off = o;
   off.q_offset = 0;
   EXPECT_THROW(run({0, 10}, {0, 10}, off), Error);
+}
+
+// The CUDA prefill's tables for one call over packed sequences (built on the host, so tested here):
+// each sequence's keys take whole 128-key tiles of their own, in order, the slot map and its inverse
+// agree, and the work list holds every query tile of every sequence once, longest first.
+TEST(Varlen, PackingGivesEachSequenceItsOwnTilesAndEveryQueryTileOnce) {
+  const std::vector<int32_t> lq = {5, 130, 0, 300, 1, 200}, lk = {5, 200, 7, 300, 129, 100};
+  const std::vector<int32_t> cq = offsets(lq), ck = offsets(lk);
+  for (int64_t left : {int64_t(-1), int64_t(150)}) {
+    const Mask mask{0, true, left, -1};
+    const cuda::Packing pk(cq, ck, mask);
+    const auto at = [&](size_t base, int64_t i) { return pk.words[base + size_t(i)]; };
+    int64_t tiles = 0;
+    for (int32_t n : lk) tiles += (n + kTile - 1) / kTile;
+    ASSERT_EQ(pk.ldv, tiles * kTile);
+    ASSERT_EQ(pk.nseq, int(lq.size()));
+    std::vector<int> seen(size_t(pk.ldv), 0);
+    int32_t tile0 = 0;
+    for (size_t i = 0; i < lk.size(); ++i) {
+      cuda::SeqSpan s;
+      std::memcpy(&s, &pk.words[pk.seqs + i * sizeof(s) / 4], sizeof(s));
+      EXPECT_EQ(s.q0, cq[i]);
+      EXPECT_EQ(s.nq, lq[i]);
+      EXPECT_EQ(s.k0, ck[i]);
+      EXPECT_EQ(s.nk, lk[i]);
+      EXPECT_EQ(s.tile0, tile0) << "sequence " << i;
+      for (int32_t j = 0; j < lk[i]; ++j) {
+        const int32_t slot = at(pk.key_slot, ck[i] + j);
+        EXPECT_EQ(slot, tile0 * kTile + j);
+        EXPECT_EQ(at(pk.key_seq, ck[i] + j), int32_t(i));
+        EXPECT_EQ(at(pk.slot_key, slot), ck[i] + j);
+        ++seen[size_t(slot)];
+      }
+      for (int32_t r = 0; r < lq[i]; ++r) EXPECT_EQ(at(pk.query_seq, cq[i] + r), int32_t(i));
+      tile0 += (lk[i] + kTile - 1) / kTile;
+    }
+    for (int64_t slot = 0; slot < pk.ldv; ++slot)  // padding slots name no key
+      if (!seen[size_t(slot)]) EXPECT_EQ(at(pk.slot_key, slot), -1) << "slot " << slot;
+    // Work: each (sequence, query block) the sequence's rows touch, once, with non-increasing key tiles.
+    std::vector<std::pair<int32_t, int32_t>> want, got;
+    for (size_t i = 0; i < lq.size(); ++i) {
+      if (lq[i] == 0) continue;
+      const int64_t pos0 = lk[i] - lq[i];
+      for (int64_t b = hd::floor_div(pos0, kTile); b <= hd::floor_div(pos0 + lq[i] - 1, kTile); ++b)
+        want.push_back({int32_t(i), int32_t(b)});
+    }
+    int64_t last = INT64_MAX;
+    for (int64_t n = 0; n < pk.works; ++n) {
+      const int32_t seq = at(pk.work, 2 * n), block = at(pk.work, 2 * n + 1);
+      got.push_back({seq, block});
+      Mask m = mask;
+      m.nk = lk[size_t(seq)];
+      const int64_t cost = (m.key_end(int64_t(block) * kTile + kTile - 1) + kTile - 1) / kTile - m.key_begin(int64_t(block) * kTile) / kTile;
+      EXPECT_LE(cost, last) << "work item " << n;
+      last = cost;
+    }
+    std::sort(got.begin(), got.end());
+    EXPECT_EQ(got, want) << "left " << left;
+  }
 }

@@ -86,8 +86,12 @@ void attention(const TensorView& q, const TensorView& k, const TensorView& v, co
 // [cu_seqlens_q[i], cu_seqlens_q[i+1]) and key rows [cu_seqlens_k[i], cu_seqlens_k[i+1]), and is
 // attended alone, exactly as attention() attends it (bottom-right causal alignment, the window and
 // the policy's tiles from its own first token). lse, if given, is [Hq, total_q] (flash-attn's layout).
-// A sequence with queries but no keys is an error; one with no queries is skipped. Each sequence is
-// one attention() call on opts.stream (a kernel over all sequences at once is not built yet).
+// A sequence with queries but no keys is an error; one with no queries is skipped. On CUDA tensors
+// the whole batch is one call (one pre-pass and one prefill kernel, each sequence's keys in tiles of
+// their own, the query tiles of all sequences scheduled longest first) for bf16 or fp16 tensors under
+// the default's formats (MXFP8-E4M3 and MXFP4 tiles), pv=bf16 and the transforms rotate and smooth_k
+// (each sequence's own key mean); otherwise, and on the CPU, each sequence is one attention() call on
+// opts.stream. Both give the same bits.
 void varlen_attention(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& out,
                       float* lse, const std::vector<int32_t>& cu_seqlens_q, const std::vector<int32_t>& cu_seqlens_k,
                       const AttentionOptions& opts);

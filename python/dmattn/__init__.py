@@ -142,7 +142,9 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
         offsets from 0; CUDA tensors are read back to the host). Each sequence is attended alone
         (causal aligned bottom-right within it, its own tiles); out is [total_q, Hq, d], lse
         [Hq, total_q]. max_seqlen_q / max_seqlen_k, if given, must be at least the longest
-        sequence's. Each sequence is one call on the stream (no single kernel over all of them yet).
+        sequence's. On CUDA tensors the batch is one call (one pre-pass, one kernel) for bf16/fp16
+        tensors under the default's tile formats (mxfp8-e4m3, mxfp4), pv="bf16" and the transforms
+        rotate and smooth_k; other policies run a call a sequence on the stream, with the same results.
       check_finite: raise on NaN/Inf inputs (default). On CUDA this reads flags back from the GPU,
         so the call waits for its quantize pass (not for its attention kernel: the result is
         stream-ordered like any torch op's either way); False skips the check (and that wait), and

@@ -565,6 +565,83 @@ TEST(GpuPrefill, PrePassStreamsFollowTheCallersStream) {
   for (void* ptr : {q.data, k.data, v.data, k2.data, v2.data, static_cast<void*>(o1), static_cast<void*>(o2)}) cudaFree(ptr);
 }
 
+// Packed sequences (varlen_attention on CUDA tensors) run as one call where the policy allows
+// (cuda::packs) and as a call a sequence otherwise: either way each sequence's rows equal, bit for
+// bit, the CUDA attention of that sequence alone (outputs and LSE poisoned first), across sequences
+// shorter than a tile, with more queries than keys, with no queries, and a tile's worth exactly.
+TEST(GpuPrefill, PackedSequencesEqualEachSequenceAlone) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const uint64_t seed = fresh_seed();
+  const std::vector<int32_t> lq = {300, 1, 0, 200, 128, 517}, lk = {300, 129, 5, 100, 128, 640};
+  std::vector<int32_t> cq{0}, ck{0};
+  for (size_t i = 0; i < lq.size(); ++i) {
+    cq.push_back(cq.back() + lq[i]);
+    ck.push_back(ck.back() + lk[i]);
+  }
+  const int64_t Hq = 8, Hkv = 2, tq = cq.back(), tk = ck.back();
+  Policy smooth_q;
+  smooth_q.smooth_q = true;
+  struct Run {
+    Policy policy;
+    bool causal;
+    int64_t left;
+    const char* name;
+  };
+  const Run runs[] = {{Policy{}, true, -1, "default"},       {Policy::plain(), true, -1, "plain"},
+                      {Policy::all(Format::mxfp4), true, -1, "mxfp4"}, {Policy{}, true, 150, "window 150"},
+                      {Policy{}, false, -1, "non-causal"},   {smooth_q, true, -1, "smooth_q (a call a sequence)"}};
+  for (int64_t d : {64, 128}) {
+    // Packed [1, total, H, d] bf16 rows seen as the [1, H, total, d] views varlen_attention takes.
+    const QKV x = random_qkv({1, Hq, Hkv, tq, tk, d}, seed + uint64_t(d), DType::bf16);
+    auto packed = [](const HostTensor& t, int64_t H, int64_t n, int64_t dd) {
+      TensorView v = to_device(HostTensor::from_floats(t.to_floats(), {1, n, H, dd}, DType::bf16));
+      std::swap(v.shape[1], v.shape[2]);
+      std::swap(v.stride[1], v.stride[2]);
+      return v;
+    };
+    const TensorView q = packed(x.q, Hq, tq, d), k = packed(x.k, Hkv, tk, d), v = packed(x.v, Hkv, tk, d);
+    float *out = nullptr, *lse = nullptr, *out1 = nullptr, *lse1 = nullptr;
+    const size_t n_out = size_t(tq * Hq * d), n_lse = size_t(Hq * tq);
+    ASSERT_EQ(cudaMalloc(&out, n_out * 4), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&lse, n_lse * 4), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&out1, n_out * 4), cudaSuccess);
+    ASSERT_EQ(cudaMalloc(&lse1, n_lse * 4), cudaSuccess);
+    TensorView o = TensorView::contiguous(out, DType::f32, {1, tq, Hq, d}, Device::cuda);
+    std::swap(o.shape[1], o.shape[2]);
+    std::swap(o.stride[1], o.stride[2]);
+    TensorView o1 = o;
+    o1.data = out1;
+    for (const Run& r : runs) {
+      AttentionOptions opt;
+      opt.causal = r.causal;
+      opt.policy = r.policy;
+      opt.window_left = r.left;
+      for (float* p : {out, out1}) ASSERT_EQ(cudaMemset(p, 0xFF, n_out * 4), cudaSuccess);  // NaN
+      for (float* p : {lse, lse1}) ASSERT_EQ(cudaMemset(p, 0xFF, n_lse * 4), cudaSuccess);
+      varlen_attention(q, k, v, o, lse, cq, ck, opt);
+      // Each sequence alone, into the same places of the second output.
+      for (size_t i = 0; i < lq.size(); ++i) {
+        if (lq[i] == 0) continue;
+        float* li = nullptr;
+        ASSERT_EQ(cudaMalloc(&li, size_t(Hq * lq[i]) * 4), cudaSuccess);
+        attention(slice_tokens(q, cq[i], lq[i]), slice_tokens(k, ck[i], lk[i]), slice_tokens(v, ck[i], lk[i]),
+                  slice_tokens(o1, cq[i], lq[i]), li, opt);
+        ASSERT_EQ(cudaMemcpy2D(lse1 + cq[i], size_t(tq) * 4, li, size_t(lq[i]) * 4, size_t(lq[i]) * 4, size_t(Hq),
+                               cudaMemcpyDeviceToDevice), cudaSuccess);
+        ASSERT_EQ(cudaFree(li), cudaSuccess);
+      }
+      // Every row is written (the packed rows are all some sequence's), and the same in both.
+      EXPECT_TRUE(device_equal(out, out1, n_out)) << r.name << " d=" << d;
+      EXPECT_TRUE(device_equal(lse, lse1, n_lse)) << r.name << " d=" << d;
+      std::vector<float> host(n_out);
+      ASSERT_EQ(cudaMemcpy(host.data(), out, n_out * 4, cudaMemcpyDeviceToHost), cudaSuccess);
+      EXPECT_TRUE(std::all_of(host.begin(), host.end(), [](float f) { return std::isfinite(f); })) << r.name;
+    }
+    for (void* p : {q.data, k.data, v.data}) EXPECT_EQ(cudaFree(p), cudaSuccess);
+    for (float* p : {out, lse, out1, lse1}) EXPECT_EQ(cudaFree(p), cudaSuccess);
+  }
+}
+
 TEST(GpuPrefill, RejectsWhatItCannotDo) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const QKV x = random_qkv({1, 1, 1, 8, 8, 64}, 1);

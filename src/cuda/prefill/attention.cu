@@ -12,6 +12,7 @@
 #include "cuda/common/buffers.hpp"
 #include "cuda/ptx/fp8.cuh"
 #include "cuda/common/head_dims.hpp"
+#include "cuda/prefill/packing.hpp"
 #include "cuda/prefill/params.cuh"
 #include "cuda/prepass/quantize.hpp"
 #include "cuda/prepass/transform.hpp"
@@ -29,16 +30,16 @@ namespace {
 // shared tile so reads (along d) and writes (along keys) are both coalesced; flags non-finite
 // values. kFp8 = false: bf16 bits. kFp8: E4M3 bytes under each channel's scale (from amax_bits, the
 // channel's amax as float bits: v_amax_kernel), keys in pv_fp8_key order; the scales go to vscale.
-template <class T, bool kFp8>
+template <class T, bool kFp8, bool kSlots = false>
 __global__ void transpose_v_kernel(const T* v, Shape shape, Shape stride, int64_t ldv, void* vt, int* nonfinite,
-                                   const uint32_t* amax_bits, ScaleRule rule, float* vscale) {
+                                   const uint32_t* amax_bits, ScaleRule rule, float* vscale, const int32_t* slot_key) {
   __shared__ float tile[32][33];
   const int64_t bh = blockIdx.z, key0 = int64_t(blockIdx.x) * 32, dim0 = int64_t(blockIdx.y) * 32;
   const T* base = v + (bh / shape[1]) * stride[0] + (bh % shape[1]) * stride[1];
   bool bad = false;
   for (int r = threadIdx.y; r < 32; r += blockDim.y) {
-    const int64_t key = key0 + r;
-    const float x = key < shape[2] ? to_float(base[key * stride[2] + (dim0 + threadIdx.x) * stride[3]]) : 0.0f;
+    const int64_t key = kSlots ? slot_key[key0 + r] : key0 + r;
+    const float x = (!kSlots || key >= 0) && key < shape[2] ? to_float(base[key * stride[2] + (dim0 + threadIdx.x) * stride[3]]) : 0.0f;
     bad |= !hd::is_finite(x);
     tile[r][threadIdx.x] = x;
   }
@@ -60,9 +61,9 @@ __global__ void transpose_v_kernel(const T* v, Shape shape, Shape stride, int64_
 // tile a block, 16-byte loads along channels and 16-byte stores along keys (the generic kernel above
 // moves 2 bytes a load and store and was ~4x below the copy bandwidth: 17 us for 8 MB at N = 4096).
 // fp16 values are rounded to bf16 as to_bf16 does; flags non-finite values.
-template <class T>
+template <class T, bool kSlots = false>
 __global__ void __launch_bounds__(256) transpose_v_vec_kernel(const T* v, Shape shape, Shape stride, int64_t ldv,
-                                                              uint16_t* vt, int* nonfinite) {
+                                                              uint16_t* vt, int* nonfinite, const int32_t* slot_key) {
   constexpr int kPitch = 66;  // channels' rows of 64 keys, padded: the transposing 2-byte stores spread over banks
   __shared__ uint16_t tile[64 * kPitch];
   const int64_t bh = blockIdx.z, key0 = int64_t(blockIdx.x) * 64, dim0 = int64_t(blockIdx.y) * 64;
@@ -71,8 +72,8 @@ __global__ void __launch_bounds__(256) transpose_v_vec_kernel(const T* v, Shape 
   uint4 w[2];
 #pragma unroll
   for (int u = 0; u < 2; ++u) {  // key row tid / 8 + 32u, channels 8 (tid % 8) ..
-    const int64_t key = key0 + tid / 8 + 32 * u;
-    w[u] = key < shape[2] ? *reinterpret_cast<const uint4*>(base + key * stride[2] + (tid % 8) * 8) : make_uint4(0, 0, 0, 0);
+    const int64_t slot = key0 + tid / 8 + 32 * u, key = kSlots ? slot_key[slot] : slot;
+    w[u] = (!kSlots || key >= 0) && key < shape[2] ? *reinterpret_cast<const uint4*>(base + key * stride[2] + (tid % 8) * 8) : make_uint4(0, 0, 0, 0);
   }
   bool bad = false;
 #pragma unroll
@@ -131,8 +132,9 @@ __global__ void v_amax_kernel(const T* v, Shape shape, Shape stride, uint32_t* a
 }
 
 // V^T for the P.V tensor-core operand (bf16, or pv = fp8's E4M3 with vscale); flags non-finite values.
+// slot_key (packed sequences, bf16): column c of V^T holds key slot_key[c] (-1: zeros).
 void transpose_v(const TensorView& v, int64_t ldv, void* vt, int* flag, bool fp8, ScaleRule rule, uint32_t* amax,
-                 float* vscale, cudaStream_t stream) {
+                 float* vscale, cudaStream_t stream, const int32_t* slot_key = nullptr) {
   const int64_t bh = v.shape[0] * v.shape[1];
   const dim3 grid(unsigned(ldv / 32), unsigned(v.shape[3] / 32), unsigned(bh)), block(32, 8);
   with_typed(v, [&](auto* typed) {
@@ -141,14 +143,24 @@ void transpose_v(const TensorView& v, int64_t ldv, void* vt, int* flag, bool fp8
       check(cudaMemsetAsync(amax, 0, size_t(bh * v.shape[3]) * sizeof(uint32_t), stream), "cudaMemset");
       const dim3 agrid(unsigned((v.shape[2] + 63) / 64), unsigned(v.shape[3] / 32), unsigned(bh));
       v_amax_kernel<T><<<agrid, block, 0, stream>>>(typed, v.shape, v.stride, amax);
-      transpose_v_kernel<T, true><<<grid, block, 0, stream>>>(typed, v.shape, v.stride, ldv, vt, flag, amax, rule, vscale);
+      transpose_v_kernel<T, true><<<grid, block, 0, stream>>>(typed, v.shape, v.stride, ldv, vt, flag, amax, rule, vscale,
+                                                              nullptr);
     } else if (sizeof(T) == 2 && rows_16byte_aligned(v) && v.shape[3] % 64 == 0) {
       if constexpr (sizeof(T) == 2) {  // (the f32 instance is never launched: no vector kernel for it)
         const dim3 vgrid(unsigned(ldv / 64), unsigned(v.shape[3] / 64), unsigned(bh));
-        transpose_v_vec_kernel<T><<<vgrid, 256, 0, stream>>>(typed, v.shape, v.stride, ldv, static_cast<uint16_t*>(vt), flag);
+        auto* out = static_cast<uint16_t*>(vt);
+        if (slot_key)
+          transpose_v_vec_kernel<T, true><<<vgrid, 256, 0, stream>>>(typed, v.shape, v.stride, ldv, out, flag, slot_key);
+        else
+          transpose_v_vec_kernel<T><<<vgrid, 256, 0, stream>>>(typed, v.shape, v.stride, ldv, out, flag, nullptr);
       }
     } else {
-      transpose_v_kernel<T, false><<<grid, block, 0, stream>>>(typed, v.shape, v.stride, ldv, vt, flag, nullptr, rule, nullptr);
+      if (slot_key)
+        transpose_v_kernel<T, false, true><<<grid, block, 0, stream>>>(typed, v.shape, v.stride, ldv, vt, flag, nullptr, rule,
+                                                                       nullptr, slot_key);
+      else
+        transpose_v_kernel<T, false><<<grid, block, 0, stream>>>(typed, v.shape, v.stride, ldv, vt, flag, nullptr, rule, nullptr,
+                                                                 nullptr);
     }
   });
   check(cudaGetLastError(), "transpose kernel");
@@ -178,13 +190,30 @@ void require_supported(const Problem& p) {
 
 }  // namespace
 
-void dma_attention(const Problem& p) {
-  require_supported(p);
+bool packs(const Policy& pol, DType dtype) {
+  // The pre-pass's K form for packed sequences (QuantTarget::row_slot) is the default's pair.
+  return pol.high == Format::mxfp8_e4m3 && pol.low == Format::mxfp4 && pol.pv == PV::bf16 && !pol.smooth_q &&
+         pol.sink_keys == 0 && dtype_size(dtype) == 2;
+}
+
+void dma_attention(const Problem& call, const Packing* packing) {
+  require_supported(call);
+  if (packing && (call.B != 1 || !packs(call.policy, call.q.dtype) || call.k.dtype != call.q.dtype))
+    throw Error("packed sequences in one CUDA call: one packed batch of 16-bit tensors, MXFP8-E4M3 and MXFP4 tiles, "
+                "pv=bf16, no smooth_q or sink_keys");
+  // Packed sequences: positions count within each sequence (the work list says where each starts).
+  Problem p = call;
+  if (packing) p.q_pos0 = p.k_pos0 = 0;
   const cudaStream_t stream = static_cast<cudaStream_t>(p.stream);
   Buffers buf(stream);
+  PackedMaps pk;
+  if (packing) pk = packing->on(buf.upload(packing->words.data(), packing->words.size()));
+  const PackedMaps* packed = packing ? &pk : nullptr;
   const int nslots = p.policy.high == p.policy.low ? 1 : 2;
   const int64_t d = p.d;
-  const int64_t ldv = (p.Nk + kTile - 1) / kTile * kTile;
+  // K's rows a head: its keys, or packed sequences' padded slots (each sequence's from a tile start).
+  const int64_t ldv = packing ? pk.ldv : (p.Nk + kTile - 1) / kTile * kTile;
+  const int64_t k_code_rows = packing ? p.B * p.Hkv * ldv : p.B * p.Hkv * p.Nk;
   const int64_t k_tiles = p.B * p.Hkv * (ldv / kTile), k_pad_rows = p.B * p.Hkv * ldv;
   // The pre-pass's zero-initialised scratch under one memset: the NaN/Inf flags of Q, K, V (16 bytes),
   // then per slot K's row scales (zeros past Nk) and tile-split flags, each slot 16-byte aligned (the
@@ -217,7 +246,7 @@ void dma_attention(const Problem& p) {
       const size_t bytes = nv ? 2 : 1;
       SlotScratch& x = sl[s];
       x.q8 = c.take<uint8_t>(size_t(q_rows * d) * bytes);
-      x.k8 = c.take<uint8_t>(size_t(k_rows * d) * bytes);
+      x.k8 = c.take<uint8_t>(size_t(k_code_rows * d) * bytes);
       x.kts = c.take<float>(size_t(k_tiles) * sizeof(float));  // per key tile (PrefillParams::kts)
       if (nv) {
         x.qten = c.take<float>(size_t(q_rows) * sizeof(float));
@@ -247,7 +276,7 @@ void dma_attention(const Problem& p) {
   if (transformed) query_tiles(p, tf.qtile0, tf.qtiles);
   if (pol.smooth_k) {  // the key mean (fused: on K's side stream, ahead of K's quantize below)
     tf.k_part = buf.alloc<double>(size_t(p.B * p.Hkv * (ldv / kTile) * d) * 8);
-    tf.kmean = buf.alloc<float>(size_t(p.B * p.Hkv * d) * 4);
+    tf.kmean = buf.alloc<float>(size_t((packing ? pk.nseq : p.B) * p.Hkv * d) * 4);
     if (p.lse) tf.lse_shift = buf.alloc<float>(size_t(q_rows) * 4);
   }
   if (pol.smooth_q) {  // the query mean (fused: on the caller's stream, ahead of Q's pass below)
@@ -320,14 +349,18 @@ void dma_attention(const Problem& p) {
   for (int s = 0; s < nslots; ++s)
     if (pp.nv[s]) quantize_rows_nvfp4(q_in, qn[s], stream, flags);
   if (fused && pol.smooth_k) {
-    key_means(p, tf.k_part, tf.kmean, fork.side(1));
-    if (tf.lse_shift) lse_shifts(p, tf.kmean, scale, tf.qtile0, tf.qtiles, tf.lse_shift, fork.side(1));
+    key_means(p, tf.k_part, tf.kmean, fork.side(1), packed);
+    if (tf.lse_shift)
+      lse_shifts(p, tf.kmean, scale, tf.qtile0, tf.qtiles, tf.lse_shift, fork.side(1), packing ? pk.query_seq : nullptr);
   }
   if (n_mx > 0) {
+    // Packed sequences: each sequence's keys into slots of their own (padding slots keep zero row
+    // scales, and the mask drops their scores), less their sequence's mean.
+    const PackedRows k_rows_packed = packing ? PackedRows{pk.key_slot, pk.key_seq, int(p.Hkv)} : PackedRows{};
     quantize_rows(k_in, p.policy.scale_rule, kt[mx[0]], n_mx == 2 ? kt[mx[1]] : QuantTarget{}, fork.side(1), flags + 1,
-                  k_tf);
+                  k_tf, k_rows_packed);
     // one scale per key tile where exact (always for MXFP4 keys within 2^8)
-    fold_key_tiles(folds, n_mx, p.B * p.Hkv, p.Nk, ldv, d, fork.side(1));
+    fold_key_tiles(folds, n_mx, p.B * p.Hkv, packing ? ldv : p.Nk, ldv, d, fork.side(1));
   }
   if (fused && pol.smooth_q) {
     fork.side_waits_mark(1);
@@ -335,7 +368,8 @@ void dma_attention(const Problem& p) {
   }
   for (int s = 0; s < nslots; ++s)
     if (pp.nv[s]) quantize_rows_nvfp4(k_in, kn[s], fork.side(1), flags + 1);
-  transpose_v(p.v, ldv, vt, flags + 2, pv_fp8, p.policy.scale_rule, vamax, vscale, fork.side(0));
+  transpose_v(p.v, ldv, vt, flags + 2, pv_fp8, p.policy.scale_rule, vamax, vscale, fork.side(0),
+              packing ? pk.slot_key : nullptr);
   fork.join();
   // The flags are final once the pre-pass is: their read-back goes behind it, and the prefill kernel is
   // enqueued before the host waits for them, so the wait overlaps the kernel (the caller's next launches
@@ -358,7 +392,7 @@ void dma_attention(const Problem& p) {
   pp.Hq = int(p.Hq);
   pp.Hkv = int(p.Hkv);
   pp.Nq = int(p.Nq);
-  pp.Nk = int(p.Nk);
+  pp.Nk = int(packing ? ldv : p.Nk);
   pp.scale = scale;
   pp.ds = tf.ds;
   pp.sink = tf.sink;
@@ -369,7 +403,13 @@ void dma_attention(const Problem& p) {
   pp.ktile0 = p.k_pos0 / kTile;
   static_assert(kPrefillRows == kTile, "a CTA's query block is one query tile");
   query_tiles(p, pp.first_block, pp.blocks);
-  launch_prefill(pp, int(d), p.out.dtype, pp.blocks, int(p.B), stream);
+  if (packing) {
+    pp.work = pk.work;
+    pp.seqs = pk.seqs;
+    pp.first_block = 0;
+    pp.blocks = pk.works;
+  }
+  if (pp.blocks > 0) launch_prefill(pp, int(d), p.out.dtype, pp.blocks, int(p.B), stream);
   if (tf.lse_shift) add_lse_shift(p.lse, tf.lse_shift, q_rows, stream);
   if (!readback) return;  // stream-ordered: the scratch buffers are freed after the work
   const int* bad = readback->wait();  // the one host wait: until the pre-pass is done, not the kernel

@@ -45,7 +45,7 @@ namespace dmattn::cuda {
 namespace prefill {
 namespace {
 
-template <int D, class TOut, bool kF8V, bool kNv, bool kFix = false>
+template <int D, class TOut, bool kF8V, bool kNv, bool kFix = false, bool kPacked = false>
 __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_constant__ PrefillParams p) {
   using S = Smem<D, kF8V, kNv, kFix>;
   constexpr int NB = S::kNb, kStages = S::kStages;
@@ -64,15 +64,17 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   auto q_folded = reinterpret_cast<int(*)[2]>(smem + S::kFlags);
   if (threadIdx.x == 0 && (__cvta_generic_to_shared(smem) & 1023) != 0) __trap();  // the swizzle needs it
 
-  const TileScheduler tile(p);
+  static_assert(!kPacked || (!kF8V && !kNv && !kFix), "packed sequences take MX tiles and pv = bf16 (cuda::packs)");
+  const TileScheduler<kPacked> tile(p);
   const int h = tile.h, b = tile.b, hk = h / (p.Hq / p.Hkv);
-  const int64_t off = p.q_pos0;
+  const int64_t off = tile.off();
   const int64_t pos0 = tile.pos0;
   const int64_t qtile = hd::floor_div(pos0, kTile);
   const int nslots = p.nslots;
-  const KeyTiles kt = key_tiles(p.mask, pos0);
+  const KeyTiles kt = key_tiles(tile.mask(), pos0);
   const int tiles = kt.end;  // key tiles [kt.begin, tiles)
-  const int64_t kv_tile0 = (int64_t(b) * p.Hkv + hk) * p.ldv;  // this head's row scales
+  const int key0 = tile.key0();  // the sequence's key 0 in K's padded rows
+  const int64_t kv_tile0 = (int64_t(b) * p.Hkv + hk) * p.ldv + key0;  // this head's row scales
   const HighTiles high(p.policy, qtile, tiles, p.ktile0);
   auto slot_of = [&](int j) { return (nslots == 2 && !high(j)) ? 1 : 0; };
 
@@ -105,11 +107,12 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
         const uint32_t ds_bytes = kFix && p.ds ? BN * 4 : 0;
         tma::arrive_expect(&full[st], (nv ? S::kTxKBf16 : S::kTxK) + (S::kSplit ? 0 : S::kVt) + ds_bytes);
         if (ds_bytes)  // smooth_q's additions of this head for the tile's keys
-          tma::load_bytes(sK(st) + S::kDs, p.ds + (int64_t(b) * p.Hq + h) * p.ldv + int64_t(j) * BN, ds_bytes, &full[st]);
+          tma::load_bytes(sK(st) + S::kDs, p.ds + (int64_t(b) * p.Hq + h) * p.ldv + key0 + int64_t(j) * BN, ds_bytes, &full[st]);
         if (nv) {
-          for (int a = 0; a < D / 64; ++a) tma::load_3d(sK(st) + a * BN * 128, &p.kmap[slot], a * 64, j * BN, bh, &full[st]);
+          for (int a = 0; a < D / 64; ++a)
+            tma::load_3d(sK(st) + a * BN * 128, &p.kmap[slot], a * 64, key0 + j * BN, bh, &full[st]);
         } else {
-          tma::load_3d(sK(st), &p.kmap[slot], 0, j * BN, bh, &full[st]);
+          tma::load_3d(sK(st), &p.kmap[slot], 0, key0 + j * BN, bh, &full[st]);
         }
         tma::load_bytes(sKr(st), p.krs[slot] + kv_tile0 + int64_t(j) * BN, BN * 4, &full[st]);
         if (!nv) tma::load_bytes(sKb(st), p.ks[slot] + (kv_tile0 + int64_t(j) * BN) * NB, BN * NB, &full[st]);
@@ -119,8 +122,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
           if (j - kt.begin >= kStages) tma::wait(&vempty[st], uint32_t(phase ^ 1));
           tma::arrive_expect(vbar, S::kVt);
         }
-        tma::load_3d(sVt(st), &p.vmap, j * BN, 0, bh, vbar);
-        if (!kF8V) tma::load_3d(sVt(st) + S::kVHalf, &p.vmap, j * BN + BN / 2, 0, bh, vbar);
+        tma::load_3d(sVt(st), &p.vmap, key0 + j * BN, 0, bh, vbar);
+        if (!kF8V) tma::load_3d(sVt(st) + S::kVHalf, &p.vmap, key0 + j * BN + BN / 2, 0, bh, vbar);
       }
     }
     return;
@@ -134,7 +137,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   const int me = 1 + wgi, other = 2 - wgi;
   if (kTurns && wgi == 1 && kt.begin < tiles) wg::bar_arrive(1, kConsumers);
   // Each warpgroup brings in its Q rows while the producer's first copies are in flight.
-  load_q<D, kF8V, kNv>(p, b, h, pos0, off, wgi, sQ, sQs, q_folded);
+  load_q<D, kF8V, kNv>(p, tile, pos0, off, wgi, sQ, sQs, q_folded);
   wg::fence_async_smem();       // Q bytes written by st.shared are read by wgmma
   wg::bar_sync(3 + wgi, 128);   // the warpgroup's Q rows, scales and fold flag are ready
 
@@ -142,9 +145,10 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
             t = lane % 4;
   const int row_in_cta = wgi * 64 + warp * 16 + g;  // and +8
   const int64_t pos[2] = {pos0 + row_in_cta, pos0 + row_in_cta + 8};
-  const int64_t row[2] = {pos[0] - off, pos[1] - off};
-  const bool valid[2] = {row[0] >= 0 && row[0] < p.Nq, row[1] >= 0 && row[1] < p.Nq};
-  const RowMask rmask(p.mask, pos, valid);
+  const int64_t local[2] = {pos[0] - off, pos[1] - off};  // the rows within the sequence
+  const bool valid[2] = {local[0] >= 0 && local[0] < tile.nq(), local[1] >= 0 && local[1] < tile.nq()};
+  const int64_t row[2] = {local[0] + tile.row0(), local[1] + tile.row0()};  // within the (b, h) plane
+  const RowMask rmask(tile.mask(), pos, valid);
 
   float o[D / 2];
 #pragma unroll
@@ -340,7 +344,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   store_output<D, TOut, kF8V>(p, o, softmax, b, h, hk, row, valid, t);
 }
 
-template <int D, class TOut, bool kF8V, bool kNv, bool kFix = false>
+template <int D, class TOut, bool kF8V, bool kNv, bool kFix = false, bool kPacked = false>
 void launch(PrefillParams p, int64_t blocks, int batch, cudaStream_t stream) {
   // TMA maps: K bytes [B*Hkv][Nk][D] in boxes of one tile (zeros past Nk), swizzled like wg::swizzled<D>;
   // V^T bf16 [B*Hkv][D][ldv] in boxes of 64 keys x D (128-byte rows).
@@ -361,23 +365,28 @@ void launch(PrefillParams p, int64_t blocks, int batch, cudaStream_t stream) {
     p.vmap = tensor_map_3d(p.vt, CU_TENSOR_MAP_DATA_TYPE_UINT16, {ldv, D, bh}, {ldv * 2, D * ldv * 2}, {BN / 2, D, 1},
                            CU_TENSOR_MAP_SWIZZLE_128B);
   constexpr int bytes = Smem<D, kF8V, kNv, kFix>::kBytes;
-  constexpr auto kernel = prefill_kernel<D, TOut, kF8V, kNv, kFix>;
+  constexpr auto kernel = prefill_kernel<D, TOut, kF8V, kNv, kFix, kPacked>;
   allow_dynamic_smem<kernel>(bytes);
-  kernel<<<TileScheduler::grid(p, blocks, batch), kThreads, bytes, stream>>>(p);
+  kernel<<<TileScheduler<kPacked>::grid(p, blocks, batch), kThreads, bytes, stream>>>(p);
 }
 
-template <int D, bool kF8V, bool kNv, bool kFix = false>
+template <int D, bool kF8V, bool kNv, bool kFix = false, bool kPacked = false>
 void launch_d(const PrefillParams& p, DType out, int64_t blocks, int batch, cudaStream_t stream) {
   switch (out) {
-    case DType::f32: return launch<D, float, kF8V, kNv, kFix>(p, blocks, batch, stream);
-    case DType::f16: return launch<D, fp16, kF8V, kNv, kFix>(p, blocks, batch, stream);
-    case DType::bf16: return launch<D, bf16, kF8V, kNv, kFix>(p, blocks, batch, stream);
+    case DType::f32: return launch<D, float, kF8V, kNv, kFix, kPacked>(p, blocks, batch, stream);
+    case DType::f16: return launch<D, fp16, kF8V, kNv, kFix, kPacked>(p, blocks, batch, stream);
+    case DType::bf16: return launch<D, bf16, kF8V, kNv, kFix, kPacked>(p, blocks, batch, stream);
   }
 }
 
 template <int D>
 void launch_pv(const PrefillParams& p, DType out, int64_t blocks, int batch, cudaStream_t stream) {
   const bool nv = p.nv[0] || (p.nslots == 2 && p.nv[1]);
+  if (p.work) {  // packed sequences: instances of their own (cuda::packs's policies)
+    if (nv || p.pv_fp8 || p.ds || p.sink_keys > 0)
+      throw Error("the CUDA prefill takes packed sequences with MX tiles, pv=bf16 and no smooth_q or sink_keys");
+    return launch_d<D, false, false, false, true>(p, out, blocks, batch, stream);
+  }
   if (p.ds || p.sink_keys > 0) {  // the transforms' instances: MX tiles, bf16 P.V (require_supported)
     if (nv || p.pv_fp8) throw Error("the CUDA prefill applies smooth_q and sink_keys to MX tiles with pv=bf16");
     return launch_d<D, false, false, true>(p, out, blocks, batch, stream);

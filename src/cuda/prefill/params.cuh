@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include "core/mask.hpp"
+#include "cuda/prefill/packing.hpp"
 #include "dmattn/format.hpp"
 #include "dmattn/policy.hpp"
 #include "dmattn/tensor.hpp"
@@ -38,7 +39,9 @@ struct PrefillParams {
   int64_t out_sb, out_sh, out_sn;
   bool out_pairs;       // out and its strides keep every even column's pair aligned (two elements a store)
   float* lse;  // [B,Hq,Nq] or null
-  int Hq, Hkv, Nq, Nk;
+  int Hq, Hkv;
+  int Nq;  // query rows of each (b, h) (packed sequences: all of them)
+  int Nk;  // K's rows of each (b, h) in k8 (packed sequences: the padded slots, ldv)
   float scale;
   Mask mask;  // which keys a query sees (causal, sliding window), positions counted from key 0
   Policy policy;
@@ -46,13 +49,18 @@ struct PrefillParams {
   // q_pos0 + r (default Nk - Nq: bottom-right), and key tile j is absolute tile ktile0 + j.
   int64_t q_pos0, ktile0;
   int64_t first_block;  // the first 128-position block (positions can be negative when Nq > Nk)
-  int64_t blocks;       // number of query blocks (the grid's x)
+  int64_t blocks;       // number of query blocks (the grid's x); packed sequences: of SeqBlocks
   // Accuracy transforms (transform.hpp), in logits (the softmax scale applied): smooth_q's per-key
   // additions ds [B*Hq][ldv] of each query head, and the exact scores sink [B*Hq*Nq][sink_keys] of the
   // leading keys; null / 0 when off.
   const float* ds;
   const float* sink;
   int sink_keys;
+  // Packed sequences (null: the batch's B sequences of Nq queries and Nk keys): each CTA's work in
+  // the order the grid runs it, and the sequences; B is 1, q_pos0 and ktile0 0. (Last, so the batch's
+  // instances read every other field where they did before.)
+  const SeqBlock* work;
+  const SeqSpan* seqs;
 };
 
 // pv = fp8: the wgmma's A fragment of P (E4M3, k = 32 from registers; wgmma.cuh) holds, at logical

@@ -57,18 +57,20 @@ struct Lanes {
 // shuffle loops unroll. kUnits: the lane-units a thread takes (quantize_rows_kernel). Four for the
 // plain forms (measured: the pair at 88% of copy against 86% with two); two where the encoder holds
 // more (the run-time form spills with four; the pre-pass's K form ran 4% slower with four).
+// kSlots: K's form for packed sequences (PackedRows), an instance of its own so the batch's keep
+// their code.
 struct RuntimeForm {
-  static constexpr bool kFixed = false, kBytes = false, kRows = false;
+  static constexpr bool kFixed = false, kBytes = false, kRows = false, kSlots = false;
   static constexpr int kRowLanes = 0, kUnits = 2;
 };
-template <bool kFp8BytesFolded, bool kRowScales, int kLanes, int kUnits_>
+template <bool kFp8BytesFolded, bool kRowScales, int kLanes, int kUnits_, bool kSlots_ = false>
 struct FixedForm {
-  static constexpr bool kFixed = true, kBytes = kFp8BytesFolded, kRows = kRowScales;
+  static constexpr bool kFixed = true, kBytes = kFp8BytesFolded, kRows = kRowScales, kSlots = kSlots_;
   static constexpr int kRowLanes = kLanes, kUnits = kUnits_;
 };
 using PlainForm = FixedForm<false, false, 0, 4>;
-template <bool kRowScales, int kLanes>
-using PrefillForm = FixedForm<true, kRowScales, kLanes, 2>;
+template <bool kRowScales, int kLanes, bool kSlots = false>
+using PrefillForm = FixedForm<true, kRowScales, kLanes, 2, kSlots>;
 
 // The targets' element types: chosen at run time by a switch per target, or fixed at compile time (one
 // E2M1 target, or the (E4M3, E2M1) pair of the prefill pre-pass and of DMA's two formats), so the
@@ -78,7 +80,7 @@ enum class Elems { runtime, e2m1, e4m3_e2m1 };
 // One target: scale, codes (optionally as FP8 bytes, folded), stores, row-scale flags.
 template <Elem E, bool kHalf, class F>
 __device__ __forceinline__ void emit(const QuantTarget& q, ScaleRule rule, const float (&v)[kPerLane], float amax,
-                                     bool bad, const Lanes& l, int nblk) {
+                                     bool bad, const Lanes& l, int nblk, const PackedRows& pr) {
   const bool fp8_bytes = F::kFixed ? F::kBytes : q.fp8_bytes, fold = F::kFixed ? F::kBytes : q.fold;
   const bool round_fold = fold && q.round_fold;
   const bool rows = F::kFixed ? F::kRows : q.row_scale != nullptr;
@@ -86,21 +88,25 @@ __device__ __forceinline__ void emit(const QuantTarget& q, ScaleRule rule, const
   uint2 w;
   uint32_t row_max;
   const uint32_t sc = encode_lane<E, kHalf>(rule, v, amax, bad, fp8_bytes, fold, round_fold, row_lanes, w, row_max);
+  // With row scales, the row's place in the padded rows (kSlots: the codes' too); active lanes only.
+  auto prow = [&] { return int64_t(l.bh) * q.row_pad + (F::kSlots ? int64_t(pr.slot[l.n]) : int64_t(l.n)); };
   if (l.active) {
+    const int64_t at = F::kSlots ? prow() * nblk * 4 + l.c * 4 + l.part : int64_t(l.lane);
     if (E == Elem::e2m1 && !fp8_bytes)
-      reinterpret_cast<uint32_t*>(q.codes)[l.lane] = w.x;
+      reinterpret_cast<uint32_t*>(q.codes)[at] = w.x;
     else
-      reinterpret_cast<uint2*>(q.codes)[l.lane] = w;
+      reinterpret_cast<uint2*>(q.codes)[at] = w;
     // With row scales, the block scales take the padded row layout: [B*H][row_pad][d/32].
-    if (l.part == 0) q.scales[rows ? (int64_t(l.bh) * q.row_pad + l.n) * nblk + l.c : int64_t(l.blk)] = uint8_t(sc);
+    if (l.part == 0) q.scales[rows ? prow() * nblk + l.c : int64_t(l.blk)] = uint8_t(sc);
   }
   if (rows) {  // uniform across the grid, like fold
     // With fold, the row's largest code before the fold: every block has it now exactly where all agree.
     const bool equal = row_scales_equal(sc, row_lanes, fold ? int(row_max) : -1);
     if (l.active && l.part == 0 && l.c == 0) {
       const bool uniform = equal && sc != kE8M0NaN;
-      q.row_scale[int64_t(l.bh) * q.row_pad + l.n] = uniform ? decode_e8m0(sc) : -1.0f;
-      if (!uniform) q.tile_split[int64_t(l.bh) * (q.row_pad / 128) + l.n / 128] = 1;  // every writer writes 1
+      q.row_scale[prow()] = uniform ? decode_e8m0(sc) : -1.0f;
+      if (!uniform)  // every writer writes 1
+        q.tile_split[F::kSlots ? prow() / 128 : int64_t(l.bh) * (q.row_pad / 128) + l.n / 128] = 1;
     }
   }
 }
@@ -113,9 +119,9 @@ __device__ __forceinline__ void emit(const QuantTarget& q, ScaleRule rule, const
 // grid's stride between a thread's units, are multiples of kRowLanes), so a thread's units share
 // their signs, and the lane stages unroll, where a run-time row length needs a division and a
 // counted loop.
-template <int kRowLanes>
+template <int kRowLanes, bool kSeq>
 __device__ __forceinline__ void transform_unit(float (&v)[kPerLane], const Lanes& l, uint32_t nblk, int d,
-                                               const RowTransform& tf) {
+                                               const RowTransform& tf, const PackedRows& pr) {
   static_assert((kRowLanes & (kRowLanes - 1)) == 0);
   const int unit = kRowLanes ? int(threadIdx.x % kRowLanes) : int(4 * (l.blk % nblk)) + l.part, ch0 = kPerLane * unit;
   if (tf.rotate) {
@@ -141,7 +147,8 @@ __device__ __forceinline__ void transform_unit(float (&v)[kPerLane], const Lanes
     }
   }
   if (tf.sub) {
-    const float4* s4 = reinterpret_cast<const float4*>(tf.sub + int64_t(l.bh) * d + ch0);
+    const int64_t row = kSeq ? int64_t(pr.seq[l.n]) * pr.heads + l.bh : int64_t(l.bh);
+    const float4* s4 = reinterpret_cast<const float4*>(tf.sub + row * d + ch0);
     const float4 a = __ldg(s4), b = __ldg(s4 + 1);
     const float sub[kPerLane] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
@@ -180,7 +187,8 @@ constexpr int kThreads = 256;
 template <class T, bool kVector, Elems kElems, class F = RuntimeForm, bool kTf = false>
 __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T* __restrict__ x, Geometry g, uint32_t nblocks,
                                                             ScaleRule rule, QuantTarget t0, QuantTarget t1, Elem e0,
-                                                            Elem e1, int targets, int* nonfinite, RowTransform tf) {
+                                                            Elem e1, int targets, int* nonfinite, RowTransform tf,
+                                                            PackedRows pr) {
   constexpr int kUnits = F::kUnits;
   static_assert(F::kRowLanes == 0 || kThreads % F::kRowLanes == 0, "transform_unit takes a row's unit from threadIdx");
   const uint32_t nblk = uint32_t(g.nblk), N = uint32_t(g.N), H = uint32_t(g.H);  // as FastDiv in g
@@ -224,20 +232,20 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T* __rest
   for (int u = 0; u < kUnits; ++u) {
     float v[kPerLane];
     to_floats(raw[u], v);
-    if constexpr (kTf) transform_unit<F::kRowLanes>(v, l[u], nblk, int(nblk) * kBlock, tf);
+    if constexpr (kTf) transform_unit<F::kRowLanes, F::kSlots>(v, l[u], nblk, int(nblk) * kBlock, tf, pr);
     float amax;
     bool bad;
     block_stats(v, amax, bad);
     if (bad && nonfinite && l[u].part == 0) atomicOr(nonfinite, 1);
     constexpr bool kHalf = sizeof(T) == 2;  // bf16 / fp16: E2M1 rounds in f16 pairs
     if constexpr (kElems == Elems::e4m3_e2m1) {
-      emit<Elem::e4m3, kHalf, F>(t0, rule, v, amax, bad, l[u], int(nblk));
-      emit<Elem::e2m1, kHalf, F>(t1, rule, v, amax, bad, l[u], int(nblk));
+      emit<Elem::e4m3, kHalf, F>(t0, rule, v, amax, bad, l[u], int(nblk), pr);
+      emit<Elem::e2m1, kHalf, F>(t1, rule, v, amax, bad, l[u], int(nblk), pr);
     } else if constexpr (kElems == Elems::e2m1) {
-      emit<Elem::e2m1, kHalf, F>(t0, rule, v, amax, bad, l[u], int(nblk));
+      emit<Elem::e2m1, kHalf, F>(t0, rule, v, amax, bad, l[u], int(nblk), pr);
     } else {
-      with_elem(e0, [&](auto e) { emit<decltype(e)::value, kHalf, F>(t0, rule, v, amax, bad, l[u], int(nblk)); });
-      if (targets == 2) with_elem(e1, [&](auto e) { emit<decltype(e)::value, kHalf, F>(t1, rule, v, amax, bad, l[u], int(nblk)); });
+      with_elem(e0, [&](auto e) { emit<decltype(e)::value, kHalf, F>(t0, rule, v, amax, bad, l[u], int(nblk), pr); });
+      if (targets == 2) with_elem(e1, [&](auto e) { emit<decltype(e)::value, kHalf, F>(t1, rule, v, amax, bad, l[u], int(nblk), pr); });
     }
   }
 }
@@ -253,6 +261,7 @@ struct Launch {
   int* nonfinite;
   cudaStream_t stream;
   RowTransform tf;
+  PackedRows pr;
 };
 
 // One instance, its grid sized by its form's units a thread.
@@ -265,16 +274,16 @@ void launch(const T* x, const Launch& a) {
   const unsigned grid = unsigned((a.nblocks * 4 + per_cta - 1) / per_cta);
   if (a.tf.on)  // (instances of their own: the plain pass keeps its code)
     quantize_rows_kernel<T, kVector, kElems, F, true><<<grid, kThreads, 0, a.stream>>>(
-        x, a.g, uint32_t(a.nblocks), a.rule, a.t0, a.t1, a.e0, a.e1, a.targets, a.nonfinite, a.tf);
+        x, a.g, uint32_t(a.nblocks), a.rule, a.t0, a.t1, a.e0, a.e1, a.targets, a.nonfinite, a.tf, a.pr);
   else
     quantize_rows_kernel<T, kVector, kElems, F><<<grid, kThreads, 0, a.stream>>>(x, a.g, uint32_t(a.nblocks), a.rule, a.t0, a.t1,
-                                                                                a.e0, a.e1, a.targets, a.nonfinite, a.tf);
+                                                                                a.e0, a.e1, a.targets, a.nonfinite, a.tf, a.pr);
 }
 
 }  // namespace
 
 void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first, const QuantTarget& second,
-                   cudaStream_t stream, int* nonfinite, const RowTransform& transform) {
+                   cudaStream_t stream, int* nonfinite, const RowTransform& transform, const PackedRows& packed) {
   if (x.device != Device::cuda) throw Error("quantize_rows: the tensor is not on a CUDA device");
   if (x.shape[3] % kBlock != 0) throw Error("quantize_rows: d must be a multiple of 32");
   if (x.stride[3] != 1) throw Error("quantize_rows: the last axis must have unit stride");
@@ -305,18 +314,25 @@ void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first
   const bool rows = first.row_scale != nullptr;
   const bool prefill_form = pair && first.fp8_bytes && first.fold && second.fp8_bytes && second.fold &&
                             rows == (second.row_scale != nullptr) && (nblk == 2 || nblk == 4);
+  if ((packed.slot || packed.seq) && (!packed.slot || !packed.seq || packed.heads != x.shape[1] || !prefill_form ||
+                                      !rows || dtype_size(x.dtype) != 2))
+    throw Error("quantize_rows: row slots (and each row's mean) take the prefill's K form: the MXFP8-E4M3 and MXFP4 "
+                "pair with row scales, from 16-bit rows, d = 64 or 128");
   auto plain = [](const QuantTarget& t) { return !t.fp8_bytes && !t.fold && !t.row_scale; };
   const bool plain_pair = pair && plain(first) && plain(second);
   const bool plain_e2m1 = vec && targets == 1 && e0 == Elem::e2m1 && plain(first);
   if (transform.rotate && (rotation_block(int(x.shape[3])) < kPerLane || x.shape[3] > 256))
     throw Error("quantize_rows: the rotation takes head dims up to 256 with blocks of at least 8");
-  const Launch a{g, nblocks, rule, first, second, e0, e1, targets, nonfinite, stream, transform};
+  const Launch a{g, nblocks, rule, first, second, e0, e1, targets, nonfinite, stream, transform, packed};
   with_typed(x, [&](auto* typed) {
     using T = std::remove_pointer_t<decltype(typed)>;
     constexpr Elems kPair = Elems::e4m3_e2m1;
     if constexpr (sizeof(T) == 2) {  // (bf16 / fp16: the prefill's inputs)
       if (prefill_form) {
-        if (rows)
+        if (packed.slot)
+          nblk == 4 ? launch<T, true, kPair, PrefillForm<true, 16, true>>(typed, a)
+                    : launch<T, true, kPair, PrefillForm<true, 8, true>>(typed, a);
+        else if (rows)
           nblk == 4 ? launch<T, true, kPair, PrefillForm<true, 16>>(typed, a) : launch<T, true, kPair, PrefillForm<true, 8>>(typed, a);
         else
           nblk == 4 ? launch<T, true, kPair, PrefillForm<false, 16>>(typed, a) : launch<T, true, kPair, PrefillForm<false, 8>>(typed, a);

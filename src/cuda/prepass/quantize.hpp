@@ -44,11 +44,21 @@ struct QuantTarget {
 // The accuracy transforms a quantize pass applies to each row as it reads it (the prefill's fast
 // path for Policy::rotate and smooth_k): the randomized Hadamard rotation (dmattn/rotation.hpp; d a
 // power of two up to 256, or blocks of its largest power-of-two divisor), then minus sub[b*H + h]
-// (a [B*H][d] vector, smooth_k's mean), then rounded to bf16 -- the oracle's transformed rows.
+// (a [B*H][d] vector, smooth_k's mean; see PackedRows), then rounded to bf16 -- the oracle's transformed rows.
 struct RowTransform {
   bool on = false;
   bool rotate = false;
   const float* sub = nullptr;
+};
+
+// Packed sequences' K (the prefill's K form only, both targets): input row n of each (b, h) goes to
+// padded row slot[n] < row_pad, codes included ([B*H][row_pad][d] then), so each sequence's rows
+// start a 128-row tile of their own (rows no input row maps to are the caller's); with a
+// RowTransform's sub, row n subtracts sub[seq[n] * heads + h], its sequence's mean.
+struct PackedRows {
+  const int32_t* slot = nullptr;
+  const int32_t* seq = nullptr;
+  int heads = 0;
 };
 
 // Whether every row start of x ([B,H,N,d], unit stride on d) is 16-byte aligned: vector loads.
@@ -67,7 +77,8 @@ inline Elem mma_elem(Format f) { return f == Format::mxfp8_e5m2 ? Elem::e5m2 : E
 // sets *nonfinite = 1 where a value is NaN or Inf (the block's scale is the NaN scale either way),
 // so callers need no separate scan of the input.
 void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first, const QuantTarget& second,
-                   cudaStream_t stream, int* nonfinite = nullptr, const RowTransform& transform = {});
+                   cudaStream_t stream, int* nonfinite = nullptr, const RowTransform& transform = {},
+                   const PackedRows& packed = {});
 
 // NVFP4 in the prefill's tensor-core form (docs/DESIGN.md): per row one fp32 second scale from the
 // row's amax (nvfp4_tensor_scale), per 16-block an E4M3 scale, each element's E2M1 value times its

@@ -82,10 +82,12 @@ __device__ __forceinline__ void load_bf16_row(const uint16_t* row, float (&r)[E]
 
 // Rows of x ([B, H, N, d]) rotated, minus sub[b*H + h] where given (smooth_k's mean), to bf16 (out),
 // or into each 128-row chunk's channel sums (part, fp64): K's transformed rows, and the means of K
-// (smooth_k) and Q (smooth_q). Grid: (chunks, B * H); kWarps warps.
-template <class T, int E>
+// (smooth_k) and Q (smooth_q). Grid: (chunks, B * H); kWarps warps. slot_row (packed sequences, sums
+// only): chunk c sums the rows slot_row[128 c ..] names (-1: padding), a sequence's keys in the
+// order of its own chunks (kSlots: an instance of its own).
+template <class T, int E, bool kSlots = false>
 __global__ void __launch_bounds__(kRowThreads) rows_kernel(TensorView x, bool vec, bool rotate, const float* sub,
-                                                           uint16_t* out, double* part) {
+                                                           uint16_t* out, double* part, const int32_t* slot_row) {
   constexpr int d = 32 * E;
   const int64_t bh = blockIdx.y, b = bh / x.shape[1], h = bh % x.shape[1], N = x.shape[2];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -106,9 +108,12 @@ __global__ void __launch_bounds__(kRowThreads) rows_kernel(TensorView x, bool ve
     }
     return;
   }
-  for (int64_t n = n0; n < n1; n += kWarps) {
+  const int64_t end = kSlots ? int64_t(blockIdx.x + 1) * 128 : n1;
+  for (int64_t n = n0; n < end; n += kWarps) {
+    const int64_t row = kSlots ? slot_row[n] : n;
+    if (kSlots && row < 0) continue;  // padding (uniform across the warp)
     float r[E];
-    load_row<T, E>(x, b, h, n, vec, rotate, r);
+    load_row<T, E>(x, b, h, row, vec, rotate, r);
 #pragma unroll
     for (int e = 0; e < E; ++e) acc[e] += r[e];
   }
@@ -158,14 +163,23 @@ __global__ void __launch_bounds__(256) chunk_sums_kernel(TensorView x, double* p
 
 // mean = (sum of the chunks' sums) / N, then rotated where `rotate` (the mean of the rows as read,
 // carried to the rotated frame: smooth_q's); grid B * H, a thread a channel (d threads), then one
-// warp rotates (lane channels lane E + e).
-template <int E>
-__global__ void mean_kernel(const double* part, int chunks, int64_t N, bool rotate, float* mean) {
+// warp rotates (lane channels lane E + e). Packed sequences (seqs): grid nseq * H, sequence i's mean
+// of head h from its own chunks (tile0 ..) of part [H][chunks][d], into mean[i * H + h] (kSeqs).
+template <int E, bool kSeqs = false>
+__global__ void mean_kernel(const double* part, int chunks, int64_t N, bool rotate, float* mean, const SeqSpan* seqs,
+                            int heads) {
   constexpr int d = 32 * E;
   __shared__ float m[d];
   const int c = threadIdx.x;
   double s = 0;
-  for (int i = 0; i < chunks; ++i) s += part[(int64_t(blockIdx.x) * chunks + i) * d + c];
+  if constexpr (kSeqs) {
+    const SeqSpan q = seqs[blockIdx.x / heads];
+    const int64_t first = int64_t(blockIdx.x % heads) * chunks + q.tile0, count = (q.nk + 127) / 128;
+    for (int64_t i = 0; i < count; ++i) s += part[(first + i) * d + c];
+    N = q.nk > 0 ? q.nk : 1;  // (a sequence without keys: its mean is never read)
+  } else {
+    for (int i = 0; i < chunks; ++i) s += part[(int64_t(blockIdx.x) * chunks + i) * d + c];
+  }
   m[c] = float(s / double(N));
   if (!rotate) {
     mean[int64_t(blockIdx.x) * d + c] = m[c];
@@ -230,11 +244,12 @@ struct QArgs {
   int sink;
   uint16_t* out;
   float *lse_shift, *sinks;
+  const int32_t* row_seq = nullptr;  // packed sequences: each row's sequence (kmean [nseq * Hkv][d])
 };
 
 // One query tile's rows of one (b, h): rotated; the exact sink scores and the LSE shift from the
 // rotated rows; then minus the head's mean (smooth_q) to bf16. Grid (qtiles, Hq, B); kWarps warps.
-template <class T, int E>
+template <class T, int E, bool kSeq = false>
 __global__ void __launch_bounds__(kRowThreads) q_rows_kernel(QArgs a) {
   constexpr int d = 32 * E;
   const int64_t b = blockIdx.z, h = blockIdx.y, c = blockIdx.x, Nq = a.q.shape[2], Hq = a.q.shape[1];
@@ -259,6 +274,9 @@ __global__ void __launch_bounds__(kRowThreads) q_rows_kernel(QArgs a) {
       if (lane == 0) a.sinks[row * a.sink + n] = float(s) * a.scale;
     }
     if (a.kmean) {
+      if constexpr (kSeq)
+#pragma unroll
+        for (int e = 0; e < E; ++e) km[e] = a.kmean[(a.row_seq[r] * a.Hkv + hk) * d + lane * E + e];
       const double s = warp_dot<E>(x, km);
       if (lane == 0) a.lse_shift[row] = float(s) * a.scale;
     }
@@ -290,24 +308,35 @@ bool vector_rows(const TensorView& v, int E) {
 // The channel means of x's rows (H = x.shape[1], N = x.shape[2]), in the rotated frame where
 // `rotate`: of the rotated rows (rows_first, smooth_k's), or of the rows as read, then rotated
 // (smooth_q's: the same vector in real arithmetic, without a butterfly per row). part [B*H][chunks][d]
-// scratch, mean [B*H][d].
+// scratch, mean [B*H][d]. Packed sequences (pk, keys): chunks are the padded key tiles, and each
+// sequence's means go to mean [nseq * H][d].
 template <int E>
-void row_means_d(const TensorView& x, bool rotate, bool rows_first, double* part, float* mean, cudaStream_t stream) {
-  const int64_t BH = x.shape[0] * x.shape[1], N = x.shape[2], chunks = (N + kTile - 1) / kTile;
+void row_means_d(const TensorView& x, bool rotate, bool rows_first, double* part, float* mean, cudaStream_t stream,
+                 const PackedMaps* pk = nullptr) {
+  const int64_t BH = x.shape[0] * x.shape[1], N = x.shape[2], chunks = pk ? pk->ldv / kTile : (N + kTile - 1) / kTile;
   const bool packed = dtype_size(x.dtype) == 2 && x.stride[3] == 1 && x.stride[2] == 32 * E &&
                       reinterpret_cast<uintptr_t>(x.data) % 16 == 0 && x.stride[0] % 8 == 0 && x.stride[1] % 8 == 0;
   with_typed(x, [&](auto* typed) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
     if constexpr (sizeof(T) == 2)
-      if (packed && !(rotate && rows_first)) {
+      if (packed && !(rotate && rows_first) && !pk) {
         chunk_sums_kernel<T, E><<<dim3(unsigned(chunks), unsigned(BH)), 256, 0, stream>>>(x, part);
         return;
       }
-    rows_kernel<T, E><<<dim3(unsigned(chunks), unsigned(BH)), kRowThreads, 0, stream>>>(
-        x, vector_rows(x, E), rotate && rows_first, nullptr, nullptr, part);
+    const dim3 grid{unsigned(chunks), unsigned(BH)};
+    if (pk)
+      rows_kernel<T, E, true><<<grid, kRowThreads, 0, stream>>>(x, vector_rows(x, E), rotate && rows_first, nullptr,
+                                                                nullptr, part, pk->slot_key);
+    else
+      rows_kernel<T, E><<<grid, kRowThreads, 0, stream>>>(x, vector_rows(x, E), rotate && rows_first, nullptr, nullptr,
+                                                          part, nullptr);
   });
   check(cudaGetLastError(), "row sums");
-  mean_kernel<E><<<unsigned(BH), 32 * E, 0, stream>>>(part, int(chunks), N, rotate && !rows_first, mean);
+  if (pk)
+    mean_kernel<E, true><<<unsigned(int64_t(pk->nseq) * x.shape[1]), 32 * E, 0, stream>>>(
+        part, int(chunks), N, rotate && !rows_first, mean, pk->seqs, int(x.shape[1]));
+  else
+    mean_kernel<E><<<unsigned(BH), 32 * E, 0, stream>>>(part, int(chunks), N, rotate && !rows_first, mean, nullptr, 0);
   check(cudaGetLastError(), "mean_kernel");
 }
 
@@ -331,7 +360,7 @@ void transform_d(const Problem& p, const Transformed& t, float scale, cudaStream
   with_typed(p.k, [&](auto* typed) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
     rows_kernel<T, E><<<dim3(unsigned(chunks), unsigned(p.B * p.Hkv)), kRowThreads, 0, stream>>>(
-        p.k, vector_rows(p.k, E), pol.rotate, pol.smooth_k ? t.kmean : nullptr, t.k, nullptr);
+        p.k, vector_rows(p.k, E), pol.rotate, pol.smooth_k ? t.kmean : nullptr, t.k, nullptr, nullptr);
   });
   check(cudaGetLastError(), "rows_kernel");
   QArgs a{p.q,   vector_rows(p.q, E), pol.rotate, p.Hkv, p.Nk, p.q_pos0 - p.k_pos0, t.qtile0, scale, t.k,
@@ -369,18 +398,22 @@ void transform_qk(const Problem& p, const Transformed& t, float scale, cudaStrea
 
 template <int E>
 void lse_shifts_d(const Problem& p, const float* kmean, float scale, int64_t qtile0, int64_t qtiles, float* shift,
-                  cudaStream_t stream) {
+                  cudaStream_t stream, const int32_t* row_seq) {
   QArgs a{p.q,   vector_rows(p.q, E), p.policy.rotate, p.Hkv, p.Nk, p.q_pos0 - p.k_pos0, qtile0, scale, nullptr,
-          kmean, nullptr, 0, nullptr, shift, nullptr};
+          kmean, nullptr, 0, nullptr, shift, nullptr, row_seq};
   with_typed(p.q, [&](auto* typed) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
-    q_rows_kernel<T, E><<<dim3(unsigned(qtiles), unsigned(p.Hq), unsigned(p.B)), kRowThreads, 0, stream>>>(a);
+    const dim3 grid{unsigned(qtiles), unsigned(p.Hq), unsigned(p.B)};
+    if (row_seq)
+      q_rows_kernel<T, E, true><<<grid, kRowThreads, 0, stream>>>(a);
+    else
+      q_rows_kernel<T, E><<<grid, kRowThreads, 0, stream>>>(a);
   });
   check(cudaGetLastError(), "q_rows_kernel");
 }
 
-void key_means(const Problem& p, double* part, float* kmean, cudaStream_t stream) {
-  by_head_dim(p.d, [&](auto e) { row_means_d<decltype(e)::value>(p.k, p.policy.rotate, true, part, kmean, stream); });
+void key_means(const Problem& p, double* part, float* kmean, cudaStream_t stream, const PackedMaps* pk) {
+  by_head_dim(p.d, [&](auto e) { row_means_d<decltype(e)::value>(p.k, p.policy.rotate, true, part, kmean, stream, pk); });
 }
 
 void query_means(const Problem& p, double* part, float* qmean, cudaStream_t stream) {
@@ -392,8 +425,9 @@ void key_dots(const Problem& p, const float* kmean, const float* qmean, float sc
 }
 
 void lse_shifts(const Problem& p, const float* kmean, float scale, int64_t qtile0, int64_t qtiles, float* shift,
-                cudaStream_t stream) {
-  by_head_dim(p.d, [&](auto e) { lse_shifts_d<decltype(e)::value>(p, kmean, scale, qtile0, qtiles, shift, stream); });
+                cudaStream_t stream, const int32_t* row_seq) {
+  by_head_dim(p.d,
+              [&](auto e) { lse_shifts_d<decltype(e)::value>(p, kmean, scale, qtile0, qtiles, shift, stream, row_seq); });
 }
 
 void add_lse_shift(float* lse, const float* shift, int64_t n, cudaStream_t stream) {

@@ -4,6 +4,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include "cuda/prefill/packing.hpp"
 #include "problem.hpp"
 
 namespace dmattn::cuda {
@@ -35,11 +36,13 @@ void transform_qk(const Problem& p, const Transformed& t, float scale, cudaStrea
 // quantize.hpp's RowTransform): smooth_k's key means and smooth_q's query means (part: [B*H][chunks][d]
 // scratch), smooth_q's correction ds (Transformed::ds) from the keys as transformed, and the LSE
 // shifts scale * q_rot.kmean of every query row.
-void key_means(const Problem& p, double* part, float* kmean, cudaStream_t stream);
+// Packed sequences (pk; p's K the packed [1, Hkv, total_k, d]): each sequence's key means, kmean
+// [nseq * Hkv][d], part [Hkv][ldv / 128][d]; lse_shifts then takes each query row's sequence (row_seq).
+void key_means(const Problem& p, double* part, float* kmean, cudaStream_t stream, const PackedMaps* pk = nullptr);
 void query_means(const Problem& p, double* part, float* qmean, cudaStream_t stream);
 void key_dots(const Problem& p, const float* kmean, const float* qmean, float scale, float* ds, cudaStream_t stream);
 void lse_shifts(const Problem& p, const float* kmean, float scale, int64_t qtile0, int64_t qtiles, float* shift,
-                cudaStream_t stream);
+                cudaStream_t stream, const int32_t* row_seq = nullptr);
 
 // lse[i] += shift[i] for the n rows (smooth_k's correction, after the prefill wrote lse).
 void add_lse_shift(float* lse, const float* shift, int64_t n, cudaStream_t stream);
