@@ -11,7 +11,8 @@ POLICY_SHAPES="BxN ..." the shapes the policies run at (default 1x16384; Hq 32, 
 PROFILE=1 adds, per policy at each of those shapes, where a call's GPU time goes (torch.profiler:
 device µs a call per kernel, largest first); DECODE=1 adds decode through dmattn.KVCache (B=8, 8k
 tokens, Hq 32 / Hkv 8, d 128, one new query) for each policy's cache-side transforms, against SDPA
-over a bf16 cache.
+over a bf16 cache; VARLEN=0 skips the tables of packed sequences (16 of 512-8192 tokens) and of a
+sliding window (4096 keys at 32k tokens).
 Prints one table a section: ms (median of CUDA-event timings) and the ratio to the best SDPA backend.
 """
 import os
@@ -160,6 +161,63 @@ def decode_policies(policies, rounds):
         print(f"| {name} {kw or ''} | {us:.1f} | {1000 * best / us:.2f}x | {us / base - 1:+.1%} |", flush=True)
 
 
+def varlen(count=16, lo=512, hi=8192, Hq=32, Hkv=8, d=128):
+    """Packed sequences of random lengths (flash-attn's varlen layout) in one dmattn call, against a
+    dmattn call a sequence, SDPA over the batch padded to its longest sequence (causal; real tokens
+    first, so top-left causal is each sequence's own), and an SDPA call a sequence."""
+    g = torch.Generator().manual_seed(5)
+    lens = torch.randint(lo, hi + 1, (count,), generator=g).tolist()
+    total, longest = sum(lens), max(lens)
+    cu = torch.tensor([0] + lens).cumsum(0).to(torch.int32).cuda()
+    gd = torch.Generator(device="cuda").manual_seed(6)
+    q = torch.randn(total, Hq, d, device="cuda", dtype=torch.bfloat16, generator=gd)
+    k = torch.randn(total, Hkv, d, device="cuda", dtype=torch.bfloat16, generator=gd)
+    v = torch.randn(total, Hkv, d, device="cuda", dtype=torch.bfloat16, generator=gd)
+    spans = [(int(a), int(b)) for a, b in zip(cu[:-1].tolist(), cu[1:].tolist())]
+    per = [tuple(t[a:b].transpose(0, 1)[None] for t in (q, k, v)) for a, b in spans]
+    pad = lambda t: torch.stack([torch.nn.functional.pad(t[a:b], (0, 0, 0, 0, 0, longest - (b - a))) for a, b in spans]
+                                ).transpose(1, 2).contiguous()  # noqa: E731
+    qp, kp, vp = pad(q), pad(k), pad(v)
+    one = timeit(lambda: dmattn.attention(q, k, v, causal=True, cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                          max_seqlen_q=longest, max_seqlen_k=longest))
+    each = timeit(lambda: [dmattn.attention(*x, causal=True) for x in per])
+    padded = {n: sdpa_ms(qp, kp, vp, b) for n, b in (("cuDNN", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION))}
+
+    def sdpa_each(backend):
+        with sdpa_kernel(backend):
+            try:
+                return timeit(lambda: [F.scaled_dot_product_attention(*x, is_causal=True, enable_gqa=True) for x in per])
+            except RuntimeError:
+                return float("nan")
+    looped = {n: sdpa_each(b) for n, b in (("cuDNN", SDPBackend.CUDNN_ATTENTION), ("flash", SDPBackend.FLASH_ATTENTION))}
+    best = min(x for x in list(padded.values()) + list(looped.values()) if x == x)
+    tflops = sum(2 * 2 * n * (n + 1) / 2 * Hq * d for n in lens) / (one * 1e-3) / 1e12
+    print(f"\n| varlen: {count} sequences of {lo}-{hi} tokens ({total} in all), {Hq}/{Hkv}, {d}, causal | ms | vs best SDPA |")
+    print("|---|---|---|")
+    print(f"| dmattn, one call (cu_seqlens) | {one:.3f} | {best / one:.2f}x ({tflops:.0f} TFLOP/s) |")
+    print(f"| dmattn, a call a sequence | {each:.3f} | {best / each:.2f}x |")
+    for n in padded:
+        print(f"| SDPA {n}, padded to {longest} | {padded[n]:.3f} | {best / padded[n]:.2f}x |")
+        print(f"| SDPA {n}, a call a sequence | {looped[n]:.3f} | {best / looped[n]:.2f}x |", flush=True)
+    del q, k, v, qp, kp, vp, per
+
+
+def window(N=32768, left=4096, Hq=32, Hkv=8, d=128):
+    """A sliding window (a query sees the `left` keys before it and itself: flash-attn's window_size
+    (left, 0)) at one long sequence; SDPA has no window short of an N x N mask, so its causal time over
+    the whole sequence stands beside it as what a caller without windows pays."""
+    q, k, v = inputs(1, N, Hq, Hkv, d)
+    ms = timeit(lambda: dmattn.attention(q, k, v, causal=True, window=(left, 0)))
+    full = timeit(lambda: dmattn.attention(q, k, v, causal=True))
+    best = min(x for x in (sdpa_ms(q, k, v, SDPBackend.CUDNN_ATTENTION), sdpa_ms(q, k, v, SDPBackend.FLASH_ATTENTION))
+               if x == x)
+    print(f"\n| window ({left}, 0) at 1 x {N}, {Hq}/{Hkv}, {d} | ms | vs best SDPA causal (no window) |")
+    print("|---|---|---|")
+    print(f"| dmattn, window | {ms:.3f} | {best / ms:.2f}x |")
+    print(f"| dmattn, causal | {full:.3f} | {best / full:.2f}x |", flush=True)
+    del q, k, v
+
+
 def main():
     policies = [("default", {})] + [parse(s) for s in sys.argv[1:]]
     rounds = int(os.environ.get("ROUNDS", "1"))
@@ -167,6 +225,9 @@ def main():
     with torch.inference_mode():
         if os.environ.get("SHAPES", "1") != "0":
             prefill_matrix()
+        if os.environ.get("VARLEN", "1") != "0":
+            varlen()
+            window()
         for shape in os.environ.get("POLICY_SHAPES", "1x16384").split():
             B, N = (int(x) for x in shape.split("x"))
             prefill_policies(policies, rounds, B, N)
