@@ -1,6 +1,6 @@
 // The CUDA backend: input checks on the device, the quantize pre-pass (Q and K in both formats, V to
-// bf16 or, for pv = fp8, E4M3 with per-channel scales), the prefill kernel; and staging of host
-// tensors for callers that hold them there.
+// bf16 or, for pv = fp8, E4M3 with per-channel scales), the prefill kernel, for a batch or for packed
+// sequences in one call (packing.hpp); and staging of host tensors for callers that hold them there.
 #include <cuda_runtime.h>
 
 #include <optional>
@@ -191,7 +191,7 @@ void require_supported(const Problem& p) {
 }  // namespace
 
 bool packs(const Policy& pol, DType dtype) {
-  // The pre-pass's K form for packed sequences (QuantTarget::row_slot) is the default's pair.
+  // The pre-pass's K form for packed sequences (PackedRows) is the default's pair.
   return pol.high == Format::mxfp8_e4m3 && pol.low == Format::mxfp4 && pol.pv == PV::bf16 && !pol.smooth_q &&
          pol.sink_keys == 0 && dtype_size(dtype) == 2;
 }
