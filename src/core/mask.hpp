@@ -28,6 +28,18 @@ struct Mask {
     const int64_t begin = pos - left, end = key_end(pos);
     return begin < 0 ? 0 : begin < end ? begin : end;
   }
+
+  // The key tiles (of `tile` keys) [begin, end) that hold every key the positions [pos0, pos0 + rows)
+  // see: a tile wholly before a sliding window or after the last key a row sees is not among them.
+  // (Fewer than 2^31 tiles: callers keep nk below 2^31.)
+  struct Tiles {
+    int begin, end;
+  };
+  DMATTN_HD Tiles key_tiles(int64_t pos0, int64_t rows, int64_t tile) const {
+    const int end = int((key_end(pos0 + rows - 1) + tile - 1) / tile);
+    const int begin = int(key_begin(pos0) / tile);  // key_begin grows with the position
+    return {begin < end ? begin : end, end};
+  }
 };
 
 }  // namespace dmattn

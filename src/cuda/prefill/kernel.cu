@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   const int64_t pos0 = tile.pos0;
   const int64_t qtile = hd::floor_div(pos0, kTile);
   const int nslots = p.nslots;
-  const KeyTiles kt = key_tiles(tile.mask(), pos0);
+  const Mask::Tiles kt = key_tiles(tile.mask(), pos0);
   const int tiles = kt.end;  // key tiles [kt.begin, tiles)
   const int key0 = tile.key0();  // the sequence's key 0 in K's padded rows
   const int64_t kv_tile0 = (int64_t(b) * p.Hkv + hk) * p.ldv + key0;  // this head's row scales

@@ -9,17 +9,9 @@
 
 namespace dmattn::cuda::prefill {
 
-// The key tiles [begin, end) that hold every key the rows at positions [pos0, pos0 + BM) see: a tile
-// wholly before a sliding window or after the last key a row sees is not visited. (< 2^24 tiles: the
-// host checks Nk < 2^31.)
-struct KeyTiles {
-  int begin, end;
-};
-__device__ __forceinline__ KeyTiles key_tiles(const Mask& mask, int64_t pos0) {
-  const int end = int((mask.key_end(pos0 + BM - 1) + BN - 1) / BN);
-  const int begin = int(mask.key_begin(pos0) / BN);  // key_begin grows with the position
-  return {begin < end ? begin : end, end};
-}
+// The key tiles [begin, end) a CTA's query tile at positions [pos0, pos0 + BM) visits (Mask::key_tiles;
+// the host checks Nk < 2^31).
+__device__ __forceinline__ Mask::Tiles key_tiles(const Mask& mask, int64_t pos0) { return mask.key_tiles(pos0, BM, BN); }
 
 // A thread's rows g and g + 8 of its warp's 16 (pos: their positions; valid: inside the output).
 struct RowMask {

@@ -20,7 +20,7 @@ Packing::Packing(const std::vector<int32_t>& cu_q, const std::vector<int32_t>& c
   }
   ldv = int64_t(tiles) * kTile;
   // Each sequence's query blocks (as query_tiles: positions from its key 0, bottom-right), with the
-  // key tiles each visits (prefill/mask.cuh's key_tiles), longest first across the sequences.
+  // key tiles each visits (Mask::key_tiles, as the kernel), longest first across the sequences.
   struct Job {
     SeqBlock w;
     int64_t cost;
@@ -33,8 +33,8 @@ Packing::Packing(const std::vector<int32_t>& cu_q, const std::vector<int32_t>& c
     m.nk = s.nk;
     const int64_t pos0 = s.nk - s.nq, first = hd::floor_div(pos0, kTile), last = hd::floor_div(pos0 + s.nq - 1, kTile);
     for (int64_t b = first; b <= last; ++b) {
-      const int64_t end = (m.key_end(b * kTile + kTile - 1) + kTile - 1) / kTile, begin = m.key_begin(b * kTile) / kTile;
-      jobs.push_back({{int32_t(i), int32_t(b)}, std::max<int64_t>(end - begin, 0)});
+      const Mask::Tiles t = m.key_tiles(b * kTile, kTile, kTile);
+      jobs.push_back({{int32_t(i), int32_t(b)}, t.end - t.begin});
     }
   }
   std::stable_sort(jobs.begin(), jobs.end(), [](const Job& a, const Job& b) { return a.cost > b.cost; });
