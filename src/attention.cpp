@@ -153,11 +153,13 @@ void varlen_attention(const TensorView& q, const TensorView& k, const TensorView
       throw Error(std::string(what) + ": sequence " + std::to_string(i) + " has queries but no keys");
 #if defined(DMATTN_HAVE_CUDA)
   // The CUDA prefill takes the whole packed batch in one call where the policy allows.
-  if (runs_on_cuda(q, k, v, out, opts) && cuda::packs(opts.policy, q.dtype) && k.dtype == q.dtype && v.dtype == q.dtype) {
+  if (runs_on_cuda(q, k, v, out, opts)) {
     const Problem p = validate(q, k, v, out, lse, opts);
-    const cuda::Packing packing(cu_q, cu_k, p.mask());
-    cuda::dma_attention(p, &packing);
-    return;
+    if (cuda::packs(p)) {
+      const cuda::Packing packing(cu_q, cu_k, p.mask());
+      cuda::dma_attention(p, &packing);
+      return;
+    }
   }
 #endif
   const int64_t Hq = q.shape[1], total_q = q.shape[2];

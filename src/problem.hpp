@@ -53,9 +53,9 @@ struct Packing;
 void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const TensorView& q, const TensorView& out,
                       float* lse, float scale, const DecodeOptions& opts);
 // All tensors on the current CUDA device; ordered on p.stream. With `packing` (prefill/packing.hpp),
-// p holds packed sequences ([1, H, total, d]), attended in one call as each alone (packs(policy)).
+// p holds packed sequences ([1, H, total, d]), attended in one call as each alone (packs(p)).
 void dma_attention(const Problem& p, const Packing* packing = nullptr);
-bool packs(const Policy& policy, DType dtype);  // whether one call takes packed sequences of this policy and dtype
+bool packs(const Problem& p);  // whether one call takes p's packed sequences (its policy and dtypes)
 // dma_attention with p.lse's [B][Hq][Nq] rows written at dst, rows `stride` floats apart (varlen's [Hq, total_q]).
 void dma_attention_lse_rows(Problem p, float* dst, int64_t stride);
 }  // namespace cuda

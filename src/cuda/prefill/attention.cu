@@ -190,15 +190,16 @@ void require_supported(const Problem& p) {
 
 }  // namespace
 
-bool packs(const Policy& pol, DType dtype) {
-  // The pre-pass's K form for packed sequences (PackedRows) is the default's pair.
-  return pol.high == Format::mxfp8_e4m3 && pol.low == Format::mxfp4 && pol.pv == PV::bf16 && !pol.smooth_q &&
-         pol.sink_keys == 0 && dtype_size(dtype) == 2;
+bool packs(const Problem& p) {
+  // The pre-pass's K form for packed sequences (PackedRows) is the default's pair, from 16-bit rows.
+  const Policy& pol = p.policy;
+  return p.B == 1 && pol.high == Format::mxfp8_e4m3 && pol.low == Format::mxfp4 && pol.pv == PV::bf16 && !pol.smooth_q &&
+         pol.sink_keys == 0 && dtype_size(p.q.dtype) == 2 && p.k.dtype == p.q.dtype && p.v.dtype == p.q.dtype;
 }
 
 void dma_attention(const Problem& call, const Packing* packing) {
   require_supported(call);
-  if (packing && (call.B != 1 || !packs(call.policy, call.q.dtype) || call.k.dtype != call.q.dtype))
+  if (packing && !packs(call))
     throw Error("packed sequences in one CUDA call: one packed batch of 16-bit tensors, MXFP8-E4M3 and MXFP4 tiles, "
                 "pv=bf16, no smooth_q or sink_keys");
   // Packed sequences: positions count within each sequence (the work list says where each starts).
@@ -211,9 +212,10 @@ void dma_attention(const Problem& call, const Packing* packing) {
   const PackedMaps* packed = packing ? &pk : nullptr;
   const int nslots = p.policy.high == p.policy.low ? 1 : 2;
   const int64_t d = p.d;
-  // K's rows a head: its keys, or packed sequences' padded slots (each sequence's from a tile start).
+  // K's padded rows a head (its keys rounded up to whole tiles, or packed sequences' slots), and the
+  // rows of its FP8 codes: the keys, or for packed sequences the slots.
   const int64_t ldv = packing ? pk.ldv : (p.Nk + kTile - 1) / kTile * kTile;
-  const int64_t k_code_rows = packing ? p.B * p.Hkv * ldv : p.B * p.Hkv * p.Nk;
+  const int64_t k_code_rows = packing ? ldv : p.Nk;
   const int64_t k_tiles = p.B * p.Hkv * (ldv / kTile), k_pad_rows = p.B * p.Hkv * ldv;
   // The pre-pass's zero-initialised scratch under one memset: the NaN/Inf flags of Q, K, V (16 bytes),
   // then per slot K's row scales (zeros past Nk) and tile-split flags, each slot 16-byte aligned (the
@@ -246,7 +248,7 @@ void dma_attention(const Problem& call, const Packing* packing) {
       const size_t bytes = nv ? 2 : 1;
       SlotScratch& x = sl[s];
       x.q8 = c.take<uint8_t>(size_t(q_rows * d) * bytes);
-      x.k8 = c.take<uint8_t>(size_t(k_code_rows * d) * bytes);
+      x.k8 = c.take<uint8_t>(size_t(p.B * p.Hkv * k_code_rows * d) * bytes);
       x.kts = c.take<float>(size_t(k_tiles) * sizeof(float));  // per key tile (PrefillParams::kts)
       if (nv) {
         x.qten = c.take<float>(size_t(q_rows) * sizeof(float));
@@ -360,7 +362,7 @@ void dma_attention(const Problem& call, const Packing* packing) {
     quantize_rows(k_in, p.policy.scale_rule, kt[mx[0]], n_mx == 2 ? kt[mx[1]] : QuantTarget{}, fork.side(1), flags + 1,
                   k_tf, k_rows_packed);
     // one scale per key tile where exact (always for MXFP4 keys within 2^8)
-    fold_key_tiles(folds, n_mx, p.B * p.Hkv, packing ? ldv : p.Nk, ldv, d, fork.side(1));
+    fold_key_tiles(folds, n_mx, p.B * p.Hkv, k_code_rows, ldv, d, fork.side(1));
   }
   if (fused && pol.smooth_q) {
     fork.side_waits_mark(1);
@@ -392,7 +394,7 @@ void dma_attention(const Problem& call, const Packing* packing) {
   pp.Hq = int(p.Hq);
   pp.Hkv = int(p.Hkv);
   pp.Nq = int(p.Nq);
-  pp.Nk = int(packing ? ldv : p.Nk);
+  pp.Nk = int(k_code_rows);
   pp.scale = scale;
   pp.ds = tf.ds;
   pp.sink = tf.sink;
@@ -402,12 +404,13 @@ void dma_attention(const Problem& call, const Packing* packing) {
   pp.q_pos0 = p.q_pos0 - p.k_pos0;  // from key 0 (Problem's are absolute)
   pp.ktile0 = p.k_pos0 / kTile;
   static_assert(kPrefillRows == kTile, "a CTA's query block is one query tile");
-  query_tiles(p, pp.first_block, pp.blocks);
-  if (packing) {
+  if (packing) {  // the work list's items (the batch's: its query tiles)
     pp.work = pk.work;
     pp.seqs = pk.seqs;
     pp.first_block = 0;
     pp.blocks = pk.works;
+  } else {
+    query_tiles(p, pp.first_block, pp.blocks);
   }
   if (pp.blocks > 0) launch_prefill(pp, int(d), p.out.dtype, pp.blocks, int(p.B), stream);
   if (tf.lse_shift) add_lse_shift(p.lse, tf.lse_shift, q_rows, stream);

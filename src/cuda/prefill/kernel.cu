@@ -382,11 +382,8 @@ void launch_d(const PrefillParams& p, DType out, int64_t blocks, int batch, cuda
 template <int D>
 void launch_pv(const PrefillParams& p, DType out, int64_t blocks, int batch, cudaStream_t stream) {
   const bool nv = p.nv[0] || (p.nslots == 2 && p.nv[1]);
-  if (p.work) {  // packed sequences: instances of their own (cuda::packs's policies)
-    if (nv || p.pv_fp8 || p.ds || p.sink_keys > 0)
-      throw Error("the CUDA prefill takes packed sequences with MX tiles, pv=bf16 and no smooth_q or sink_keys");
+  if (p.work)  // packed sequences: instances of their own (dma_attention admits only cuda::packs's policies)
     return launch_d<D, false, false, false, true>(p, out, blocks, batch, stream);
-  }
   if (p.ds || p.sink_keys > 0) {  // the transforms' instances: MX tiles, bf16 P.V (require_supported)
     if (nv || p.pv_fp8) throw Error("the CUDA prefill applies smooth_q and sink_keys to MX tiles with pv=bf16");
     return launch_d<D, false, false, true>(p, out, blocks, batch, stream);

@@ -314,12 +314,12 @@ template <int E>
 void row_means_d(const TensorView& x, bool rotate, bool rows_first, double* part, float* mean, cudaStream_t stream,
                  const PackedMaps* pk = nullptr) {
   const int64_t BH = x.shape[0] * x.shape[1], N = x.shape[2], chunks = pk ? pk->ldv / kTile : (N + kTile - 1) / kTile;
-  const bool packed = dtype_size(x.dtype) == 2 && x.stride[3] == 1 && x.stride[2] == 32 * E &&
-                      reinterpret_cast<uintptr_t>(x.data) % 16 == 0 && x.stride[0] % 8 == 0 && x.stride[1] % 8 == 0;
+  const bool back_to_back = dtype_size(x.dtype) == 2 && x.stride[3] == 1 && x.stride[2] == 32 * E &&
+                            reinterpret_cast<uintptr_t>(x.data) % 16 == 0 && x.stride[0] % 8 == 0 && x.stride[1] % 8 == 0;
   with_typed(x, [&](auto* typed) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
     if constexpr (sizeof(T) == 2)
-      if (packed && !(rotate && rows_first) && !pk) {
+      if (back_to_back && !(rotate && rows_first) && !pk) {
         chunk_sums_kernel<T, E><<<dim3(unsigned(chunks), unsigned(BH)), 256, 0, stream>>>(x, part);
         return;
       }
