@@ -9,7 +9,9 @@ Environment: SHAPES=0 skips the shape matrix; ROUNDS=n times the policies n time
 and reports each one's median over the rounds (differences of a few percent need that);
 POLICY_SHAPES="BxN ..." the shapes the policies run at (default 1x16384; Hq 32, Hkv 8, d 128);
 PROFILE=1 adds, per policy at each of those shapes, where a call's GPU time goes (torch.profiler:
-device µs a call per kernel, largest first); DECODE=1 adds decode through dmattn.KVCache (B=8, 8k
+device µs a call per kernel, largest first); TIMELINE=1 adds, per policy at those shapes, one call's
+GPU activity in time order (each kernel's start and end from the call's first host event, its stream)
+and the call's host span, so gaps between kernels show; DECODE=1 adds decode through dmattn.KVCache (B=8, 8k
 tokens, Hq 32 / Hkv 8, d 128, one new query) for each policy's cache-side transforms, against SDPA
 over a bf16 cache; VARLEN=0 skips the tables of packed sequences (16 of 512-8192 tokens) and of a
 sliding window (4096 keys at 32k tokens).
@@ -118,6 +120,38 @@ def kernels(fn, calls=5):
     rows = [(e.device_time_total / calls, e.key) for e in prof.key_averages() if e.device_time_total > 0]
     rows.sort(reverse=True)
     return rows, sum(us for us, _ in rows)
+
+
+def timeline(fn, calls=3):
+    """One call's (the last of `calls`) host span and GPU work in time order: (start µs, end µs,
+    stream, name) from the call's first host event."""
+    import json
+    import tempfile
+    prof = profiled(fn, calls)
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        trace = json.load(open(f.name))["traceEvents"]
+    host = sorted((e for e in trace if e.get("cat") == "cuda_runtime" and "dur" in e), key=lambda e: e["ts"])
+    gpu = sorted((e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+                 key=lambda e: e["ts"])
+    # Calls are separated by the largest host gaps; the last call starts after the (calls-1)-th largest.
+    cuts = sorted(range(1, len(host)), key=lambda i: host[i]["ts"] - host[i - 1]["ts"])[-(calls - 1):]
+    t0 = host[max(cuts)]["ts"] if cuts else host[0]["ts"]
+    span = (host[-1]["ts"] + host[-1]["dur"] - t0)
+    rows = [(e["ts"] - t0, e["ts"] + e["dur"] - t0, e.get("args", {}).get("stream", "?"), e["name"])
+            for e in gpu if e["ts"] >= t0]
+    return span, rows
+
+
+def timeline_policies(policies, B, N):
+    q, k, v = inputs(B, N, 32, 8, 128)
+    for name, kw in policies:
+        span, rows = timeline(lambda: dmattn.attention(q, k, v, causal=True, **kw))
+        end = max((r[1] for r in rows), default=0.0)
+        print(f"\n{name} {kw or ''} at {B} x {N}: host span {span:.1f} µs, GPU work ends at {end:.1f} µs")
+        for a, b, stream, key in rows:
+            print(f"  {a:8.1f} {b:8.1f} {b - a:8.1f}  s{stream}  {key[:90]}")
+    del q, k, v
 
 
 def profile_policies(policies, B, N):
@@ -233,6 +267,8 @@ def main():
             prefill_policies(policies, rounds, B, N)
             if os.environ.get("PROFILE", "0") == "1":
                 profile_policies(policies, B, N)
+            if os.environ.get("TIMELINE", "0") == "1":
+                timeline_policies(policies, B, N)
         if os.environ.get("DECODE", "0") == "1":
             decode_policies(policies, rounds)
 

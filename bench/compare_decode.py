@@ -95,10 +95,10 @@ open(f"{out_dir}/bench_decode.txt", "w").write(out_txt)
 
 print(f"\ndecode step, Hq=32 Hkv=8 d=128, Nq=1; ceilings (same run): copy {copy:.0f} GB/s (read + write), "
       f"read-only {read:.0f} GB/s")
-print(f"{'pv':>5} {'B':>3} {'ctx':>7} | {'SDPA best':>16} {'GB/s':>6} {'of read':>7} | {'dmattn us':>9} {'sync us':>8} {'GB/s':>6} "
-      f"{'of copy':>7} {'of read':>7} {'MB read':>8} | {'speedup':>7}")
+print("| V | B | context | SDPA best | µs | GB/s | of read | dmattn µs | synced µs | GB/s | of copy | of read | MB read | speedup |")
+print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
 for pv, B, ctx, us, us_sync, gbs, nbytes in rows:
     name, sus, sbytes = sdpa[(B, ctx)]
     sg = sbytes / (sus * 1e3)
-    print(f"{pv:>5} {B:>3} {ctx:>7} | {name:>7} {sus:>8.1f} {sg:>6.0f} {100 * sg / read:>6.1f}% | {us:>9.1f} {us_sync:>8.1f} "
-          f"{gbs:>6.0f} {100 * gbs / copy:>6.1f}% {100 * gbs / read:>6.1f}% {nbytes / 1e6:>8.1f} | {sus / us:>6.2f}x")
+    print(f"| {pv} | {B} | {ctx} | {name} | {sus:.1f} | {sg:.0f} | {100 * sg / read:.1f}% | {us:.1f} | {us_sync:.1f} | "
+          f"{gbs:.0f} | {100 * gbs / copy:.1f}% | {100 * gbs / read:.1f}% | {nbytes / 1e6:.1f} | {sus / us:.2f}x |")
