@@ -9,7 +9,8 @@ Environment: SHAPES=0 skips the shape matrix; ROUNDS=n times the policies n time
 and reports each one's median over the rounds (differences of a few percent need that);
 POLICY_SHAPES="BxN ..." the shapes the policies run at (default 1x16384; Hq 32, Hkv 8, d 128);
 PROFILE=1 adds, per policy at each of those shapes, where a call's GPU time goes (torch.profiler:
-device µs a call per kernel, largest first); TIMELINE=1 adds, per policy at those shapes, one call's
+device µs a call per kernel, largest first); HOST=1 adds the host's µs a call at a small shape
+(dmattn, SDPA and the pieces of dmattn's Python path, calls queued without a sync); TIMELINE=1 adds, per policy at those shapes, one call's
 GPU activity in time order (each kernel's start and end from the call's first host event, its stream)
 and the call's host span, so gaps between kernels show; DECODE=1 adds decode through dmattn.KVCache (B=8, 8k
 tokens, Hq 32 / Hkv 8, d 128, one new query) for each policy's cache-side transforms, against SDPA
@@ -123,35 +124,90 @@ def kernels(fn, calls=5):
 
 
 def timeline(fn, calls=3):
-    """One call's (the last of `calls`) host span and GPU work in time order: (start µs, end µs,
-    stream, name) from the call's first host event."""
+    """The last of `calls` calls: its host span (Python included) and its GPU work in time order,
+    as (start µs, end µs, stream, name) from the call's start on the host."""
     import json
     import tempfile
-    prof = profiled(fn, calls)
+    from torch.profiler import record_function
+
+    def marked():
+        with record_function("dmattn-bench-call"):
+            fn()
+    prof = profiled(marked, calls)
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.load(open(f.name))["traceEvents"]
-    host = sorted((e for e in trace if e.get("cat") == "cuda_runtime" and "dur" in e), key=lambda e: e["ts"])
-    gpu = sorted((e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")),
+    last = max((e for e in trace if e.get("name") == "dmattn-bench-call" and e.get("ph") == "X"), key=lambda e: e["ts"])
+    t0 = last["ts"]
+    gpu = sorted((e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e["ts"] >= t0),
                  key=lambda e: e["ts"])
-    # Calls are separated by the largest host gaps; the last call starts after the (calls-1)-th largest.
-    cuts = sorted(range(1, len(host)), key=lambda i: host[i]["ts"] - host[i - 1]["ts"])[-(calls - 1):]
-    t0 = host[max(cuts)]["ts"] if cuts else host[0]["ts"]
-    span = (host[-1]["ts"] + host[-1]["dur"] - t0)
-    rows = [(e["ts"] - t0, e["ts"] + e["dur"] - t0, e.get("args", {}).get("stream", "?"), e["name"])
-            for e in gpu if e["ts"] >= t0]
-    return span, rows
+    launches = [e for e in trace if e.get("cat") == "cuda_runtime" and t0 <= e["ts"] <= t0 + last["dur"]]
+    first_launch = min((e["ts"] for e in launches), default=t0) - t0
+    rows = [(e["ts"] - t0, e["ts"] + e["dur"] - t0, e.get("args", {}).get("stream", "?"), e["name"]) for e in gpu]
+    return last["dur"], first_launch, rows
 
 
 def timeline_policies(policies, B, N):
     q, k, v = inputs(B, N, 32, 8, 128)
     for name, kw in policies:
-        span, rows = timeline(lambda: dmattn.attention(q, k, v, causal=True, **kw))
+        span, first, rows = timeline(lambda: dmattn.attention(q, k, v, causal=True, **kw))
         end = max((r[1] for r in rows), default=0.0)
-        print(f"\n{name} {kw or ''} at {B} x {N}: host span {span:.1f} µs, GPU work ends at {end:.1f} µs")
+        print(f"\n{name} {kw or ''} at {B} x {N}: host span {span:.1f} µs (first CUDA call at {first:.1f}), "
+              f"GPU work ends at {end:.1f} µs")
         for a, b, stream, key in rows:
             print(f"  {a:8.1f} {b:8.1f} {b - a:8.1f}  s{stream}  {key[:90]}")
+    span, first, rows = timeline(lambda: sdpa_call(q, k, v, SDPBackend.CUDNN_ATTENTION))
+    print(f"\nSDPA cuDNN at {B} x {N}: host span {span:.1f} µs (first CUDA call at {first:.1f}), GPU work "
+          + ", ".join(f"{a:.1f}-{b:.1f} {key[:40]}" for a, b, _, key in rows))
     del q, k, v
+
+
+def host_costs(N=256, Hq=32, Hkv=8, d=128, n=300):
+    """Host µs a call, wall clock over n calls queued without a sync (the GPU work of a 256-token call
+    is shorter than its host time), for dmattn.attention, SDPA and the pieces of dmattn's Python path."""
+    import time
+    q, k, v = inputs(1, N, Hq, Hkv, d)
+    out = torch.empty_like(q)
+    pol = dmattn.Policy()
+    opts = dmattn._attention_options(True, None, pol, False, (-1, -1), torch.cuda.current_stream().cuda_stream)
+
+    def per_call(fn):
+        fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        host = time.perf_counter() - t
+        torch.cuda.synchronize()
+        return 1e6 * host / n
+
+    def guarded():
+        with torch.cuda.device(q.device):
+            pass
+    rows = [
+        ("dmattn.attention (check_finite)", lambda: dmattn.attention(q, k, v, causal=True)),
+        ("dmattn.attention, check_finite=False", lambda: dmattn.attention(q, k, v, causal=True, check_finite=False)),
+        ("attention_into alone (options made once)", lambda: dmattn.attention_into(q, k, v, out, None, "bhnd", opts)),
+        ("SDPA cuDNN", lambda: sdpa_call(q, k, v, SDPBackend.CUDNN_ATTENTION)),
+        ("SDPA flash", lambda: sdpa_call(q, k, v, SDPBackend.FLASH_ATTENTION)),
+        ("torch.empty_like(q)", lambda: torch.empty_like(q)),
+        ("torch.cuda.current_stream(dev).cuda_stream", lambda: torch.cuda.current_stream(q.device).cuda_stream),
+        ("with torch.cuda.device(dev)", guarded),
+        ("q.__dlpack__()", lambda: q.__dlpack__()),
+        ("q.detach()", lambda: q.detach()),
+        ("dmattn.Policy()", lambda: dmattn.Policy()),
+        ("options struct", lambda: dmattn._attention_options(True, None, pol, False, (-1, -1), 0)),
+    ]
+    print(f"\n| host µs a call (1 x {N}, {Hq}/{Hkv}, {d}; {n} calls queued) | µs |")
+    print("|---|---|")
+    for name, fn in rows:
+        print(f"| {name} | {per_call(fn):.1f} |", flush=True)
+    del q, k, v, out
+
+
+def sdpa_call(q, k, v, backend):
+    with sdpa_kernel(backend):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
 
 
 def profile_policies(policies, B, N):
@@ -269,6 +325,8 @@ def main():
                 profile_policies(policies, B, N)
             if os.environ.get("TIMELINE", "0") == "1":
                 timeline_policies(policies, B, N)
+        if os.environ.get("HOST", "0") == "1":
+            host_costs()
         if os.environ.get("DECODE", "0") == "1":
             decode_policies(policies, rounds)
 

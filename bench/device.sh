@@ -215,14 +215,8 @@ if [ "${PROFILE:-0}" = 1 ]; then  # ncu speed-of-light for the two kernels (PROF
   grep -E "Throughput|Duration|Achieved Occupancy|Registers" "$OUT/ncu_prefill.txt" "$OUT/ncu_quantize.txt" | head -30
 fi
 
-echo
-PYTHONUNBUFFERED=1 python3 bench/compare_decode.py $B "$OUT" 2>&1 | tee "$OUT/compare_decode.txt" | tail -12
-echo
-PYTHONUNBUFFERED=1 python3 bench/compare_sdpa.py $B "$OUT" 4096 16384 2>&1 | tee "$OUT/compare_sdpa.txt" | tail -20
-echo  # a generation step from Python over the KV cache in GPU memory (append + decode against SDPA)
-PYTHONPATH=$B/python${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 python3 bench/bench_decode_step.py ${STEP_SHAPES:-16:32768 64:8192 1:8192} \
-  2>&1 | tee "$OUT/decode_step.txt" | tail -8
-if [ "${GENERATE:-0}" = 1 ]; then  # transformers generate() tokens/s: sdpa against dmattn + PagedCache
-  PYTHONPATH=$B/python${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 python3 bench/bench_generate.py ${GENERATE_ARGS:-} \
-    2>&1 | tee "$OUT/generate.txt" | tail -4
-fi
+echo  # every table of docs/PERFORMANCE.md measured again (bench/performance.py), the page rendered; both come back in perf.tgz
+PYTHONUNBUFFERED=1 python3 bench/performance.py measure --build $B ${PERF_SECTIONS:-} >"$OUT/performance.log" 2>&1
+echo "performance.py measure: rc=$? $(grep -c 'not kept' "$OUT/performance.log") sections not kept"
+tar -czf "$RESULT_DIR/perf.tgz" bench/perf docs/PERFORMANCE.md
+grep -A12 "^| B x N" docs/PERFORMANCE.md | head -10

@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """docs/PERFORMANCE.md from measurements: one command measures, one renders, one checks.
 
-  python3 bench/performance.py measure [SECTION ...] --build DIR   (a GPU machine; DIR holds the
-      C++ benches, DIR/python the module) runs each section's benchmark, keeps the tables it prints in
-      bench/perf/SECTION.md with the date, the GPU and the command, then renders the page
+  python3 bench/performance.py measure [SECTION ...] --build DIR [--python PYDIR]   (a GPU machine;
+      DIR holds the C++ benches and the CLI, PYDIR (default DIR/python) the module) runs each
+      section's benchmark, keeps the tables it prints in bench/perf/SECTION.md with the date, the GPU
+      and the command, then renders the page
   python3 bench/performance.py render   writes docs/PERFORMANCE.md from bench/perf/page.md, the kept
       tables and the quality CSVs (bench/eval_*.csv); no GPU needed
   python3 bench/performance.py check    exits 1 when docs/PERFORMANCE.md is not what render writes
@@ -122,12 +123,12 @@ def gpu_name():
         return "no GPU"
 
 
-def measure(names, build, out):
+def measure(names, build, python, out):
     for name in names:
         env, cmd = SECTIONS[name]
         cmd = cmd.format(build=build, out=out)
         full_env = dict(os.environ, **env, PYTHONUNBUFFERED="1")
-        full_env["PYTHONPATH"] = os.path.join(build, "python") + os.pathsep + full_env.get("PYTHONPATH", "")
+        full_env["PYTHONPATH"] = python + os.pathsep + full_env.get("PYTHONPATH", "")
         shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + (" " if env else "") + cmd
         print(f"== {name}: {shown}", flush=True)
         r = subprocess.run(shlex.split(cmd), cwd=ROOT, env=full_env, capture_output=True, text=True)
@@ -164,10 +165,15 @@ def main():
         print(__doc__)
         return 2
     if args[0] == "measure":
-        build = args[args.index("--build") + 1] if "--build" in args else "build"
+        build = os.path.abspath(args[args.index("--build") + 1] if "--build" in args else "build")
+        python = os.path.abspath(args[args.index("--python") + 1]) if "--python" in args else os.path.join(build, "python")
         names = [a for a in args[1:] if a in SECTIONS] or list(SECTIONS)
-        out = os.environ.get("OUT", "/tmp")
-        measure(names, os.path.abspath(build), out)
+        values = {args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--build", "--python")}
+        unknown = [a for a in args[1:] if not a.startswith("--") and a not in SECTIONS and a not in values]
+        if unknown:
+            print(f"unknown sections {unknown}; the sections: {', '.join(SECTIONS)}", file=sys.stderr)
+            return 2
+        measure(names, build, python, os.environ.get("OUT", "/tmp"))
     text = render()
     if args[0] == "check":
         with open(PAGE) as f:
