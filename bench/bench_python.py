@@ -103,12 +103,13 @@ def prefill_policies(policies, rounds, B, N):
     del q, k, v
 
 
-def profiled(fn, calls):
-    """torch.profiler's record of `calls` calls of fn on the GPU, after one unrecorded call."""
+def profiled(fn, calls, host=False):
+    """torch.profiler's record of `calls` calls of fn on the GPU (and the host's side, with host),
+    after one unrecorded call."""
     from torch.profiler import ProfilerActivity, profile
     fn()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CUDA] + ([ProfilerActivity.CPU] if host else [])) as prof:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
@@ -133,11 +134,14 @@ def timeline(fn, calls=3):
     def marked():
         with record_function("dmattn-bench-call"):
             fn()
-    prof = profiled(marked, calls)
+    prof = profiled(marked, calls, host=True)
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         trace = json.load(open(f.name))["traceEvents"]
-    last = max((e for e in trace if e.get("name") == "dmattn-bench-call" and e.get("ph") == "X"), key=lambda e: e["ts"])
+    marks = [e for e in trace if e.get("name") == "dmattn-bench-call" and e.get("cat") == "user_annotation"]
+    if not marks:
+        raise RuntimeError("torch.profiler recorded no host ranges: the timeline needs its CPU activity")
+    last = max(marks, key=lambda e: e["ts"])
     t0 = last["ts"]
     gpu = sorted((e for e in trace if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset") and e["ts"] >= t0),
                  key=lambda e: e["ts"])

@@ -123,13 +123,14 @@ def gpu_name():
         return "no GPU"
 
 
-def measure(names, build, python, out):
+def measure(names, build, python, out, shown_build):
     for name in names:
-        env, cmd = SECTIONS[name]
-        cmd = cmd.format(build=build, out=out)
+        env, template = SECTIONS[name]
+        cmd = template.format(build=build, out=out)
         full_env = dict(os.environ, **env, PYTHONUNBUFFERED="1")
         full_env["PYTHONPATH"] = python + os.pathsep + full_env.get("PYTHONPATH", "")
-        shown = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + (" " if env else "") + cmd
+        shown = (" ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()) + (" " if env else "") +
+                 template.format(build=shown_build, out="$OUT"))  # as a reader would type it
         print(f"== {name}: {shown}", flush=True)
         r = subprocess.run(shlex.split(cmd), cwd=ROOT, env=full_env, capture_output=True, text=True)
         print(r.stdout[-4000:], r.stderr[-2000:], flush=True)
@@ -165,7 +166,8 @@ def main():
         print(__doc__)
         return 2
     if args[0] == "measure":
-        build = os.path.abspath(args[args.index("--build") + 1] if "--build" in args else "build")
+        shown_build = args[args.index("--build") + 1] if "--build" in args else "build"
+        build = os.path.abspath(shown_build)
         python = os.path.abspath(args[args.index("--python") + 1]) if "--python" in args else os.path.join(build, "python")
         names = [a for a in args[1:] if a in SECTIONS] or list(SECTIONS)
         values = {args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--build", "--python")}
@@ -173,7 +175,7 @@ def main():
         if unknown:
             print(f"unknown sections {unknown}; the sections: {', '.join(SECTIONS)}", file=sys.stderr)
             return 2
-        measure(names, build, python, os.environ.get("OUT", "/tmp"))
+        measure(names, build, python, os.environ.get("OUT", "/tmp"), shown_build)
     text = render()
     if args[0] == "check":
         with open(PAGE) as f:
