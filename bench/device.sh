@@ -126,6 +126,13 @@ if [ "${QUICK:-0}" = 1 ]; then  # correctness of the GPU tests + the main benchm
     done
   fi
   cp "$OUT"/compare_*.txt "$RESULT_DIR"/ 2>/dev/null
+  if [ -n "${PERF_SECTIONS:-}" ]; then  # these tables of docs/PERFORMANCE.md measured again, the page rendered (perf.tgz)
+    # shellcheck disable=SC2086  # PERF_SECTIONS: section names (bench/performance.py)
+    PYTHONUNBUFFERED=1 python3 bench/performance.py measure $PERF_SECTIONS --build $B --python "${PERF_PYTHON:-$B/python}" \
+      >"$OUT/performance.log" 2>&1
+    echo "performance.py measure $PERF_SECTIONS: rc=$? $(grep -c 'not kept' "$OUT/performance.log") not kept"
+    tar -czf "$RESULT_DIR/perf.tgz" bench/perf docs/PERFORMANCE.md
+  fi
   if [ "${PROFILE:-0}" = 1 ] && [ "$PART" != prefill ]; then  # where the decode kernel's time goes (B=16, 32k)
     ncu --kernel-name regex:decode_kernel --launch-skip 3 --launch-count 1 --section SpeedOfLight --section WarpStateStats \
       --section SchedulerStats --section Occupancy $B/bench/bench_decode_cuda bf16 16 32768 >"$OUT/ncu_decode.txt" 2>&1
