@@ -10,9 +10,10 @@ and reports each one's median over the rounds (differences of a few percent need
 POLICY_SHAPES="BxN ..." the shapes the policies run at (default 1x16384; Hq 32, Hkv 8, d 128);
 PROFILE=1 adds, per policy at each of those shapes, where a call's GPU time goes (torch.profiler:
 device µs a call per kernel, largest first); HOST=1 adds the host's µs a call at a small shape
-(dmattn, SDPA and the pieces of dmattn's Python path, calls queued without a sync); TIMELINE=1 adds, per policy at those shapes, one call's
-GPU activity in time order (each kernel's start and end from the call's first host event, its stream)
-and the call's host span, so gaps between kernels show; DECODE=1 adds decode through dmattn.KVCache (B=8, 8k
+(dmattn, SDPA and the pieces of dmattn's Python path, calls queued without a sync); TIMELINE=1 adds,
+per policy at those shapes and for SDPA's cuDNN backend, the last of three queued calls: its GPU work
+in time order (each kernel's start and end, in µs from the call's start on the host, and its stream),
+its host span and when its first CUDA call came, so the gaps and the critical path show; DECODE=1 adds decode through dmattn.KVCache (B=8, 8k
 tokens, Hq 32 / Hkv 8, d 128, one new query) for each policy's cache-side transforms, against SDPA
 over a bf16 cache; VARLEN=0 skips the tables of packed sequences (16 of 512-8192 tokens) and of a
 sliding window (4096 keys at 32k tokens).
