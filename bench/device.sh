@@ -22,6 +22,15 @@ fi
 # which saves the device the ~100 s build; QUICK mode only, and without the Python module's tests.
 B=${PREBUILT:-build-sm90}
 declare -A row
+# The tables of docs/PERFORMANCE.md measured again (PERF_SECTIONS, default all: bench/performance.py) and
+# the page rendered; both come back in $RESULT_DIR/perf.tgz (PERF_PYTHON: the module's folder, default $B/python).
+measure_performance() {
+  # shellcheck disable=SC2086  # PERF_SECTIONS: section names
+  PYTHONUNBUFFERED=1 python3 bench/performance.py measure ${PERF_SECTIONS:-} --build $B --python "${PERF_PYTHON:-$B/python}" \
+    >"$OUT/performance.log" 2>&1
+  echo "performance.py measure ${PERF_SECTIONS:-(all)}: rc=$? $(grep -c 'not kept' "$OUT/performance.log") not kept"
+  tar -czf "$RESULT_DIR/perf.tgz" bench/perf docs/PERFORMANCE.md
+}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
 
 # AB="dirA dirB" (each laid out as PREBUILT): a variant against a baseline in one run. The GPU tests
@@ -126,13 +135,7 @@ if [ "${QUICK:-0}" = 1 ]; then  # correctness of the GPU tests + the main benchm
     done
   fi
   cp "$OUT"/compare_*.txt "$RESULT_DIR"/ 2>/dev/null
-  if [ -n "${PERF_SECTIONS:-}" ]; then  # these tables of docs/PERFORMANCE.md measured again, the page rendered (perf.tgz)
-    # shellcheck disable=SC2086  # PERF_SECTIONS: section names (bench/performance.py)
-    PYTHONUNBUFFERED=1 python3 bench/performance.py measure $PERF_SECTIONS --build $B --python "${PERF_PYTHON:-$B/python}" \
-      >"$OUT/performance.log" 2>&1
-    echo "performance.py measure $PERF_SECTIONS: rc=$? $(grep -c 'not kept' "$OUT/performance.log") not kept"
-    tar -czf "$RESULT_DIR/perf.tgz" bench/perf docs/PERFORMANCE.md
-  fi
+  [ -n "${PERF_SECTIONS:-}" ] && measure_performance  # only the tables asked for
   if [ "${PROFILE:-0}" = 1 ] && [ "$PART" != prefill ]; then  # where the decode kernel's time goes (B=16, 32k)
     ncu --kernel-name regex:decode_kernel --launch-skip 3 --launch-count 1 --section SpeedOfLight --section WarpStateStats \
       --section SchedulerStats --section Occupancy $B/bench/bench_decode_cuda bf16 16 32768 >"$OUT/ncu_decode.txt" 2>&1
@@ -222,8 +225,6 @@ if [ "${PROFILE:-0}" = 1 ]; then  # ncu speed-of-light for the two kernels (PROF
   grep -E "Throughput|Duration|Achieved Occupancy|Registers" "$OUT/ncu_prefill.txt" "$OUT/ncu_quantize.txt" | head -30
 fi
 
-echo  # every table of docs/PERFORMANCE.md measured again (bench/performance.py), the page rendered; both come back in perf.tgz
-PYTHONUNBUFFERED=1 python3 bench/performance.py measure --build $B ${PERF_SECTIONS:-} >"$OUT/performance.log" 2>&1
-echo "performance.py measure: rc=$? $(grep -c 'not kept' "$OUT/performance.log") sections not kept"
-tar -czf "$RESULT_DIR/perf.tgz" bench/perf docs/PERFORMANCE.md
+echo
+measure_performance  # every table, unless PERF_SECTIONS names some
 grep -A12 "^| B x N" docs/PERFORMANCE.md | head -10

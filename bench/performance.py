@@ -12,8 +12,10 @@
 A section not measured keeps its last tables and their own date and GPU: the page says which card and
 day every table comes from. The full record of each run (and of every earlier one) is bench/RESULTS.md.
 """
+import argparse
 import csv
 import datetime
+import functools
 import os
 import re
 import shlex
@@ -38,6 +40,7 @@ SECTIONS = {
 # The quality table: (row, {model: (csv under bench/, config)}); perplexity against exact attention
 # in the same file, and the mean of the per-layer attention errors.
 MODELS = ("SmolLM2-135M", "Gemma-3-270M")
+EXACT = {"SmolLM2-135M": "eval_smollm2_ctx2048_diag8.csv", "Gemma-3-270M": "eval_gemma3_ctx2048_diag8.csv"}  # its row
 QUALITY = [
     ("bf16 everywhere", {"SmolLM2-135M": ("eval_smollm2_ctx2048.csv", "all-bf16"),
                          "Gemma-3-270M": ("eval_gemma3_ctx2048_diag8.csv", "bf16")}),
@@ -64,6 +67,7 @@ QUALITY = [
 ]
 
 
+@functools.lru_cache(maxsize=None)  # each file read once a render
 def read_eval(name):
     with open(os.path.join(ROOT, "bench", name), newline="") as f:
         rows = list(csv.DictReader(f))
@@ -78,10 +82,7 @@ def read_eval(name):
 def quality_table():
     head = "| policy (8 windows of 2048 tokens) | " + " | ".join(f"{m} ppl | vs exact | layer error" for m in MODELS) + " |"
     lines = [head, "|---|" + "---|---|---|" * len(MODELS)]
-    exact = {}
-    for m, (f, _) in (("SmolLM2-135M", ("eval_smollm2_ctx2048_diag8.csv", None)),
-                      ("Gemma-3-270M", ("eval_gemma3_ctx2048_diag8.csv", None))):
-        exact[m] = read_eval(f)["exact"][0]
+    exact = {m: read_eval(f)["exact"][0] for m, f in EXACT.items()}
     lines.append("| exact (fp64) | " + " | ".join(f"{exact[m]:.3f} | — | 0" for m in MODELS) + " |")
     for label, srcs in QUALITY:
         cells = []
@@ -161,23 +162,22 @@ def render():
 
 
 def main():
-    args = sys.argv[1:]
-    if not args or args[0] not in ("measure", "render", "check"):
-        print(__doc__)
-        return 2
-    if args[0] == "measure":
-        shown_build = args[args.index("--build") + 1] if "--build" in args else "build"
-        build = os.path.abspath(shown_build)
-        python = os.path.abspath(args[args.index("--python") + 1]) if "--python" in args else os.path.join(build, "python")
-        names = [a for a in args[1:] if a in SECTIONS] or list(SECTIONS)
-        values = {args[i + 1] for i, a in enumerate(args[:-1]) if a in ("--build", "--python")}
-        unknown = [a for a in args[1:] if not a.startswith("--") and a not in SECTIONS and a not in values]
-        if unknown:
-            print(f"unknown sections {unknown}; the sections: {', '.join(SECTIONS)}", file=sys.stderr)
-            return 2
-        measure(names, build, python, os.environ.get("OUT", "/tmp"), shown_build)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=("measure", "render", "check"))
+    ap.add_argument("sections", nargs="*", metavar="SECTION",
+                    help="measure: these sections (default all): " + ", ".join(SECTIONS))
+    ap.add_argument("--build", default="build", help="measure: the folder of the C++ benchmarks and the CLI")
+    ap.add_argument("--python", help="measure: the folder of the Python module (default BUILD/python)")
+    args = ap.parse_args()
+    unknown = [name for name in args.sections if name not in SECTIONS]
+    if unknown:
+        ap.error(f"unknown sections {unknown}; the sections: {', '.join(SECTIONS)}")
+    if args.mode == "measure":
+        build = os.path.abspath(args.build)
+        python = os.path.abspath(args.python) if args.python else os.path.join(build, "python")
+        measure(args.sections or list(SECTIONS), build, python, os.environ.get("OUT", "/tmp"), args.build)
     text = render()
-    if args[0] == "check":
+    if args.mode == "check":
         with open(PAGE) as f:
             if f.read() != text:
                 print("docs/PERFORMANCE.md is not what `python3 bench/performance.py render` writes", file=sys.stderr)
