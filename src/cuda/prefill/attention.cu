@@ -244,7 +244,7 @@ void dma_attention(const Problem& call, const Packing* packing) {
       vscale = c.take<float>(size_t(p.B * p.Hkv * d) * sizeof(float));
     }
     for (int s = 0; s < nslots; ++s) {
-      const bool nv = fmt[s] == Format::nvfp4;
+      const bool nv = operand_of(fmt[s]) == Operand::bf16;
       const size_t bytes = nv ? 2 : 1;
       SlotScratch& x = sl[s];
       x.q8 = c.take<uint8_t>(size_t(q_rows * d) * bytes);
@@ -272,7 +272,7 @@ void dma_attention(const Problem& call, const Packing* packing) {
   TensorView q_in = p.q, k_in = p.k;
   // Fast path: rotate, smooth_k and smooth_q with MX tiles need no rows of their own: the quantize
   // pass rotates and centres each row as it reads it (RowTransform); the means come first.
-  const bool any_nv = fmt[0] == Format::nvfp4 || fmt[nslots - 1] == Format::nvfp4;
+  const bool any_nv = operand_of(fmt[0]) == Operand::bf16 || operand_of(fmt[nslots - 1]) == Operand::bf16;
   const bool fused = transformed && pol.sink_keys == 0 && !any_nv;
   RowTransform q_tf, k_tf;
   if (transformed) query_tiles(p, tf.qtile0, tf.qtiles);
@@ -309,7 +309,8 @@ void dma_attention(const Problem& call, const Packing* packing) {
   int mx[2], n_mx = 0;
   for (int s = 0; s < nslots; ++s) {
     const SlotScratch& x = sl[s];
-    const bool nv = fmt[s] == Format::nvfp4;
+    pp.op[s] = operand_of(fmt[s]);
+    const bool nv = pp.op[s] == Operand::bf16;
     float* krs = reinterpret_cast<float*>(zero + 16) + s * slot_words;  // K's row scales (NVFP4: second scales)
     int* ksplit = reinterpret_cast<int*>(krs + k_pad_rows);
     pp.q8[s] = x.q8;
@@ -319,8 +320,6 @@ void dma_attention(const Problem& call, const Packing* packing) {
     pp.kts[s] = x.kts;
     pp.k8[s] = x.k8;
     pp.ks[s] = x.ks;
-    pp.elem[s] = format_info(fmt[s]).elem;
-    pp.nv[s] = nv;
     if (nv) {
       qn[s] = {reinterpret_cast<uint16_t*>(x.q8), nullptr, p.Nq, x.qten, nullptr};
       kn[s] = {reinterpret_cast<uint16_t*>(x.k8), nullptr, ldv, krs, x.kts};  // keys' scales into krs, tiles 0
@@ -330,7 +329,7 @@ void dma_attention(const Problem& call, const Packing* packing) {
       kt[s] = {fmt[s], x.k8, x.ks, true, true, krs, ldv, ksplit};
       // MXFP8 rows fold where a shifted value rounds too (QuantTarget::round_fold): one MMA chain a tile.
       qt[s].round_fold = kt[s].round_fold = true;
-      folds[n_mx] = {x.k8, x.ks, krs, ksplit, x.kts, pp.elem[s] == Elem::e5m2};
+      folds[n_mx] = {x.k8, x.ks, krs, ksplit, x.kts, pp.op[s] == Operand::e5m2};
       mx[n_mx++] = s;
     }
   }
@@ -349,7 +348,7 @@ void dma_attention(const Problem& call, const Packing* packing) {
   if (n_mx > 0)
     quantize_rows(q_in, p.policy.scale_rule, qt[mx[0]], n_mx == 2 ? qt[mx[1]] : QuantTarget{}, stream, flags, q_tf);
   for (int s = 0; s < nslots; ++s)
-    if (pp.nv[s]) quantize_rows_nvfp4(q_in, qn[s], stream, flags);
+    if (pp.op[s] == Operand::bf16) quantize_rows_nvfp4(q_in, qn[s], stream, flags);
   if (fused && pol.smooth_k) {
     key_means(p, tf.k_part, tf.kmean, fork.side(1), packed);
     if (tf.lse_shift)
@@ -369,7 +368,7 @@ void dma_attention(const Problem& call, const Packing* packing) {
     key_dots(p, tf.kmean, tf.qmean, scale, tf.ds, fork.side(1));
   }
   for (int s = 0; s < nslots; ++s)
-    if (pp.nv[s]) quantize_rows_nvfp4(k_in, kn[s], fork.side(1), flags + 1);
+    if (pp.op[s] == Operand::bf16) quantize_rows_nvfp4(k_in, kn[s], fork.side(1), flags + 1);
   transpose_v(p.v, ldv, vt, flags + 2, pv_fp8, p.policy.scale_rule, vamax, vscale, fork.side(0),
               packing ? pk.slot_key : nullptr);
   fork.join();

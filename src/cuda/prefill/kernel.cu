@@ -16,7 +16,7 @@
 // that is exact, for Q here and for K by the quantize pass), all of d runs as one wgmma chain and
 // the row x key scales multiply S once; otherwise one wgmma per 32-wide block, promoted with the
 // block scales on the CUDA cores. NVFP4 tiles (16-blocks, E4M3 scales) arrive as bf16 values with
-// their block scales folded in and always run as one bf16 wgmma chain (issue_chain_bf16).
+// their block scales folded in (the bf16 Operand) and always run as one bf16 wgmma chain.
 // Online softmax in fp32; P rounded to bf16 (registers) times bf16 V (shared memory), or with pv = fp8
 // (kF8V) P in E4M3 times E4M3 V with per-channel scales, one wgmma chain a tile into a fresh
 // accumulator that is added to O in fp32.
@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       const int bh = b * p.Hkv + hk;
       for (int j = kt.begin, st = 0, phase = 0; j < tiles; ++j, phase ^= (st == kStages - 1), st = (st + 1) % kStages) {
         const int slot = slot_of(j);
-        const bool nv = kNv && p.nv[slot];  // bf16 K in D/64 atoms of 128-byte rows, no block scales
+        const bool nv = kNv && p.op[slot] == Operand::bf16;  // bf16 K in D/64 atoms of 128-byte rows, no block scales
         if (j - kt.begin >= kStages) tma::wait(&empty[st], uint32_t(phase ^ 1));
         // kSplit: K's copies first, then V's into a ring whose buffer frees later (after P.V).
         const uint32_t ds_bytes = kFix && p.ds ? BN * 4 : 0;
@@ -176,10 +176,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   const float* kts0 = p.kts[0] + kv_tile0 / BN;
   const float* kts1 = nslots == 2 ? p.kts[1] + kv_tile0 / BN : kts0;  // (a select: an indexed pair went to local memory)
   float kts_next = kt.begin < tiles ? (slot_of(kt.begin) ? kts1 : kts0)[kt.begin] : 0.0f;
-  // Each slot's element type in registers: indexing the parameter by slot cost a stalled constant load per tile (ncu).
-  const bool e5m2_high = p.elem[0] == Elem::e5m2, e5m2_low = p.elem[1] == Elem::e5m2;
-  // NVFP4 slots (kNv instances): their tiles always run as one bf16 chain (issue_chain_bf16).
-  const bool nv_high = kNv && p.nv[0], nv_low = kNv && nslots == 2 && p.nv[1];
+  // Each slot's tensor-core form in registers: indexing the parameter by slot cost a stalled constant
+  // load per tile (ncu).
+  const Operand op_high = p.op[0], op_low = p.op[1];
   // wgmma descriptors of the warpgroup's Q slots and of stage 0's K and V^T.
   const wg::Desc dq0 = wg::make_desc<D>(sQ + wgi * 64 * D), dq1 = dq0 + S::kOp, dk0 = wg::make_desc<D>(sK(0)),
                  dv0 = wg::make_desc<128>(sVt(0));
@@ -219,8 +218,8 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     const int slot = slot_of(j);
     const float kts_j = kts_next;
     if (j + 1 < tiles) kts_next = (slot_of(j + 1) ? kts1 : kts0)[j + 1];
-    const bool e5m2 = slot ? e5m2_low : e5m2_high;
-    const bool nv = slot ? nv_low : nv_high;
+    const Operand op = slot ? op_low : op_high;
+    const bool nv = kNv && op == Operand::bf16;  // one chain always (only the kNv instances carry its code)
     const bool folded = nv || (kts_j >= 0.0f && q_folded[slot][wgi]);
     // P_{j-1}.V_{j-1}'s V (the first tile's own on the first tile, with P = 0)
     const int pv_stage = j > kt.begin ? prev : st;
@@ -242,12 +241,12 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       wg::commit();
     }
     if (folded) {
-      if (kNv && nv)
-        issue_chain_bf16<D>(s, slot ? bq1 : bq0, bk0 + st * S::kKStride);
-      else if (e5m2)
-        issue_chain<D, true>(s, sq, sk);
+      if (nv)
+        issue_chain<D, Operand::bf16>(s, slot ? bq1 : bq0, bk0 + st * S::kKStride);
+      else if (op == Operand::e5m2)
+        issue_chain<D, Operand::e5m2>(s, sq, sk);
       else
-        issue_chain<D, false>(s, sq, sk);
+        issue_chain<D, Operand::e4m3>(s, sq, sk);
       if constexpr (!kF8V) {
         issue_pv_any(pv_stage, pv_phase);
         wg::commit();
@@ -277,10 +276,10 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
         wg::wait<0>();
         finish_pv(j);
       }
-      if (e5m2)
-        scores_per_block<D, true>(s, sq, sqs, sk, sKb(st), p.scale, t);
+      if (op == Operand::e5m2)
+        scores_per_block<D, Operand::e5m2>(s, sq, sqs, sk, sKb(st), p.scale, t);
       else
-        scores_per_block<D, false>(s, sq, sqs, sk, sKb(st), p.scale, t);  // s: scaled logits
+        scores_per_block<D, Operand::e4m3>(s, sq, sqs, sk, sKb(st), p.scale, t);  // s: scaled logits
     }
     // kFix: S to logits plus the transforms' parts (c then takes log2(e) alone), on every tile with
     // smooth_q, on key tile 0 alone with only sink keys.
@@ -351,7 +350,7 @@ void launch(PrefillParams p, int64_t blocks, int batch, cudaStream_t stream) {
   const uint64_t bh = uint64_t(batch) * uint64_t(p.Hkv), nk = uint64_t(p.Nk), ldv = uint64_t(p.ldv);
   // (An NVFP4 slot's K: bf16 values in boxes of 64 elements x one tile, D/64 a tile.)
   for (int s = 0; s < 2; ++s)
-    if (p.k8[s] && p.nv[s])
+    if (p.k8[s] && p.op[s] == Operand::bf16)
       p.kmap[s] = tensor_map_3d(p.k8[s], CU_TENSOR_MAP_DATA_TYPE_UINT16, {D, nk, bh}, {2 * D, nk * 2 * D}, {64, BN, 1},
                                 CU_TENSOR_MAP_SWIZZLE_128B);
     else if (p.k8[s])
@@ -381,7 +380,7 @@ void launch_d(const PrefillParams& p, DType out, int64_t blocks, int batch, cuda
 
 template <int D>
 void launch_pv(const PrefillParams& p, DType out, int64_t blocks, int batch, cudaStream_t stream) {
-  const bool nv = p.nv[0] || (p.nslots == 2 && p.nv[1]);
+  const bool nv = p.op[0] == Operand::bf16 || (p.nslots == 2 && p.op[1] == Operand::bf16);
   if (p.work)  // packed sequences: instances of their own (dma_attention admits only cuda::packs's policies)
     return launch_d<D, false, false, false, true>(p, out, blocks, batch, stream);
   if (p.ds || p.sink_keys > 0) {  // the transforms' instances: MX tiles, bf16 P.V (require_supported)

@@ -24,7 +24,7 @@ __device__ __forceinline__ void load_q(const PrefillParams& p, const Tile& tile,
   if constexpr (kNv) {
     constexpr int kMaxLoads = 64 * (2 * D / 16) / 128;
     for (int s = 0; s < 2; ++s) {
-      const bool nv = s < p.nslots && p.nv[s];
+      const bool nv = s < p.nslots && p.op[s] == Operand::bf16;
       const int chunks = nv ? D / 8 : D / 16, wb = 16 * chunks;  // 16-byte chunks and bytes a row
       uint4 w[kMaxLoads];
 #pragma unroll
@@ -63,7 +63,7 @@ __device__ __forceinline__ void load_q(const PrefillParams& p, const Tile& tile,
   const int s = tid / 64, r = wgi * 64 + tid % 64;
   const int64_t qrow = pos0 + r - off;
   const bool ok = s < p.nslots && qrow >= 0 && qrow < tile.nq();
-  const bool nv = kNv && s < p.nslots && p.nv[s];
+  const bool nv = kNv && s < p.nslots && p.op[s] == Operand::bf16;
   const float ts = nv && ok ? p.qten[s][row0 + qrow] : 0.0f;
   bool uniform = true;
   float first = 0.0f;

@@ -6,6 +6,7 @@
 #include <cuda_runtime.h>
 
 #include "core/mask.hpp"
+#include "cuda/common/operand.hpp"
 #include "cuda/prefill/packing.hpp"
 #include "dmattn/format.hpp"
 #include "dmattn/policy.hpp"
@@ -18,12 +19,11 @@ struct PrefillParams {
   CUtensorMap kmap[2], vmap;
   const uint8_t* q8[2];           // [B*Hq*Nq, d] FP8 bytes
   const uint8_t* qs[2];           // [B*Hq*Nq, d/32] E8M0
-  Elem elem[2];                   // each slot's element type (E5M2 bytes for e5m2, else E4M3 bytes)
+  Operand op[2];                  // each slot's tensor-core form (operand_of its format)
   int nslots;                     // 1 when high == low
-  // NVFP4 slots: 16-blocks with E4M3 block scales under one fp32 second scale per row. q8 and k8 then
-  // hold bf16 values, each E2M1 value times its block's scale (exact); qten [B*Hq*Nq] Q's second
-  // scales; krs K's, with kts 0 (a scale a key); qs and ks unused.
-  bool nv[2];
+  // bf16 slots (NVFP4): 16-blocks with E4M3 block scales under one fp32 second scale per row. q8 and
+  // k8 then hold bf16 values, each E2M1 value times its block's scale (exact); qten [B*Hq*Nq] Q's
+  // second scales; krs K's, with kts 0 (a scale a key); qs and ks unused.
   const float* qten[2];
   const uint8_t* k8[2];  // [B*Hkv*Nk, d]
   const uint8_t* ks[2];  // [B*Hkv, ldv, d/32] (rows padded like krs)

@@ -1,7 +1,9 @@
-// S = Q.K^T for one key tile and one warpgroup's 64 query rows, in each of the ways a tile's format
-// asks for: one FP8 wgmma chain over d (folded scales), one wgmma per 32-wide block promoted with
-// its block scales, one bf16 chain (NVFP4); then the key scales and the accuracy transforms' share.
+// S = Q.K^T for one key tile and one warpgroup's 64 query rows, in each of the ways a tile's
+// tensor-core form (Operand) asks for: one wgmma chain over d (folded scales; FP8 or bf16), or one
+// FP8 wgmma per 32-wide block promoted with its block scales; then the key scales and the accuracy
+// transforms' share.
 #pragma once
+#include "cuda/common/operand.hpp"
 #include "cuda/prefill/smem.cuh"
 #include "cuda/ptx/mma.cuh"
 #include "cuda/ptx/wgmma.cuh"
@@ -33,17 +35,31 @@ __device__ __forceinline__ void scale_by_keys(float (&s)[BN / 2], const float* s
 // rel. L2 (bench/RESULTS.md). A ping-pong variant of the per-block path (two accumulators in
 // flight) ran 3x slower than this serial one on the H200.
 // sq, sk: descriptors of the warpgroup's Q slot and the stage's K tile.
-template <int D, bool kE5M2>
+//
+// The bf16 form (NVFP4 tiles): Q and K arrive as bf16 values with their E4M3 block scales folded in
+// (an E2M1 value times an E4M3 scale has at most 6 significant bits: exact in bf16), so all of d
+// runs as one bf16 wgmma chain, 16 elements a wgmma, in 128-byte swizzle atoms of 64 elements
+// ([atom][rows][128 B]); the rows' second scales multiply S once, Q's as the row factor of the folded
+// path and K's as its per-key factor (the tile marked "a scale a key").
+template <int D, Operand Op>
 __device__ __forceinline__ void issue_chain(float (&s)[BN / 2], wg::Desc sq, wg::Desc sk) {
   wg::fence();  // in the wgmmas' basic block: ptxas serialises every wgmma when it must insert one itself
+  if constexpr (OperandTraits<Op>::kFp8) {
 #pragma unroll
-  for (int c = 0; c < D / 32; ++c) wg::mma_fp8<BN, kE5M2>(s, (sq + c * 32).u64(), (sk + c * 32).u64(), c > 0);
+    for (int c = 0; c < D / 32; ++c)
+      wg::mma_fp8<BN, OperandTraits<Op>::kE5M2>(s, (sq + c * 32).u64(), (sk + c * 32).u64(), c > 0);
+  } else {
+#pragma unroll
+    for (int k = 0; k < D / 16; ++k)
+      wg::mma_bf16<BN>(s, (sq + ((k / 4) * BM * 128 + (k % 4) * 32)).u64(), (sk + ((k / 4) * BN * 128 + (k % 4) * 32)).u64(), k > 0);
+  }
   wg::commit();
 }
 
-template <int D, bool kE5M2>
+template <int D, Operand Op>
 __device__ __forceinline__ void scores_per_block(float (&s)[BN / 2], wg::Desc sq, const float* sqs, wg::Desc sk,
                                                  const uint8_t* sks8, float scale, int t) {
+  static_assert(OperandTraits<Op>::kFp8, "the bf16 form has no block scales of its own: it always folds");
   constexpr int NB = D / 32;
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) s[i] = 0.0f;
@@ -55,7 +71,7 @@ __device__ __forceinline__ void scores_per_block(float (&s)[BN / 2], wg::Desc sq
 #pragma unroll
       for (int i = 0; i < BN / 4; ++i) part[i] = 0.0f;
       wg::fence();
-      wg::mma_fp8<BN / 2, kE5M2>(part, (sq + c * 32).u64(), (sk + (half * (BN / 2) * D + c * 32)).u64(), false);
+      wg::mma_fp8<BN / 2, OperandTraits<Op>::kE5M2>(part, (sq + c * 32).u64(), (sk + (half * (BN / 2) * D + c * 32)).u64(), false);
       wg::commit();
       wg::wait<0>();
       wg::pin(part);
@@ -67,21 +83,6 @@ __device__ __forceinline__ void scores_per_block(float (&s)[BN / 2], wg::Desc sq
     }
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) s[i] *= scale;
-}
-
-// NVFP4 tiles: Q and K arrive as bf16 values with their E4M3 block scales folded in (an E2M1 value
-// times an E4M3 scale has at most 6 significant bits: exact in bf16), so all of d runs as one bf16
-// wgmma chain, 16 elements a wgmma, in 128-byte swizzle atoms of 64 elements ([atom][rows][128 B]);
-// the rows' second scales multiply S once, Q's as the row factor of the folded path and K's as its
-// per-key factor (the tile marked "a scale a key"). Issued and
-// committed here, awaited by the caller.
-template <int D>
-__device__ __forceinline__ void issue_chain_bf16(float (&s)[BN / 2], wg::Desc sq, wg::Desc sk) {
-  wg::fence();
-#pragma unroll
-  for (int k = 0; k < D / 16; ++k)
-    wg::mma_bf16<BN>(s, (sq + ((k / 4) * BM * 128 + (k % 4) * 32)).u64(), (sk + ((k / 4) * BN * 128 + (k % 4) * 32)).u64(), k > 0);
-  wg::commit();
 }
 
 // The accuracy transforms' share of a tile's scores (kFix instances): S in logits, plus smooth_q's

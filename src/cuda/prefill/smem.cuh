@@ -42,7 +42,7 @@ struct Tiling<128> {
 //   block scales [BN][D/32] E8M0 bytes (per-block tiles); then the stages' full/empty barriers and
 //   the Q-fold flags. (kSplit: every stage's V^T first, then every stage's K with its scales.)
 // kNv (some slot is NVFP4: instances of their own, so the MX ones keep their layout and code): an
-// NVFP4 slot's Q and its K tiles are bf16 (issue_chain_bf16), twice the bytes, as [D/64 atoms][rows]
+// NVFP4 slot's Q and its K tiles are bf16 (the bf16 Operand), twice the bytes, as [D/64 atoms][rows]
 // [128 B]; every Q slot and K tile gets that room. Where 3 stages do not fit (d = 128, bf16 V), K and
 // V go in rings of 2 stages each (kSplit), with barriers of their own: a tile's K is released once its
 // S has retired, its V once its P.V has, so each copy starts as soon as its own buffer frees. One ring of

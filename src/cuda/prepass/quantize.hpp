@@ -4,6 +4,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include "cuda/common/operand.hpp"
 #include "dmattn/format.hpp"
 #include "dmattn/tensor.hpp"
 
@@ -67,9 +68,6 @@ inline bool rows_16byte_aligned(const TensorView& x) {
   return reinterpret_cast<uintptr_t>(x.data) % 16 == 0 && (x.stride[0] * es) % 16 == 0 &&
          (x.stride[1] * es) % 16 == 0 && (x.stride[2] * es) % 16 == 0;
 }
-
-// The FP8 element type a format's values take in the tensor-core form.
-inline Elem mma_elem(Format f) { return f == Format::mxfp8_e5m2 ? Elem::e5m2 : Elem::e4m3; }
 
 // x: a CUDA tensor view with unit stride on its last axis and d a multiple of 32. Rows are ordered
 // (b, h, n). `second` may have null pointers (one format only). MX formats only: NVFP4 needs a
