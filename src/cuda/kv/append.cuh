@@ -1,6 +1,6 @@
 // The device KV cache's writers: new tokens quantized on the GPU straight into the page records the
-// decode kernel reads (kv_record.hpp), with the host KVCache's codes (the codec's functions, one
-// element a lane). One warp a K row (its d/32 blocks in turn), one warp a V column block (pv MX).
+// decode kernel reads (kv_record.hpp), with the host KVCache's codes bit for bit. One warp a K row (each
+// 32-block a group of its lanes), one warp a V column block (pv MX, a lane a channel).
 #pragma once
 #include <cuda_runtime.h>
 
@@ -8,6 +8,7 @@
 
 #include "cuda/common/rotate_lanes.cuh"
 #include "cuda/decode/kv_record.hpp"
+#include "cuda/ptx/fp8.cuh"
 #include "cuda/ptx/e2m1_bytes.hpp"
 #include "cuda/ptx/pdl.cuh"
 #include "dmattn/mx_codec.hpp"
@@ -110,77 +111,86 @@ __device__ __forceinline__ uint8_t* record_at(const Pools& p, int32_t page, int 
   return p.rec + ((int64_t(page) * p.Hkv + h) * (kPage / kRecordKeys) + key / kRecordKeys) * p.record;
 }
 
-// The largest magnitude over the warp and whether any lane holds NaN/Inf.
-__device__ __forceinline__ float warp_amax(float x, bool& bad) {
-  bad = __any_sync(0xffffffffu, !hd::is_finite(x));
-  float a = hd::abs_f(x);
+// A lane's E codes (E consecutive elements of one 32-block, already divided by the block's scale),
+// packed as a record holds them: FP8 and FP6 one byte an element, E2M1 two a byte (the even element in
+// the low nibble). Each is the codec's encode_elem bit for bit: FP8 the same hardware conversion, E2M1
+// its comparison-free twin (MxCodec.FastE2M1EqualsTheCodecOnEveryFloat), FP6 the codec itself.
+template <int E>
+__device__ __forceinline__ uint64_t encode_lane_codes(const float (&y)[E], Elem e) {
+  uint64_t w = 0;
+  if (e == Elem::e2m1) {
 #pragma unroll
-  for (int s = 16; s > 0; s >>= 1) a = fmaxf(a, __shfl_xor_sync(0xffffffffu, a, s));
-  return a;
-}
-
-// One lane's element of a 32-block (x) as quantize_mx_block encodes it; the block's scale in sc.
-__device__ __forceinline__ uint8_t encode_block_lane(float x, Elem e, ScaleRule rule, uint8_t& sc) {
-  bool bad;
-  const float amax = warp_amax(x, bad);
-  sc = bad ? kE8M0NaN : choose_e8m0(amax, e, rule);
-  return sc == kE8M0NaN ? uint8_t(0) : encode_elem(elem_spec(e), hd::ldexp2(x, -(int(sc) - 127)));
-}
-
-// Key row `key` (0..127 in its page) of head h: d values, lane l holding elements l, l + 32, ...
-// (vals), written in format e (the page's) into the K codes and scales of its record.
-template <int D>
-__device__ __forceinline__ void write_key_row(const Pools& p, int32_t page, int h, int key, const float (&vals)[D / 32],
-                                              Elem e, ScaleRule rule) {
-  const int lane = threadIdx.x % 32, k = key % kRecordKeys;
-  const bool e2m1 = e == Elem::e2m1;
-  const int row = record_k_row(D, e2m1), chunks = row / 16;
-  uint8_t* r = record_at(p, page, h, key);
-  uint8_t* codes = r + record_k(D, e2m1) + k * row;
+    for (int i = 0; i < E; ++i) w |= uint64_t(encode_e2m1_fast(y[i])) << (4 * i);
+  } else if (e == Elem::e4m3 || e == Elem::e5m2) {
 #pragma unroll
-  for (int b = 0; b < D / 32; ++b) {
-    uint8_t sc;
-    const uint8_t c = encode_block_lane(vals[b], e, rule, sc);
-    const int el = 32 * b + lane;
-    if (e2m1) {  // two codes a byte, the even element in the low nibble
-      const uint8_t hi = uint8_t(__shfl_down_sync(0xffffffffu, c, 1));
-      if (lane % 2 == 0) codes[swizzled(chunks, k, el / 2)] = uint8_t(c | hi << 4);
-    } else {
-      codes[swizzled(chunks, k, el)] = c;
-    }
-    if (lane == 0) r[record_k_scales(D) + k * (D / 32) + b] = sc;
-  }
-  if (e2m1)  // the K region's unused head: a row's share of it
-    for (int i = lane; i < D / 2; i += 32) r[k * (D / 2) + i] = 0;
-}
-
-// One 32-element block of a key row, by one thread: elements 32 b .. 32 b + 31 of key `key` (0..127 in
-// its page) of head h (v), written in format e into the K codes and scale of its record, bytes as
-// write_key_row writes them (the codec's own quantize_mx_block), as whole 16-byte chunks.
-template <int D>
-__device__ __forceinline__ void write_key_block(const Pools& p, int32_t page, int h, int key, int b, const float (&v)[32],
-                                                Elem e, ScaleRule rule) {
-  const int k = key % kRecordKeys;
-  const bool e2m1 = e == Elem::e2m1;
-  const int row = record_k_row(D, e2m1), chunks = row / 16;
-  uint8_t* r = record_at(p, page, h, key);
-  uint8_t* codes = r + record_k(D, e2m1) + k * row;
-  uint8_t c[32];
-  const uint8_t sc = quantize_mx_block(v, 32, e, rule, c);
-  if (e2m1) {  // 16 bytes, two codes a byte, the even element in the low nibble
-    uint32_t w[4] = {};
-#pragma unroll
-    for (int j = 0; j < 32; ++j) w[j / 8] |= uint32_t(c[j]) << (4 * (j % 8));
-    *reinterpret_cast<uint4*>(codes + swizzled(chunks, k, 16 * b)) = make_uint4(w[0], w[1], w[2], w[3]);
-    *reinterpret_cast<uint4*>(r + k * (D / 2) + 16 * b) = make_uint4(0, 0, 0, 0);  // the K region's unused head
+    for (int i = 0; i < E; i += 2)
+      w |= uint64_t(e == Elem::e4m3 ? fp8x2_encode<false>(y[i], y[i + 1]) : fp8x2_encode<true>(y[i], y[i + 1])) << (8 * i);
   } else {
-    uint32_t w[8] = {};
+    const ElemSpec spec = elem_spec(e);
 #pragma unroll
-    for (int j = 0; j < 32; ++j) w[j / 4] |= uint32_t(c[j]) << (8 * (j % 4));
-    *reinterpret_cast<uint4*>(codes + swizzled(chunks, k, 32 * b)) = make_uint4(w[0], w[1], w[2], w[3]);
-    *reinterpret_cast<uint4*>(codes + swizzled(chunks, k, 32 * b + 16)) = make_uint4(w[4], w[5], w[6], w[7]);
+    for (int i = 0; i < E; ++i) w |= uint64_t(encode_elem(spec, y[i])) << (8 * i);
   }
-  r[record_k_scales(D) + k * (D / 32) + b] = sc;
+  return w;
+}
+
+// One value already divided by its block's scale, encoded as encode_lane_codes encodes it.
+__device__ __forceinline__ uint8_t encode_code(float y, Elem e) {
+  if (e == Elem::e2m1) return encode_e2m1_fast(y);
+  if (e == Elem::e4m3) return fp8_encode<false>(y);
+  if (e == Elem::e5m2) return fp8_encode<true>(y);
+  return encode_elem(elem_spec(e), y);
+}
+
+// The low N bytes of w, stored at an N-byte aligned address (N = 1, 2, 4 or 8).
+template <int N>
+__device__ __forceinline__ void store_bytes(uint8_t* dst, uint64_t w) {
+  if constexpr (N == 8)
+    *reinterpret_cast<uint2*>(dst) = make_uint2(uint32_t(w), uint32_t(w >> 32));
+  else if constexpr (N == 4)
+    *reinterpret_cast<uint32_t*>(dst) = uint32_t(w);
+  else if constexpr (N == 2)
+    *reinterpret_cast<uint16_t*>(dst) = uint16_t(w);
+  else
+    *dst = uint8_t(w);
+}
+
+// Key row `key` (0..127 in its page) of head h, held by the warp as rotate_lanes holds a row (lane l:
+// channels E l .. E l + E - 1, E = D / 32), written in format e (the page's) into the K codes and scales
+// of its record with quantize_mx_block's bytes: each 32-block is 32 / E consecutive lanes, which
+// combine their amax and NaN/Inf flags (shuffles within the block), take the block's scale and divide
+// by it (a product by a power of two: the codec's ldexp, one rounding), and store their E codes at once.
+template <int D>
+__device__ __forceinline__ void write_key_row(const Pools& p, int32_t page, int h, int key, const float (&x)[D / 32],
+                                              Elem e, ScaleRule rule) {
+  constexpr int E = D / 32, L = 32 / E;  // channels a lane, lanes a block
+  const int lane = threadIdx.x % 32, k = key % kRecordKeys;
+  float amax = 0.0f;
+  bool bad = false;
+#pragma unroll
+  for (int i = 0; i < E; ++i) {
+    bad |= !hd::is_finite(x[i]);
+    amax = fmaxf(amax, hd::abs_f(x[i]));
+  }
+#pragma unroll
+  for (int s = 1; s < L; s *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
+  const uint32_t block_lanes = (L == 32 ? 0xffffffffu : (1u << L) - 1u) << (lane & ~(L - 1));
+  bad = (__ballot_sync(0xffffffffu, bad) & block_lanes) != 0;
+  const uint8_t sc = bad ? kE8M0NaN : choose_e8m0(amax, e, rule);
+  float y[E];
+  const float inv = inverse_e8m0(sc);
+#pragma unroll
+  for (int i = 0; i < E; ++i) y[i] = x[i] * inv;
+  const uint64_t w = sc == kE8M0NaN ? 0 : encode_lane_codes<E>(y, e);  // the NaN scale carries the block
+  uint8_t* r = record_at(p, page, h, key);
+  if (e == Elem::e2m1) {
+    constexpr int row = record_k_row(D, true);
+    store_bytes<E / 2>(r + record_k(D, true) + k * row + swizzled(row / 16, k, E / 2 * lane), w);
+    store_bytes<E / 2>(r + k * (D / 2) + E / 2 * lane, 0);  // the K region's unused head: the row's share of it
+  } else {
+    constexpr int row = record_k_row(D, false);
+    store_bytes<E>(r + record_k(D, false) + k * row + swizzled(row / 16, k, E * lane), w);
+  }
+  if (lane % L == 0) r[record_k_scales(D) + k * (D / 32) + lane / L] = sc;
 }
 
 // A batch entry of an append: the sequence, its length before the append, which V tail buffer holds
@@ -193,59 +203,45 @@ __device__ __forceinline__ Entry entry_of(const Batch& batch, int i) {
   return Entry{batch[3 * i], batch[3 * i + 1], batch[3 * i + 2]};
 }
 
-// One new token's K row (and its bf16 V row) by a warp: token t of head h of batch entry i (e).
+// One new token's K row (and its bf16 V row) by a warp, lane l holding channels E l .. E l + E - 1:
+// token t of head h of batch entry i (e).
 template <int D, class T>
 __device__ __forceinline__ void append_row(const Pools& p, const NewTokens<T>& x, const Codes& cd, int i, int h, int t,
                                            Entry e) {
+  constexpr int E = D / 32;
   const int lane = threadIdx.x % 32;
   const int seq = e.seq, pos = e.pos0 + t, key = pos % kPage;
   const int32_t page = p.table[int64_t(seq) * p.cols + pos / kPage];
   const T* krow = x.k + i * x.ks0 + h * x.ks1 + t * x.ks2;
-  float vals[D / 32];  // the codec's layout: element 32 b + lane
-  if (p.transformed) {
-    // The transforms as the host cache runs them: rotated (in rotate_lanes' layout, E channels a
-    // lane), smooth_k's mean subtracted, rounded to bf16; the sink keys' rows into the state.
-    constexpr int E = D / 32;
-    float r[E];
+  float r[E];
 #pragma unroll
-    for (int e = 0; e < E; ++e) r[e] = to_float(krow[E * lane + e]);
+  for (int c = 0; c < E; ++c) r[c] = to_float(krow[E * lane + c]);
+  if (p.transformed) {
+    // The transforms as the host cache runs them: rotated, smooth_k's mean subtracted, rounded to
+    // bf16; the sink keys' rows into the state.
     if (p.rotate) rotate_lanes<E>(r);
     // This head's state at the sequence's first page (none without smooth_k or sink keys).
     float* st = p.srows > 0 ? p.state + (int64_t(p.table[int64_t(seq) * p.cols]) * p.Hkv + h) * p.srows * D : nullptr;
 #pragma unroll
-    for (int e = 0; e < E; ++e) r[e] = round_bf16(p.smooth_k ? r[e] - st[E * lane + e] : r[e]);
+    for (int c = 0; c < E; ++c) r[c] = round_bf16(p.smooth_k ? r[c] - st[E * lane + c] : r[c]);
     if (pos < p.sink_keys)
 #pragma unroll
-      for (int e = 0; e < E; ++e) st[(int(p.smooth_k) + pos) * D + E * lane + e] = r[e];
-#pragma unroll
-    for (int b = 0; b < D / 32; ++b) {  // element 32 b + lane: lane (32 b + lane) / E's register (32 b + lane) % E
-      float y = 0.0f;
-#pragma unroll
-      for (int e = 0; e < E; ++e) {
-        const float z = __shfl_sync(0xffffffffu, r[e], (32 * b + lane) / E);
-        if ((32 * b + lane) % E == e) y = z;
-      }
-      vals[b] = y;
-    }
-  } else {
-#pragma unroll
-    for (int b = 0; b < D / 32; ++b) vals[b] = to_float(krow[32 * b + lane]);
+      for (int c = 0; c < E; ++c) st[(int(p.smooth_k) + pos) * D + E * lane + c] = r[c];
   }
   const int32_t ks = p.kept_of[page];
   if (ks >= 0) {
-    float* kept = p.kept + ((int64_t(ks) * p.Hkv + h) * kPage + key) * D;
+    float* kept = p.kept + ((int64_t(ks) * p.Hkv + h) * kPage + key) * D + E * lane;
 #pragma unroll
-    for (int b = 0; b < D / 32; ++b) kept[32 * b + lane] = vals[b];
+    for (int c = 0; c < E; ++c) kept[c] = r[c];
   }
-  if (!p.pending[page]) write_key_row<D>(p, page, h, key, vals, p.slot[page] ? cd.low : cd.high, cd.rule);
-  if (p.vbits == 16) {  // V rows in bf16, 16-byte chunks swizzled
+  if (!p.pending[page]) write_key_row<D>(p, page, h, key, r, p.slot[page] ? cd.low : cd.high, cd.rule);
+  if (p.vbits == 16) {  // V's bf16 row: the lane's E channels, one store within a swizzled 16-byte chunk
     const T* vrow = x.v + i * x.vs0 + h * x.vs1 + t * x.vs2;
-    uint8_t* dst = record_at(p, page, h, key) + record_v(D) + (key % kRecordKeys) * 2 * D;
+    uint64_t w = 0;
 #pragma unroll
-    for (int b = 0; b < D / 32; ++b) {
-      const int el = 32 * b + lane;
-      *reinterpret_cast<uint16_t*>(dst + swizzled(2 * D / 16, key % kRecordKeys, 2 * el)) = to_bf16(to_float(vrow[el])).bits;
-    }
+    for (int c = 0; c < E; ++c) w |= uint64_t(to_bf16(to_float(vrow[E * lane + c])).bits) << (16 * c);
+    uint8_t* dst = record_at(p, page, h, key) + record_v(D) + (key % kRecordKeys) * 2 * D;
+    store_bytes<2 * E>(dst + swizzled(2 * D / 16, key % kRecordKeys, 2 * E * lane), w);
   }
 }
 
@@ -255,38 +251,6 @@ __device__ __forceinline__ void append_row(const Pools& p, const NewTokens<T>& x
 // first block's warp, still reading the earlier keys, does not touch.
 __host__ __device__ inline int next_tail(int buf, int64_t pos0, int64_t end) {
   return end % kRecordKeys != 0 && pos0 / kRecordKeys != (end - 1) / kRecordKeys ? 1 - buf : buf;
-}
-
-// One 32-element block of a new token's K row (and of its bf16 V row) by one thread, where no
-// transform needs the whole row in a warp: block b of token t of head h of batch entry i (e).
-template <int D, class T>
-__device__ __forceinline__ void append_key_block(const Pools& p, const NewTokens<T>& x, const Codes& cd, int i, int h, int t,
-                                                 int b, Entry e) {
-  const int pos = e.pos0 + t, key = pos % kPage;
-  const int32_t page = p.table[int64_t(e.seq) * p.cols + pos / kPage];
-  const T* src = x.k + i * x.ks0 + h * x.ks1 + t * x.ks2 + 32 * b;
-  float v[32];
-#pragma unroll
-  for (int j = 0; j < 32; ++j) v[j] = to_float(src[j]);
-  const int32_t ks = p.kept_of[page];
-  if (ks >= 0) {
-    float4* kept = reinterpret_cast<float4*>(p.kept + ((int64_t(ks) * p.Hkv + h) * kPage + key) * D + 32 * b);
-#pragma unroll
-    for (int j = 0; j < 8; ++j) kept[j] = make_float4(v[4 * j], v[4 * j + 1], v[4 * j + 2], v[4 * j + 3]);
-  }
-  if (!p.pending[page]) write_key_block<D>(p, page, h, key, b, v, p.slot[page] ? cd.low : cd.high, cd.rule);
-  if (p.vbits == 16) {  // V's bf16 row, 16-byte chunks swizzled
-    const T* vsrc = x.v + i * x.vs0 + h * x.vs1 + t * x.vs2 + 32 * b;
-    uint32_t w[16];
-#pragma unroll
-    for (int j = 0; j < 16; ++j)
-      w[j] = uint32_t(to_bf16(to_float(vsrc[2 * j])).bits) | uint32_t(to_bf16(to_float(vsrc[2 * j + 1])).bits) << 16;
-    uint8_t* dst = record_at(p, page, h, key) + record_v(D) + (key % kRecordKeys) * 2 * D;
-#pragma unroll
-    for (int c = 0; c < 4; ++c)
-      *reinterpret_cast<uint4*>(dst + swizzled(2 * D / 16, key % kRecordKeys, 64 * b + 16 * c)) =
-          make_uint4(w[4 * c], w[4 * c + 1], w[4 * c + 2], w[4 * c + 3]);
-  }
 }
 
 // pv MX: each warp 32 channels of one 32-key V block an append touches, a lane a channel (so every
@@ -311,6 +275,39 @@ __device__ __forceinline__ void append_value_block(const Pools& p, const NewToke
   const int32_t page = p.table[int64_t(seq) * p.cols + k0 / kPage];
   uint8_t* col = record_at(p, page, h, k0 % kPage) + record_v(D);
   const int vt_row = record_vt_row(p.vbits);
+  const int64_t tail = (int64_t(seq) * 2 * p.Hkv + h) * kRecordKeys * D + c;  // buffer 0 of (seq, h), column c
+  const int64_t other = int64_t(p.Hkv) * kRecordKeys * D;                    // buffer 1 - 0
+  // The open block's new originals go to the tail buffer for the next append.
+  float* keep = end % kRecordKeys != 0 && b == (end - 1) / kRecordKeys ? p.vtail + tail + next_tail(buf, pos0, end) * other
+                                                                       : nullptr;
+  uint32_t* words = reinterpret_cast<uint32_t*>(col + c * vt_row);  // E2M1: word t holds keys 8j + 2t (+1), j = 0..3
+  // Key `key`'s code into the column: E2M1 codes packed for f16 (kv_record.hpp), cleared around it
+  // where the block starts here; FP8 bytes at vt_position.
+  auto write_one = [&](int key, uint8_t code) {
+    if (ve == Elem::e2m1) {
+      const int t = key % 8 / 2, at = 2 * (key / 8) + key % 2;
+      uint8_t codes[8], ones[8];
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        codes[j] = j == at ? code : uint8_t(0);
+        ones[j] = j == at ? uint8_t(0xF) : uint8_t(0);
+      }
+      words[t] = (key > 0 ? words[t] & ~e2m1x8_f16_pack(ones) : 0u) | e2m1x8_f16_pack(codes);
+    } else {
+      col[c * vt_row + vt_position(key)] = code;
+    }
+  };
+  if (to - from == 1) {  // one new key (a decode step): its code alone, unless it raises the block's scale
+    const float y = to_float(nt.v[i * nt.vs0 + h * nt.vs1 + (k0 + from - pos0) * nt.vs2 + c]);
+    const uint8_t old = from > 0 ? col[D * vt_row + c] : uint8_t(0);
+    const uint8_t sc = max(hd::is_finite(y) ? choose_e8m0(hd::abs_f(y), ve, rule) : kE8M0NaN, old);
+    if (from == 0 || sc == old) {
+      write_one(from, sc == kE8M0NaN ? uint8_t(0) : encode_code(y * inverse_e8m0(sc), ve));
+      col[D * vt_row + c] = sc;
+      if (keep) keep[from * D] = y;
+      return;
+    }
+  }
   float x[kRecordKeys];
   float amax = 0.0f;
   bool bad = false;
@@ -322,18 +319,15 @@ __device__ __forceinline__ void append_value_block(const Pools& p, const NewToke
   }
   const uint8_t mine = bad ? kE8M0NaN : choose_e8m0(amax, ve, rule), old = from > 0 ? col[D * vt_row + c] : uint8_t(0);
   const uint8_t sc = max(mine, old);  // NaN (0xFF) is the largest code
-  const ElemSpec spec = elem_spec(ve);
-  auto code_of = [&](float y) { return sc == kE8M0NaN ? uint8_t(0) : encode_elem(spec, hd::ldexp2(y, -(int(sc) - 127))); };
-  const int64_t tail = (int64_t(seq) * 2 * p.Hkv + h) * kRecordKeys * D + c;  // buffer 0 of (seq, h), column c
-  const int64_t other = int64_t(p.Hkv) * kRecordKeys * D;                    // buffer 1 - 0
+  const float inv = inverse_e8m0(sc);  // a product by a power of two: the codec's ldexp
+  auto code_of = [&](float y) { return sc == kE8M0NaN ? uint8_t(0) : encode_code(y * inv, ve); };
   const bool whole = from > 0 && sc != old;  // the earlier keys' codes change with the scale
   if (whole)
 #pragma unroll
     for (int j = 0; j < kRecordKeys; ++j)
       if (j < from) x[j] = p.vtail[tail + buf * other + j * D];
   const int lo = whole ? 0 : from;  // the keys whose codes are written
-  if (ve == Elem::e2m1) {  // word t of a column: keys 8j + 2t (+1), j = 0..3, packed for f16
-    uint32_t* words = reinterpret_cast<uint32_t*>(col + c * vt_row);
+  if (ve == Elem::e2m1) {
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
       uint8_t ones[8];
@@ -343,7 +337,7 @@ __device__ __forceinline__ void append_value_block(const Pools& p, const NewToke
         ones[j] = key >= lo && key < to ? uint8_t(0xF) : uint8_t(0);
       }
       const uint32_t mask = e2m1x8_f16_pack(ones);
-      if (mask) {  // a step writes one word (encodes 8 values, not 32) unless the scale changed
+      if (mask) {
         uint8_t codes[8];
 #pragma unroll
         for (int j = 0; j < 8; ++j) codes[j] = ones[j] ? code_of(x[8 * (j / 2) + 2 * t + j % 2]) : uint8_t(0);
@@ -356,12 +350,10 @@ __device__ __forceinline__ void append_value_block(const Pools& p, const NewToke
       if (j >= lo && j < to) col[c * vt_row + vt_position(j)] = code_of(x[j]);
   }
   col[D * vt_row + c] = sc;
-  if (end % kRecordKeys != 0 && b == (end - 1) / kRecordKeys) {  // the open block's new originals, for the next append
-    float* keep = p.vtail + tail + next_tail(buf, pos0, end) * other;
+  if (keep)
 #pragma unroll
     for (int j = 0; j < kRecordKeys; ++j)
       if (j >= from && j < to) keep[j * D] = x[j];
-  }
 }
 
 // smooth_k: a sequence's first append fixes its keys' mean (KVCache::transform_keys): per channel
@@ -405,34 +397,23 @@ __global__ void key_mean_finish(Pools p, Plan plan, int chunks, const double* pa
   p.state[(int64_t(p.table[int64_t(seq) * p.cols]) * p.Hkv + h) * p.srows * D + c] = float(sum / double(plan.n));
 }
 
-// An append's items: K rows first, then V blocks (pv MX), a warp a V block (batch entry, head, block,
-// channel group). K: a thread a 32-element block of a row, 32 to a warp (rows (batch entry, head,
-// token), blocks within them), except where the transforms need a warp a row (append_row). Orders of
-// significance as listed, reversed; `batch` as Plan::batch.
-__host__ __device__ inline int64_t key_warps(bool transformed, int64_t rows, int d) {
-  return transformed ? rows : (rows * (d / 32) + 31) / 32;
-}
+// An append's items: K rows first, a warp a row (batch entry, head, token: append_row), then V blocks
+// (pv MX), a warp a V block (batch entry, head, block, channel group). Orders of significance as
+// listed, reversed; `batch` as Plan::batch.
 // The warps of an append of n tokens to S sequences touching at most `blocks` V blocks each.
 __host__ __device__ inline int64_t item_warps(const Pools& p, int64_t S, int64_t n, int blocks) {
-  return key_warps(p.transformed, S * p.Hkv * n, p.d) + (p.vbits == 16 ? 0 : S * p.Hkv * blocks * (p.d / 32));
+  return S * p.Hkv * n + (p.vbits == 16 ? 0 : S * p.Hkv * blocks * (p.d / 32));
 }
 template <int D, class T>
 __device__ __forceinline__ void append_item(const Pools& p, const NewTokens<T>& x, const Codes& cd, int S, int n,
                                             int blocks, const int32_t* batch, int64_t w) {
-  constexpr int CG = D / 32, NB = D / 32;
-  const int64_t rows = int64_t(S) * p.Hkv * n, kw = key_warps(p.transformed, rows, D);
-  if (w < kw) {
-    if (p.transformed) {
-      const int t = int(w % n), h = int(w / n % p.Hkv), i = int(w / n / p.Hkv);
-      append_row<D>(p, x, cd, i, h, t, entry_of(batch, i));
-    } else {
-      const int64_t kb = w * 32 + threadIdx.x % 32, r = kb / NB;
-      if (r >= rows) return;
-      const int t = int(r % n), h = int(r / n % p.Hkv), i = int(r / n / p.Hkv);
-      append_key_block<D>(p, x, cd, i, h, t, int(kb % NB), entry_of(batch, i));
-    }
-  } else if (p.vbits != 16 && w - kw < int64_t(S) * p.Hkv * blocks * CG) {
-    const int64_t v = w - kw;
+  constexpr int CG = D / 32;
+  const int64_t rows = int64_t(S) * p.Hkv * n;
+  if (w < rows) {
+    const int t = int(w % n), h = int(w / n % p.Hkv), i = int(w / n / p.Hkv);
+    append_row<D>(p, x, cd, i, h, t, entry_of(batch, i));
+  } else if (p.vbits != 16 && w - rows < int64_t(S) * p.Hkv * blocks * CG) {
+    const int64_t v = w - rows;
     const int cg = int(v % CG), bi = int(v / CG % blocks), h = int(v / CG / blocks % p.Hkv), i = int(v / CG / blocks / p.Hkv);
     append_value_block<D>(p, x, cd, n, i, h, bi, cg, entry_of(batch, i));
   }
@@ -449,11 +430,12 @@ __device__ __forceinline__ void reencode_rows(const Pools& p, const Plan& plan, 
     const int key = int(w % kPage), h = int(w / kPage % p.Hkv), r = int(w / kPage / p.Hkv);
     const int lane = threadIdx.x % 32;
     const int32_t page = plan.reenc[3 * r], ks = plan.reenc[3 * r + 1], rows = plan.reenc[3 * r + 2];
-    const float* src = p.kept + ((int64_t(ks) * p.Hkv + h) * kPage + key) * D;
-    float vals[D / 32];
+    constexpr int E = D / 32;
+    const float* src = p.kept + ((int64_t(ks) * p.Hkv + h) * kPage + key) * D + E * lane;
+    float x[E];
 #pragma unroll
-    for (int b = 0; b < D / 32; ++b) vals[b] = key < rows ? src[32 * b + lane] : 0.0f;
-    write_key_row<D>(p, page, h, key, vals, low, rule);
+    for (int c = 0; c < E; ++c) x[c] = key < rows ? src[c] : 0.0f;
+    write_key_row<D>(p, page, h, key, x, low, rule);
   }
 }
 template <int D>
