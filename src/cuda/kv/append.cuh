@@ -44,7 +44,8 @@ struct Pools {
 // An append's work, as the host planned it (int32 arrays, device copies):
 //  batch [S][3]: sequence id, its length before the append, which V tail buffer holds its open block;
 //  table [nt][2]: flat index into Pools::table, page; meta [nm][4]: page, slot, kept slot, pending;
-//  zero [nz]: new pages (all their records zeroed first); reenc [nr][3]: page, kept slot, rows.
+//  zero [nz]: new pages, their records and state zeroed first (-1 - page: a page the append fills, every
+//  record byte of which its writers write: its state alone); reenc [nr][3]: page, kept slot, rows.
 // A prepared plan (PagedKVCache::prepare, what a CUDA graph replays) lives at fixed addresses and
 // its counts in device memory, `head` [kHead]: its epoch, S, n, nt, nm, nz, nr; the launches are
 // sized for its capacity, and each kernel takes the counts from there (resolve). A plan's kernels
@@ -203,45 +204,83 @@ __device__ __forceinline__ Entry entry_of(const Batch& batch, int i) {
   return Entry{batch[3 * i], batch[3 * i + 1], batch[3 * i + 2]};
 }
 
-// One new token's K row (and its bf16 V row) by a warp, lane l holding channels E l .. E l + E - 1:
-// token t of head h of batch entry i (e).
+// How many consecutive new tokens of one (batch entry, head) a warp appends: one where the append is
+// small (a decode step), up to 32 for a prompt, keeping at least kRowWarps warps. A warp's rows share
+// their page's bookkeeping and the key mean, loaded once, and each row's load is in flight while the
+// row before it is encoded: a warp a row waited on a chain of dependent loads for every row.
+constexpr int64_t kRowWarps = 32768;
+__host__ __device__ inline int rows_per_warp(int64_t rows) {
+  int r = 1;
+  while (r < 32 && rows / (2 * r) >= kRowWarps) r *= 2;
+  return r;
+}
+
+// New tokens t0 .. t1 - 1 of head h of batch entry i (e): each K row (and bf16 V row) by the warp, lane l
+// holding channels E l .. E l + E - 1.
 template <int D, class T>
-__device__ __forceinline__ void append_row(const Pools& p, const NewTokens<T>& x, const Codes& cd, int i, int h, int t,
-                                           Entry e) {
+__device__ __forceinline__ void append_rows(const Pools& p, const NewTokens<T>& x, const Codes& cd, int i, int h, int t0,
+                                            int t1, Entry e) {
   constexpr int E = D / 32;
   const int lane = threadIdx.x % 32;
-  const int seq = e.seq, pos = e.pos0 + t, key = pos % kPage;
-  const int32_t page = p.table[int64_t(seq) * p.cols + pos / kPage];
-  const T* krow = x.k + i * x.ks0 + h * x.ks1 + t * x.ks2;
-  float r[E];
+  const int seq = e.seq;
+  const T* kbase = x.k + i * x.ks0 + h * x.ks1 + E * lane;
+  const T* vbase = x.v + i * x.vs0 + h * x.vs1 + E * lane;
+  auto load = [&](const T* base, int64_t stride, int t, float (&r)[E]) {
 #pragma unroll
-  for (int c = 0; c < E; ++c) r[c] = to_float(krow[E * lane + c]);
-  if (p.transformed) {
-    // The transforms as the host cache runs them: rotated, smooth_k's mean subtracted, rounded to
-    // bf16; the sink keys' rows into the state.
-    if (p.rotate) rotate_lanes<E>(r);
-    // This head's state at the sequence's first page (none without smooth_k or sink keys).
-    float* st = p.srows > 0 ? p.state + (int64_t(p.table[int64_t(seq) * p.cols]) * p.Hkv + h) * p.srows * D : nullptr;
+    for (int c = 0; c < E; ++c) r[c] = to_float(base[t * stride + c]);
+  };
+  // This head's state at the sequence's first page (none without smooth_k or sink keys), and its mean.
+  float* st = p.transformed && p.srows > 0 ? p.state + (int64_t(p.table[int64_t(seq) * p.cols]) * p.Hkv + h) * p.srows * D : nullptr;
+  float mean[E] = {};
+  if (p.transformed && p.smooth_k)
 #pragma unroll
-    for (int c = 0; c < E; ++c) r[c] = round_bf16(p.smooth_k ? r[c] - st[E * lane + c] : r[c]);
-    if (pos < p.sink_keys)
+    for (int c = 0; c < E; ++c) mean[c] = st[E * lane + c];
+  float kn[E], vn[E] = {};
+  load(kbase, x.ks2, t0, kn);
+  if (p.vbits == 16) load(vbase, x.vs2, t0, vn);
+  int32_t page = 0, ks = -1;
+  bool pending = false, low = false;
+  for (int t = t0; t < t1; ++t) {
+    const int pos = e.pos0 + t, key = pos % kPage;
+    float r[E], v[E];
 #pragma unroll
-      for (int c = 0; c < E; ++c) st[(int(p.smooth_k) + pos) * D + E * lane + c] = r[c];
-  }
-  const int32_t ks = p.kept_of[page];
-  if (ks >= 0) {
-    float* kept = p.kept + ((int64_t(ks) * p.Hkv + h) * kPage + key) * D + E * lane;
+    for (int c = 0; c < E; ++c) {
+      r[c] = kn[c];
+      v[c] = vn[c];
+    }
+    if (t + 1 < t1) {  // the next row's load, in flight during this one
+      load(kbase, x.ks2, t + 1, kn);
+      if (p.vbits == 16) load(vbase, x.vs2, t + 1, vn);
+    }
+    if (t == t0 || key == 0) {  // the row's page and its bookkeeping
+      page = p.table[int64_t(seq) * p.cols + pos / kPage];
+      ks = p.kept_of[page];
+      pending = p.pending[page];
+      low = p.slot[page];
+    }
+    if (p.transformed) {
+      // The transforms as the host cache runs them: rotated, smooth_k's mean subtracted, rounded to
+      // bf16; the sink keys' rows into the state.
+      if (p.rotate) rotate_lanes<E>(r);
 #pragma unroll
-    for (int c = 0; c < E; ++c) kept[c] = r[c];
-  }
-  if (!p.pending[page]) write_key_row<D>(p, page, h, key, r, p.slot[page] ? cd.low : cd.high, cd.rule);
-  if (p.vbits == 16) {  // V's bf16 row: the lane's E channels, one store within a swizzled 16-byte chunk
-    const T* vrow = x.v + i * x.vs0 + h * x.vs1 + t * x.vs2;
-    uint64_t w = 0;
+      for (int c = 0; c < E; ++c) r[c] = round_bf16(r[c] - mean[c]);
+      if (pos < p.sink_keys)
 #pragma unroll
-    for (int c = 0; c < E; ++c) w |= uint64_t(to_bf16(to_float(vrow[E * lane + c])).bits) << (16 * c);
-    uint8_t* dst = record_at(p, page, h, key) + record_v(D) + (key % kRecordKeys) * 2 * D;
-    store_bytes<2 * E>(dst + swizzled(2 * D / 16, key % kRecordKeys, 2 * E * lane), w);
+        for (int c = 0; c < E; ++c) st[(int(p.smooth_k) + pos) * D + E * lane + c] = r[c];
+    }
+    if (ks >= 0) {
+      float* kept = p.kept + ((int64_t(ks) * p.Hkv + h) * kPage + key) * D + E * lane;
+#pragma unroll
+      for (int c = 0; c < E; ++c) kept[c] = r[c];
+    }
+    if (!pending) write_key_row<D>(p, page, h, key, r, low ? cd.low : cd.high, cd.rule);
+    if (p.vbits == 16) {  // V's bf16 row: the lane's E channels, one store within a swizzled 16-byte chunk
+      uint64_t w = 0;
+#pragma unroll
+      for (int c = 0; c < E; ++c) w |= uint64_t(to_bf16(v[c]).bits) << (16 * c);
+      uint8_t* dst = record_at(p, page, h, key) + record_v(D) + (key % kRecordKeys) * 2 * D;
+      store_bytes<2 * E>(dst + swizzled(2 * D / 16, key % kRecordKeys, 2 * E * lane), w);
+    }
   }
 }
 
@@ -370,10 +409,18 @@ __global__ void key_mean_parts(Pools p, Plan plan, NewTokens<T> x, int chunks, d
   const int ch = int(w % chunks), h = int(w / chunks % p.Hkv), i = int(w / chunks / p.Hkv), lane = threadIdx.x % 32;
   if (plan.batch[3 * i + 1] != 0) return;
   double acc[E] = {};
-  for (int t = ch * kMeanRows; t < min(plan.n, (ch + 1) * kMeanRows); ++t) {
+  const T* base = x.k + i * x.ks0 + h * x.ks1 + E * lane;
+  const int t0 = ch * kMeanRows, t1 = min(plan.n, (ch + 1) * kMeanRows);
+  float next[E];  // the next row, loaded while this one is rotated and summed
+#pragma unroll
+  for (int e = 0; e < E; ++e) next[e] = to_float(base[t0 * x.ks2 + e]);
+  for (int t = t0; t < t1; ++t) {
     float r[E];
 #pragma unroll
-    for (int e = 0; e < E; ++e) r[e] = to_float(x.k[i * x.ks0 + h * x.ks1 + t * x.ks2 + E * lane + e]);
+    for (int e = 0; e < E; ++e) r[e] = next[e];
+    if (t + 1 < t1)
+#pragma unroll
+      for (int e = 0; e < E; ++e) next[e] = to_float(base[(t + 1) * x.ks2 + e]);
     if (p.rotate) rotate_lanes<E>(r);
 #pragma unroll
     for (int e = 0; e < E; ++e) acc[e] += r[e];
@@ -392,28 +439,34 @@ __global__ void key_mean_finish(Pools p, Plan plan, int chunks, const double* pa
   const int c = int(tid % D), h = int(tid / D % p.Hkv), i = int(tid / D / p.Hkv);
   if (plan.batch[3 * i + 1] != 0) return;
   double sum = 0;
-  for (int ch = 0; ch < chunks; ++ch) sum += part[((int64_t(i) * p.Hkv + h) * chunks + ch) * D + c];
+#pragma unroll 8
+  for (int ch = 0; ch < chunks; ++ch) sum += part[((int64_t(i) * p.Hkv + h) * chunks + ch) * D + c];  // in order
   const int seq = plan.batch[3 * i];
   p.state[(int64_t(p.table[int64_t(seq) * p.cols]) * p.Hkv + h) * p.srows * D + c] = float(sum / double(plan.n));
 }
 
-// An append's items: K rows first, a warp a row (batch entry, head, token: append_row), then V blocks
-// (pv MX), a warp a V block (batch entry, head, block, channel group). Orders of significance as
-// listed, reversed; `batch` as Plan::batch.
+// An append's items: K rows first, a warp a run of rows_per_warp rows (batch entry, head, run:
+// append_rows), then V blocks (pv MX), a warp a V block (batch entry, head, block, channel group).
+// Orders of significance as listed, reversed; `batch` as Plan::batch.
+__host__ __device__ inline int64_t row_runs(int64_t S, int Hkv, int64_t n) {
+  const int r = rows_per_warp(S * Hkv * n);
+  return S * Hkv * ((n + r - 1) / r);
+}
 // The warps of an append of n tokens to S sequences touching at most `blocks` V blocks each.
 __host__ __device__ inline int64_t item_warps(const Pools& p, int64_t S, int64_t n, int blocks) {
-  return S * p.Hkv * n + (p.vbits == 16 ? 0 : S * p.Hkv * blocks * (p.d / 32));
+  return row_runs(S, p.Hkv, n) + (p.vbits == 16 ? 0 : S * p.Hkv * blocks * (p.d / 32));
 }
 template <int D, class T>
 __device__ __forceinline__ void append_item(const Pools& p, const NewTokens<T>& x, const Codes& cd, int S, int n,
                                             int blocks, const int32_t* batch, int64_t w) {
   constexpr int CG = D / 32;
-  const int64_t rows = int64_t(S) * p.Hkv * n;
-  if (w < rows) {
-    const int t = int(w % n), h = int(w / n % p.Hkv), i = int(w / n / p.Hkv);
-    append_row<D>(p, x, cd, i, h, t, entry_of(batch, i));
-  } else if (p.vbits != 16 && w - rows < int64_t(S) * p.Hkv * blocks * CG) {
-    const int64_t v = w - rows;
+  const int64_t runs = row_runs(S, p.Hkv, n);
+  if (w < runs) {
+    const int r = rows_per_warp(int64_t(S) * p.Hkv * n), nr = (n + r - 1) / r;
+    const int run = int(w % nr), h = int(w / nr % p.Hkv), i = int(w / nr / p.Hkv);
+    append_rows<D>(p, x, cd, i, h, run * r, min(n, (run + 1) * r), entry_of(batch, i));
+  } else if (p.vbits != 16 && w - runs < int64_t(S) * p.Hkv * blocks * CG) {
+    const int64_t v = w - runs;
     const int cg = int(v % CG), bi = int(v / CG % blocks), h = int(v / CG / blocks % p.Hkv), i = int(v / CG / blocks / p.Hkv);
     append_value_block<D>(p, x, cd, n, i, h, bi, cg, entry_of(batch, i));
   }
@@ -491,9 +544,13 @@ __device__ __forceinline__ void apply_items(const Pools& p, const Plan& plan, in
   }
   const int64_t words = page_bytes / 16;
   for (int64_t i = tid; i < int64_t(plan.nz) * words; i += stride)
-    reinterpret_cast<uint4*>(p.rec + int64_t(plan.zero[i / words]) * page_bytes)[i % words] = make_uint4(0, 0, 0, 0);
+    if (plan.zero[i / words] >= 0)
+      reinterpret_cast<uint4*>(p.rec + int64_t(plan.zero[i / words]) * page_bytes)[i % words] = make_uint4(0, 0, 0, 0);
   const int64_t sf = int64_t(p.Hkv) * p.srows * p.d;  // a page's state floats (a first page's: zeros, as the host's)
-  for (int64_t i = tid; i < int64_t(plan.nz) * sf; i += stride) p.state[int64_t(plan.zero[i / sf]) * sf + i % sf] = 0.0f;
+  for (int64_t i = tid; i < int64_t(plan.nz) * sf; i += stride) {
+    const int32_t z = plan.zero[i / sf];
+    p.state[int64_t(z >= 0 ? z : -1 - z) * sf + i % sf] = 0.0f;
+  }
 }
 
 // The plan's first kernel: apply_items where the plan is carried out (open_plan).

@@ -397,7 +397,7 @@ PagedKVCache::Impl::HostPlan PagedKVCache::Impl::plan(const std::vector<int>& id
       const bool high = pol.is_high(last, j);
       const int32_t kslot = high && j >= pol.sink_tiles && pol.high != pol.low ? new_kept(stream) : -1;
       hp.meta.insert(hp.meta.end(), {page, high ? 0 : 1, kslot, 0});
-      hp.zero.push_back(page);
+      hp.zero.push_back((j + 1) * kPage <= end ? -1 - page : page);  // a page this append fills: its state alone
       hp.table.insert(hp.table.end(), {int32_t(int64_t(id) * pools.cols + j), page});
       s.table.push_back(page);
       s.kept.push_back(kslot);
