@@ -229,15 +229,15 @@ __device__ __forceinline__ void append_rows(const Pools& p, const NewTokens<T>& 
 #pragma unroll
     for (int c = 0; c < E; ++c) r[c] = to_float(base[t * stride + c]);
   };
+  float kn[E], vn[E] = {};  // the first row's loads go first: the mean's wait on two dependent loads
+  load(kbase, x.ks2, t0, kn);
+  if (p.vbits == 16) load(vbase, x.vs2, t0, vn);
   // This head's state at the sequence's first page (none without smooth_k or sink keys), and its mean.
   float* st = p.transformed && p.srows > 0 ? p.state + (int64_t(p.table[int64_t(seq) * p.cols]) * p.Hkv + h) * p.srows * D : nullptr;
   float mean[E] = {};
   if (p.transformed && p.smooth_k)
 #pragma unroll
     for (int c = 0; c < E; ++c) mean[c] = st[E * lane + c];
-  float kn[E], vn[E] = {};
-  load(kbase, x.ks2, t0, kn);
-  if (p.vbits == 16) load(vbase, x.vs2, t0, vn);
   int32_t page = 0, ks = -1;
   bool pending = false, low = false;
   for (int t = t0; t < t1; ++t) {
