@@ -1,6 +1,6 @@
 // The device KV cache's writers: new tokens quantized on the GPU straight into the page records the
-// decode kernel reads (kv_record.hpp), with the host KVCache's codes bit for bit. One warp a K row (each
-// 32-block a group of its lanes), one warp a V column block (pv MX, a lane a channel).
+// decode kernel reads (kv_record.hpp), with the host KVCache's codes bit for bit. One warp a run of K
+// rows (each row's 32-blocks groups of its lanes), one warp a V column block (pv MX, a lane a channel).
 #pragma once
 #include <cuda_runtime.h>
 
