@@ -194,6 +194,57 @@ TEST(GpuPagedCache, PagesAndDecodeMatchHostCache) {
     }
 }
 
+// A large batched prompt: enough rows (S x Hkv x n) that a warp appends a run of several rows
+// (kv::rows_per_warp), its runs crossing pages mid-run, the sequences starting at different positions
+// (one of them empty, so the append fixes its key mean), and pages the append fills left unzeroed
+// first, including pages a freed sequence held.
+TEST(GpuPagedCache, LargeBatchedPromptMatchesHostCache) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const int64_t S = 4, Hkv = 8, d = 128, n = 8192, before[S] = {300, 0, 77, 1000};
+  for (const Policy& pol : {Policy{}, pv_of(Policy{}, PV::mxfp4)}) {
+    const std::string what = pol.describe();
+    std::vector<HostTensor> k, v;
+    for (int64_t i = 0; i < S; ++i) {
+      QKV x = llm_like_qkv({1, 4, Hkv, before[i] + n, before[i] + n, d}, uint64_t(31 + i));
+      k.push_back(std::move(x.k));
+      v.push_back(std::move(x.v));
+    }
+    KVCache host(Hkv, d, pol);
+    PagedKVCache dev(Hkv, d, pol);
+    {  // pages that held another sequence, freed: the new ones must not see their bytes
+      const int junk = dev.new_sequence();
+      const HostTensor kt = tokens(k[0], 0, 1024, DType::bf16), vt = tokens(v[0], 0, 1024, DType::bf16);
+      OnDevice dk(kt), dv(vt);
+      dev.append({junk}, dk.view, dv.view);
+      dev.free_sequence(junk);
+    }
+    std::vector<int> hs, ds;
+    for (int64_t i = 0; i < S; ++i) {
+      hs.push_back(host.new_sequence());
+      ds.push_back(dev.new_sequence());
+      if (before[i] == 0) continue;
+      const HostTensor kt = tokens(k[size_t(i)], 0, before[i], DType::bf16), vt = tokens(v[size_t(i)], 0, before[i], DType::bf16);
+      host.append(hs.back(), kt.view(), vt.view());
+      OnDevice dk(kt), dv(vt);
+      dev.append({ds.back()}, dk.view, dv.view);
+    }
+    // The batch: n tokens of every sequence, [S, Hkv, n, d].
+    std::vector<float> kb, vb;
+    for (int64_t i = 0; i < S; ++i) {
+      const HostTensor kt = tokens(k[size_t(i)], before[i], n, DType::bf16), vt = tokens(v[size_t(i)], before[i], n, DType::bf16);
+      host.append(hs[size_t(i)], kt.view(), vt.view());
+      const std::vector<float> kf = kt.to_floats(), vf = vt.to_floats();
+      kb.insert(kb.end(), kf.begin(), kf.end());
+      vb.insert(vb.end(), vf.begin(), vf.end());
+    }
+    const HostTensor kt = HostTensor::from_floats(kb, {S, Hkv, n, d}, DType::bf16), vt = HostTensor::from_floats(vb, {S, Hkv, n, d}, DType::bf16);
+    OnDevice dk(kt), dv(vt);
+    dev.append(ds, dk.view, dv.view);
+    expect_same_pages(host, dev, hs, ds, what + " large batched prompt");
+    expect_same_decode(host, dev, hs, ds, 32, 1, 4, what + " large batched prompt, Nq=1");
+  }
+}
+
 TEST(GpuPagedCache, RejectsWhatItCannotHold) {
   SKIP_WITHOUT_CUDA_DEVICE();
   EXPECT_THROW(PagedKVCache(2, 96, Policy{}), Error);
