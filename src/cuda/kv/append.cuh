@@ -8,6 +8,7 @@
 
 #include "cuda/common/rotate_lanes.cuh"
 #include "cuda/decode/kv_record.hpp"
+#include "cuda/kv/row_runs.hpp"
 #include "cuda/ptx/fp8.cuh"
 #include "cuda/ptx/e2m1_bytes.hpp"
 #include "cuda/ptx/pdl.cuh"
@@ -202,17 +203,6 @@ struct Entry {
 template <class Batch>  // a Plan's device array, or a step launch's parameter array
 __device__ __forceinline__ Entry entry_of(const Batch& batch, int i) {
   return Entry{batch[3 * i], batch[3 * i + 1], batch[3 * i + 2]};
-}
-
-// How many consecutive new tokens of one (batch entry, head) a warp appends: one where the append is
-// small (a decode step), up to 32 for a prompt, keeping at least kRowWarps warps. A warp's rows share
-// their page's bookkeeping and the key mean, loaded once, and each row's load is in flight while the
-// row before it is encoded: a warp a row waited on a chain of dependent loads for every row.
-constexpr int64_t kRowWarps = 32768;
-__host__ __device__ inline int rows_per_warp(int64_t rows) {
-  int r = 1;
-  while (r < 32 && rows / (2 * r) >= kRowWarps) r *= 2;
-  return r;
 }
 
 // New tokens t0 .. t1 - 1 of head h of batch entry i (e): each K row (and bf16 V row) by the warp, lane l
@@ -445,13 +435,9 @@ __global__ void key_mean_finish(Pools p, Plan plan, int chunks, const double* pa
   p.state[(int64_t(p.table[int64_t(seq) * p.cols]) * p.Hkv + h) * p.srows * D + c] = float(sum / double(plan.n));
 }
 
-// An append's items: K rows first, a warp a run of rows_per_warp rows (batch entry, head, run:
-// append_rows), then V blocks (pv MX), a warp a V block (batch entry, head, block, channel group).
-// Orders of significance as listed, reversed; `batch` as Plan::batch.
-__host__ __device__ inline int64_t row_runs(int64_t S, int Hkv, int64_t n) {
-  const int r = rows_per_warp(S * Hkv * n);
-  return S * Hkv * ((n + r - 1) / r);
-}
+// An append's items: K rows first, a warp a run of rows (row_runs.hpp: append_rows), then V blocks
+// (pv MX), a warp a V block (batch entry, head, block, channel group). Orders of significance as
+// listed, reversed; `batch` as Plan::batch.
 // The warps of an append of n tokens to S sequences touching at most `blocks` V blocks each.
 __host__ __device__ inline int64_t item_warps(const Pools& p, int64_t S, int64_t n, int blocks) {
   return row_runs(S, p.Hkv, n) + (p.vbits == 16 ? 0 : S * p.Hkv * blocks * (p.d / 32));
@@ -462,9 +448,8 @@ __device__ __forceinline__ void append_item(const Pools& p, const NewTokens<T>& 
   constexpr int CG = D / 32;
   const int64_t runs = row_runs(S, p.Hkv, n);
   if (w < runs) {
-    const int r = rows_per_warp(int64_t(S) * p.Hkv * n), nr = (n + r - 1) / r;
-    const int run = int(w % nr), h = int(w / nr % p.Hkv), i = int(w / nr / p.Hkv);
-    append_rows<D>(p, x, cd, i, h, run * r, min(n, (run + 1) * r), entry_of(batch, i));
+    const RowRun r = row_run(w, S, p.Hkv, n);
+    append_rows<D>(p, x, cd, r.i, r.h, r.t0, r.t1, entry_of(batch, r.i));
   } else if (p.vbits != 16 && w - runs < int64_t(S) * p.Hkv * blocks * CG) {
     const int64_t v = w - runs;
     const int cg = int(v % CG), bi = int(v / CG % blocks), h = int(v / CG / blocks % p.Hkv), i = int(v / CG / blocks / p.Hkv);
