@@ -20,8 +20,8 @@ calls enqueue their work (no host synchronisation inside a step). Prints one mar
 usage: POLICY=key:value,... python3 bench/bench_decode_step.py [--profile] [B:ctx ...]
        POLICY (optional): policy fields over the default's, e.g. diag_tiles:1,sink_tiles:0,rotate:0;
        B:ctx default: the matrix B 1, 16, 64 x ctx 8k, 32k, 128k where the bf16 cache fits in a
-       quarter of the GPU's memory; --profile also prints each step's kernels, eager and graphed
-       (device µs a step, torch.profiler)
+       quarter of the GPU's memory; --profile also prints each step's kernels, eager and graphed,
+       and the fill's (device µs a step or a fill, torch.profiler)
 """
 import os
 import statistics
@@ -115,9 +115,9 @@ def kernels(fn, steps=20):
     return sorted(per.items(), key=lambda kv: -kv[1]), span
 
 
-def print_kernels(label, fn):
-    per, span = kernels(fn)
-    print(f"  {label}: GPU span {span:.1f} us a step; " + ", ".join(f"{n} {us:.1f}" for n, us in per), flush=True)
+def print_kernels(label, fn, steps=20, unit="step"):
+    per, span = kernels(fn, steps)
+    print(f"  {label}: GPU span {span:.1f} us a {unit}; " + ", ".join(f"{n} {us:.1f}" for n, us in per), flush=True)
 
 
 def policy_fields():
@@ -149,6 +149,11 @@ def run(B, ctx, rows):
         b.record()
         torch.cuda.synchronize()
         fill = a.elapsed_time(b)
+        if PROFILE:  # the fill's kernels: each profiled call appends the prompt to a new cache
+            def fill_new():
+                c = dmattn.PagedKVCache(Hkv, d, pv=pv, **FIELDS)
+                c.append([c.new_sequence() for _ in range(B)], k, v)
+            print_kernels(f"B={B} ctx={ctx} pv={pv} fill", fill_new, steps=3, unit="fill")
         decode = time_ms(lambda: dmattn.decode(cache, ids, q))
 
         def step():
