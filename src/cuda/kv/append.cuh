@@ -113,34 +113,32 @@ __device__ __forceinline__ uint8_t* record_at(const Pools& p, int32_t page, int 
   return p.rec + ((int64_t(page) * p.Hkv + h) * (kPage / kRecordKeys) + key / kRecordKeys) * p.record;
 }
 
-// A lane's E codes (E consecutive elements of one 32-block, already divided by the block's scale),
-// packed as a record holds them: FP8 and FP6 one byte an element, E2M1 two a byte (the even element in
-// the low nibble). Each is the codec's encode_elem bit for bit: FP8 the same hardware conversion, E2M1
-// its comparison-free twin (MxCodec.FastE2M1EqualsTheCodecOnEveryFloat), FP6 the codec itself.
-template <int E>
-__device__ __forceinline__ uint64_t encode_lane_codes(const float (&y)[E], Elem e) {
-  uint64_t w = 0;
-  if (e == Elem::e2m1) {
-#pragma unroll
-    for (int i = 0; i < E; ++i) w |= uint64_t(encode_e2m1_fast(y[i])) << (4 * i);
-  } else if (e == Elem::e4m3 || e == Elem::e5m2) {
-#pragma unroll
-    for (int i = 0; i < E; i += 2)
-      w |= uint64_t(e == Elem::e4m3 ? fp8x2_encode<false>(y[i], y[i + 1]) : fp8x2_encode<true>(y[i], y[i + 1])) << (8 * i);
-  } else {
-    const ElemSpec spec = elem_spec(e);
-#pragma unroll
-    for (int i = 0; i < E; ++i) w |= uint64_t(encode_elem(spec, y[i])) << (8 * i);
-  }
-  return w;
-}
-
-// One value already divided by its block's scale, encoded as encode_lane_codes encodes it.
+// One value already divided by its block's scale, as the codec's encode_elem encodes it, bit for bit:
+// FP8 the same hardware conversion, E2M1 its comparison-free twin
+// (MxCodec.FastE2M1EqualsTheCodecOnEveryFloat), FP6 the codec itself.
 __device__ __forceinline__ uint8_t encode_code(float y, Elem e) {
   if (e == Elem::e2m1) return encode_e2m1_fast(y);
   if (e == Elem::e4m3) return fp8_encode<false>(y);
   if (e == Elem::e5m2) return fp8_encode<true>(y);
   return encode_elem(elem_spec(e), y);
+}
+
+// A lane's E codes (E consecutive elements of one 32-block, already divided by the block's scale),
+// packed as a record holds them: FP8 and FP6 one byte an element, E2M1 two a byte (the even element in
+// the low nibble). FP8 pairs take one conversion; every other element is encode_code's.
+template <int E>
+__device__ __forceinline__ uint64_t encode_lane_codes(const float (&y)[E], Elem e) {
+  uint64_t w = 0;
+  if (e == Elem::e4m3 || e == Elem::e5m2) {
+#pragma unroll
+    for (int i = 0; i < E; i += 2)
+      w |= uint64_t(e == Elem::e4m3 ? fp8x2_encode<false>(y[i], y[i + 1]) : fp8x2_encode<true>(y[i], y[i + 1])) << (8 * i);
+  } else {
+    const int bits = e == Elem::e2m1 ? 4 : 8;
+#pragma unroll
+    for (int i = 0; i < E; ++i) w |= uint64_t(encode_code(y[i], e)) << (bits * i);
+  }
+  return w;
 }
 
 // The low N bytes of w, stored at an N-byte aligned address (N = 1, 2, 4 or 8).
@@ -326,9 +324,9 @@ __device__ __forceinline__ void append_value_block(const Pools& p, const NewToke
       col[c * vt_row + vt_position(key)] = code;
     }
   };
+  const uint8_t old = from > 0 ? col[D * vt_row + c] : uint8_t(0);  // the block's stored scale
   if (to - from == 1) {  // one new key (a decode step): its code alone, unless it raises the block's scale
     const float y = to_float(nt.v[i * nt.vs0 + h * nt.vs1 + (k0 + from - pos0) * nt.vs2 + c]);
-    const uint8_t old = from > 0 ? col[D * vt_row + c] : uint8_t(0);
     const uint8_t sc = max(hd::is_finite(y) ? choose_e8m0(hd::abs_f(y), ve, rule) : kE8M0NaN, old);
     if (from == 0 || sc == old) {
       write_one(from, sc == kE8M0NaN ? uint8_t(0) : encode_code(y * inverse_e8m0(sc), ve));
@@ -346,7 +344,7 @@ __device__ __forceinline__ void append_value_block(const Pools& p, const NewToke
     bad |= !hd::is_finite(x[j]);
     amax = fmaxf(amax, hd::abs_f(x[j]));
   }
-  const uint8_t mine = bad ? kE8M0NaN : choose_e8m0(amax, ve, rule), old = from > 0 ? col[D * vt_row + c] : uint8_t(0);
+  const uint8_t mine = bad ? kE8M0NaN : choose_e8m0(amax, ve, rule);
   const uint8_t sc = max(mine, old);  // NaN (0xFF) is the largest code
   const float inv = inverse_e8m0(sc);  // a product by a power of two: the codec's ldexp
   auto code_of = [&](float y) { return sc == kE8M0NaN ? uint8_t(0) : encode_code(y * inv, ve); };
