@@ -8,8 +8,11 @@
 // (read + write bytes) and a read-only pass over 2 GiB.
 // Prints one line per configuration: "dmattn-<pv> B ctx us_async us_sync GB/s bytes". DMATTN_BENCH_COLD=1: each
 // asynchronous step timed alone with L2 evicted first (the synchronous figure stays warm).
+//
+// "bench_decode_cuda fill PV B CTX" times the other half of a generation's start instead: fill_bench below.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -17,6 +20,7 @@
 #include <vector>
 
 #include "cuda/decode/decode.cuh"
+#include "dmattn/paged_kv_cache.hpp"
 
 using namespace dmattn;
 using dmattn::cuda::PagedKV;
@@ -76,7 +80,70 @@ __global__ void read_all(const uint4* p, size_t n, uint32_t* sink) {
   if (x == 0x9E3779B9u) *sink = x;  // practically never taken
 }
 
+// A prompt appended to the KV cache in GPU memory, as a generation's prefill fills it: B sequences of
+// ctx new tokens (bf16 K and V [B, 8, ctx, 128] on the device) appended whole into a new PagedKVCache
+// under the default policy with V in pv, its pool's growth included (a first append pays it; a small
+// append first loads the kernels). The ceiling, same run: a device copy of the same K and V bytes.
+// Medians of five. Prints "fill-<pv> B ctx ms copy_ms ratio".
+int fill_bench(const std::string& pv_arg, int B, int ctx) {
+  const int Hkv = 8, d = 128;
+  const size_t n = size_t(B) * Hkv * ctx * d;
+  uint16_t *k, *v, *copy;
+  CK(cudaMalloc(&k, n * 2));
+  CK(cudaMalloc(&v, n * 2));
+  CK(cudaMalloc(&copy, n * 4));
+  fill_bf16<<<4096, 256>>>(k, n);
+  fill_bf16<<<4096, 256>>>(v, n);
+  const TensorView tk = TensorView::contiguous(k, DType::bf16, {B, Hkv, ctx, d}, Device::cuda);
+  const TensorView tv = TensorView::contiguous(v, DType::bf16, {B, Hkv, ctx, d}, Device::cuda);
+  Policy pol;
+  pol.pv = parse_pv(pv_arg);
+  auto sequences = [&](PagedKVCache& c) {
+    std::vector<int> ids;
+    for (int b = 0; b < B; ++b) ids.push_back(c.new_sequence());
+    return ids;
+  };
+  {
+    PagedKVCache warm(Hkv, d, pol);
+    warm.append(sequences(warm), slice_tokens(tk, 0, std::min(ctx, 300)), slice_tokens(tv, 0, std::min(ctx, 300)));
+  }
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  auto time_ms = [&](auto&& work) {
+    CK(cudaDeviceSynchronize());
+    cudaEventRecord(e0);
+    work();
+    cudaEventRecord(e1);
+    CK(cudaEventSynchronize(e1));
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e0, e1);
+    return ms;
+  };
+  std::vector<float> fills, copies;
+  for (int r = 0; r < 5; ++r) {
+    PagedKVCache c(Hkv, d, pol);
+    const std::vector<int> ids = sequences(c);
+    fills.push_back(time_ms([&] { c.append(ids, tk, tv); }));
+    copies.push_back(time_ms([&] {
+      cudaMemcpyAsync(copy, k, n * 2, cudaMemcpyDeviceToDevice);
+      cudaMemcpyAsync(copy + n, v, n * 2, cudaMemcpyDeviceToDevice);
+    }));
+  }
+  std::sort(fills.begin(), fills.end());
+  std::sort(copies.begin(), copies.end());
+  std::printf("fill-%s %d %d %.3f %.3f %.2f\n", pv_arg.c_str(), B, ctx, fills[2], copies[2], fills[2] / copies[2]);
+  cudaFree(k);
+  cudaFree(v);
+  cudaFree(copy);
+  return 0;
+}
+
 int main(int argc, char** argv) {
+  if (argc > 1 && std::string(argv[1]) == "fill") {
+    // usage: bench_decode_cuda fill [bf16|mxfp8|mxfp4] [B] [ctx]
+    return fill_bench(argc > 2 ? argv[2] : "mxfp4", argc > 3 ? std::atoi(argv[3]) : 16, argc > 4 ? std::atoi(argv[4]) : 32768);
+  }
   const int Hq = 32, Hkv = 8, d = 128, T = 128;
   // usage: bench_decode_cuda [bf16|mxfp8|mxfp4 (V's format, pv)] [B] [ctx] [splits (0: the plan's)]
   const std::string pv_arg = argc > 1 ? argv[1] : "bf16";

@@ -36,7 +36,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 # AB="dirA dirB" (each laid out as PREBUILT): a variant against a baseline in one run. The GPU tests
 # matching AB_TESTS of the last dir (or of each dir in AB_TEST_DIRS), then bench_prefill_cuda alternating between the dirs,
 # three rounds per N in AB_N (AB_N= none), policy AB_POLICY; medians per dir last. AB_QUANT=1 adds the quantize
-# bench, AB_DECODE="pv:B:ctx ..." (e.g. mxfp4:16:32768) bench_decode_cuda the same way, AB_RACE=1 racecheck on
+# bench, AB_DECODE="pv:B:ctx ..." (e.g. mxfp4:16:32768) bench_decode_cuda the same way, AB_FILL="pv:B:ctx ..." the KV
+# cache's fill of a B x ctx prompt (bench_decode_cuda fill) the same way, AB_RACE=1 racecheck on
 # the last dir (with the grid capped at 2 CTAs where a persistent prefill honours DMATTN_PREFILL_CTAS); AB_TIMEOUT (s) limits the tests.
 if [ -n "${AB:-}" ]; then
   last=${AB##* }
@@ -66,6 +67,13 @@ if [ -n "${AB:-}" ]; then
     done
   done | tee "$OUT/ab_decode.txt"
   python3 bench/ab_medians.py "$OUT/ab_decode.txt" 4 us 1 2 3  # per (pv, B, ctx) and dir
+  for spec in ${AB_FILL:-}; do  # the fill: "dir fill-pv B ctx ms copy_ms ratio" lines
+    IFS=: read -r pv b ctx <<<"$spec"
+    for rep in 1 2 3; do
+      for dir in $AB; do echo "$dir $(timeout 120 $dir/bench/bench_decode_cuda fill "$pv" "$b" "$ctx" | grep '^fill-')"; done
+    done
+  done | tee "$OUT/ab_fill.txt"
+  python3 bench/ab_medians.py "$OUT/ab_fill.txt" 4 ms 1 2 3
   for n in ${AB_N-4096 16384}; do
     it=$( ((n >= 65536)) && echo 2 || { ((n >= 16384)) && echo 5 || echo 20; })
     for rep in 1 2 3; do
@@ -73,7 +81,7 @@ if [ -n "${AB:-}" ]; then
     done
   done | tee "$OUT/ab.txt"
   python3 bench/ab_medians.py "$OUT/ab.txt" 5 ms 3  # per N and dir
-  cp "$OUT/ab.txt" "$OUT/ab_decode.txt" "$RESULT_DIR/"
+  cp "$OUT/ab.txt" "$OUT/ab_decode.txt" "$OUT/ab_fill.txt" "$RESULT_DIR/"
   exit $trc  # the tests' status, so a following run can depend on it
 fi
 
