@@ -133,6 +133,8 @@ int fill_bench(const std::string& pv_arg, int B, int ctx) {
   std::sort(fills.begin(), fills.end());
   std::sort(copies.begin(), copies.end());
   std::printf("fill-%s %d %d %.3f %.3f %.2f\n", pv_arg.c_str(), B, ctx, fills[2], copies[2], fills[2] / copies[2]);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
   cudaFree(k);
   cudaFree(v);
   cudaFree(copy);
