@@ -96,11 +96,13 @@ __device__ __forceinline__ bool plan_is_next(const Plan& plan, const int32_t* ga
 // The global index of the calling thread's warp (a warp an item in the writers below).
 __device__ __forceinline__ int64_t warp_index() { return (int64_t(blockIdx.x) * blockDim.x + threadIdx.x) / 32; }
 
-// The appended tokens: k and v [S][Hkv][n][d] with these element strides (unit on d).
+// The appended tokens: k and v [S][Hkv][n][d] with these element strides (unit on d); vec: both
+// take load_lane's vector path (vector_rows).
 template <class T>
 struct NewTokens {
   const T *k, *v;
   int64_t ks0, ks1, ks2, vs0, vs1, vs2;
+  bool vec;
 };
 
 // The element types an append writes: K in the policy's high and low formats, V's (pv MX).
@@ -154,6 +156,20 @@ __device__ __forceinline__ void store_bytes(uint8_t* dst, uint64_t w) {
     *dst = uint8_t(w);
 }
 
+// The largest magnitude among x, and (bad) whether any of them is NaN or infinite: what a block's
+// scale is chosen from.
+template <int N>
+__device__ __forceinline__ float values_amax(const float (&x)[N], bool& bad) {
+  float amax = 0.0f;
+  bad = false;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    bad |= !hd::is_finite(x[i]);
+    amax = fmaxf(amax, hd::abs_f(x[i]));
+  }
+  return amax;
+}
+
 // Key row `key` (0..127 in its page) of head h, held by the warp as rotate_lanes holds a row (lane l:
 // channels E l .. E l + E - 1, E = D / 32), written in format e (the page's) into the K codes and scales
 // of its record with quantize_mx_block's bytes: each 32-block is 32 / E consecutive lanes, which
@@ -164,13 +180,8 @@ __device__ __forceinline__ void write_key_row(const Pools& p, int32_t page, int 
                                               Elem e, ScaleRule rule) {
   constexpr int E = D / 32, L = 32 / E;  // channels a lane, lanes a block
   const int lane = threadIdx.x % 32, k = key % kRecordKeys;
-  float amax = 0.0f;
-  bool bad = false;
-#pragma unroll
-  for (int i = 0; i < E; ++i) {
-    bad |= !hd::is_finite(x[i]);
-    amax = fmaxf(amax, hd::abs_f(x[i]));
-  }
+  bool bad;
+  float amax = values_amax(x, bad);
 #pragma unroll
   for (int s = 1; s < L; s *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
   const uint32_t block_lanes = (L == 32 ? 0xffffffffu : (1u << L) - 1u) << (lane & ~(L - 1));
@@ -213,10 +224,7 @@ __device__ __forceinline__ void append_rows(const Pools& p, const NewTokens<T>& 
   const int seq = e.seq;
   const T* kbase = x.k + i * x.ks0 + h * x.ks1 + E * lane;
   const T* vbase = x.v + i * x.vs0 + h * x.vs1 + E * lane;
-  auto load = [&](const T* base, int64_t stride, int t, float (&r)[E]) {
-#pragma unroll
-    for (int c = 0; c < E; ++c) r[c] = to_float(base[t * stride + c]);
-  };
+  auto load = [&](const T* base, int64_t stride, int t, float (&r)[E]) { load_lane<E>(base + t * stride, x.vec, r); };
   float kn[E], vn[E] = {};  // the first row's loads go first: the mean's wait on two dependent loads
   load(kbase, x.ks2, t0, kn);
   if (p.vbits == 16) load(vbase, x.vs2, t0, vn);
@@ -280,6 +288,45 @@ __host__ __device__ inline int next_tail(int buf, int64_t pos0, int64_t end) {
   return end % kRecordKeys != 0 && pos0 / kRecordKeys != (end - 1) / kRecordKeys ? 1 - buf : buf;
 }
 
+// One channel's whole V block (32 values, all new: a prompt's full blocks), encoded in element format
+// kE and written as the record's column holds it (kv_record.hpp) at once: E2M1 one 16-byte store, FP8
+// and FP6 two (FP8 pairs in one conversion; a pair of keys 2i, 2i + 1 is adjacent in vt_position's
+// order). A store a key would make each store instruction of the warp touch 32 sectors for one byte of
+// each. Columns are 16-byte aligned: every record region's size is a multiple of 16.
+template <Elem kE>
+__device__ __forceinline__ void write_value_column(uint8_t* dst, uint8_t* scale, const float (&x)[kRecordKeys],
+                                                   ScaleRule rule) {
+  bool bad;
+  const float amax = values_amax(x, bad);
+  const uint8_t sc = bad ? kE8M0NaN : choose_e8m0(amax, kE, rule);
+  const float inv = inverse_e8m0(sc);  // a product by a power of two: the codec's ldexp
+  uint32_t w[8] = {};                  // the column's 16 (E2M1) or 32 bytes; zero codes under a NaN scale
+  if (sc != kE8M0NaN) {
+    if constexpr (kE == Elem::e2m1) {
+#pragma unroll
+      for (int t = 0; t < 4; ++t) {
+        uint8_t codes[8];
+#pragma unroll
+        for (int j = 0; j < 8; ++j) codes[j] = encode_e2m1_fast(x[8 * (j / 2) + 2 * t + j % 2] * inv);
+        w[t] = e2m1x8_f16_pack(codes);
+      }
+    } else if constexpr (kE == Elem::e4m3 || kE == Elem::e5m2) {
+#pragma unroll
+      for (int j = 0; j < kRecordKeys; j += 2)
+        w[vt_position(j) / 4] |= uint32_t(fp8x2_encode<kE == Elem::e5m2>(x[j] * inv, x[j + 1] * inv))
+                                 << 8 * (vt_position(j) % 4);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kRecordKeys; ++j)
+        w[vt_position(j) / 4] |= uint32_t(encode_code(x[j] * inv, kE)) << 8 * (vt_position(j) % 4);
+    }
+  }
+  uint4* out = reinterpret_cast<uint4*>(dst);
+  out[0] = make_uint4(w[0], w[1], w[2], w[3]);
+  if constexpr (kE != Elem::e2m1) out[1] = make_uint4(w[4], w[5], w[6], w[7]);
+  *scale = sc;
+}
+
 // pv MX: each warp 32 channels of one 32-key V block an append touches, a lane a channel (so every
 // load and store of a key's row is coalesced), the block's codes and scale written transposed
 // (kv_record.hpp); the last block's originals, if it is still open, go to the tail buffer next_tail
@@ -292,6 +339,8 @@ __host__ __device__ inline int next_tail(int buf, int64_t pos0, int64_t end) {
 template <int D, class T>
 __device__ __forceinline__ void append_value_block(const Pools& p, const NewTokens<T>& nt, const Codes& cd, int n, int i,
                                                    int h, int bi, int cg, Entry e) {
+  static_assert(record_v(D) % 16 == 0 && record_bytes(D, 4) % 16 == 0 && record_bytes(D, 8) % 16 == 0,
+                "store_column's 16-byte stores need 16-byte aligned columns");
   const Elem ve = cd.v;
   const ScaleRule rule = cd.rule;
   const int lane = threadIdx.x % 32, c = 32 * cg + lane;
@@ -324,6 +373,20 @@ __device__ __forceinline__ void append_value_block(const Pools& p, const NewToke
       col[c * vt_row + vt_position(key)] = code;
     }
   };
+  if (from == 0 && to == kRecordKeys) {  // a whole block: no stored codes to keep, no open block
+    float x[kRecordKeys];
+    const T* src = nt.v + i * nt.vs0 + h * nt.vs1 + (k0 - pos0) * nt.vs2 + c;
+#pragma unroll
+    for (int j = 0; j < kRecordKeys; ++j) x[j] = to_float(src[j * nt.vs2]);
+    uint8_t* dst = col + c * vt_row;
+    switch (ve) {
+      case Elem::e2m1: return write_value_column<Elem::e2m1>(dst, col + D * vt_row + c, x, rule);
+      case Elem::e4m3: return write_value_column<Elem::e4m3>(dst, col + D * vt_row + c, x, rule);
+      case Elem::e5m2: return write_value_column<Elem::e5m2>(dst, col + D * vt_row + c, x, rule);
+      case Elem::e3m2: return write_value_column<Elem::e3m2>(dst, col + D * vt_row + c, x, rule);
+      case Elem::e2m3: return write_value_column<Elem::e2m3>(dst, col + D * vt_row + c, x, rule);
+    }
+  }
   const uint8_t old = from > 0 ? col[D * vt_row + c] : uint8_t(0);  // the block's stored scale
   if (to - from == 1) {  // one new key (a decode step): its code alone, unless it raises the block's scale
     const float y = to_float(nt.v[i * nt.vs0 + h * nt.vs1 + (k0 + from - pos0) * nt.vs2 + c]);
@@ -400,15 +463,12 @@ __global__ void key_mean_parts(Pools p, Plan plan, NewTokens<T> x, int chunks, d
   const T* base = x.k + i * x.ks0 + h * x.ks1 + E * lane;
   const int t0 = ch * kMeanRows, t1 = min(plan.n, (ch + 1) * kMeanRows);
   float next[E];  // the next row, loaded while this one is rotated and summed
-#pragma unroll
-  for (int e = 0; e < E; ++e) next[e] = to_float(base[t0 * x.ks2 + e]);
+  load_lane<E>(base + t0 * x.ks2, x.vec, next);
   for (int t = t0; t < t1; ++t) {
     float r[E];
 #pragma unroll
     for (int e = 0; e < E; ++e) r[e] = next[e];
-    if (t + 1 < t1)
-#pragma unroll
-      for (int e = 0; e < E; ++e) next[e] = to_float(base[(t + 1) * x.ks2 + e]);
+    if (t + 1 < t1) load_lane<E>(base + (t + 1) * x.ks2, x.vec, next);
     if (p.rotate) rotate_lanes<E>(r);
 #pragma unroll
     for (int e = 0; e < E; ++e) acc[e] += r[e];

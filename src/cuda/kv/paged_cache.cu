@@ -342,9 +342,9 @@ cuda::kv::Codes PagedKVCache::Impl::codes() const {
 }
 namespace {
 template <class T>  // kt: k's data as its element type
-cuda::kv::NewTokens<T> new_tokens(const T* kt, const TensorView& k, const TensorView& v) {
-  return cuda::kv::NewTokens<T>{kt, static_cast<const T*>(v.data), k.stride[0], k.stride[1], k.stride[2],
-                                v.stride[0], v.stride[1], v.stride[2]};
+cuda::kv::NewTokens<T> new_tokens(const T* kt, const TensorView& k, const TensorView& v, int E) {
+  return cuda::kv::NewTokens<T>{kt, static_cast<const T*>(v.data), k.stride[0], k.stride[1], k.stride[2], v.stride[0],
+                                v.stride[1], v.stride[2], cuda::vector_rows(k, E) && cuda::vector_rows(v, E)};
 }
 }  // namespace
 
@@ -436,7 +436,7 @@ void PagedKVCache::Impl::launch(const cuda::kv::Plan& plan, int blocks, bool mea
     constexpr int D = decltype(dc)::value;
     with_typed(k, [&](auto* kt) {
       using T = std::remove_pointer_t<decltype(kt)>;
-      const cuda::kv::NewTokens<T> x = new_tokens(kt, k, v);
+      const cuda::kv::NewTokens<T> x = new_tokens(kt, k, v, D / 32);
       if (p.smooth_k && means) {  // the first append of some sequence fixes its keys' mean
         const int chunks = int((n + cuda::kv::kMeanRows - 1) / cuda::kv::kMeanRows);
         double* part = buf.alloc<double>(size_t(S * heads * chunks * D) * sizeof(double));
@@ -493,7 +493,7 @@ void PagedKVCache::append(const std::vector<int>& ids, const TensorView& k, cons
       constexpr int D = decltype(dc)::value;
       with_typed(k, [&](auto* kt) {
         using T = std::remove_pointer_t<decltype(kt)>;
-        cuda::kv::StepArgs<T> a{p, new_tokens(kt, k, v), m.codes(), int(S), int(n), hp.blocks, {}};
+        cuda::kv::StepArgs<T> a{p, new_tokens(kt, k, v, D / 32), m.codes(), int(S), int(n), hp.blocks, {}};
         std::copy(hp.batch.begin(), hp.batch.end(), a.batch);
         const int64_t threads = std::max<int64_t>(cuda::kv::item_warps(p, S, n, hp.blocks) * 32, S);
         cuda::kv::append_step<D, T><<<unsigned((threads + 255) / 256), 256, 0, stream>>>(a);

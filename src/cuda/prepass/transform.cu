@@ -27,17 +27,8 @@ __device__ __forceinline__ void load_row(const TensorView& v, int64_t b, int64_t
                                          float (&r)[E]) {
   const int lane = threadIdx.x % 32;
   const T* row = static_cast<const T*>(v.data) + b * v.stride[0] + h * v.stride[1] + n * v.stride[2];
-  if constexpr (sizeof(T) == 2 && E >= 2) {
-    if (vec) {
-      using V = std::conditional_t<E == 2, uint32_t, std::conditional_t<E == 4, uint2, uint4>>;
-      const V w = *reinterpret_cast<const V*>(row + lane * E);
-      const uint16_t* h16 = reinterpret_cast<const uint16_t*>(&w);
-#pragma unroll
-      for (int e = 0; e < E; ++e) r[e] = to_float(T{h16[e]});
-    } else {
-#pragma unroll
-      for (int e = 0; e < E; ++e) r[e] = to_float(row[(lane * E + e) * v.stride[3]]);
-    }
+  if (vec) {
+    load_lane<E>(row + lane * E, true, r);
   } else {
 #pragma unroll
     for (int e = 0; e < E; ++e) r[e] = to_float(row[(lane * E + e) * v.stride[3]]);
@@ -294,16 +285,6 @@ __global__ void lse_shift_kernel(float* lse, const float* shift, int64_t n) {
 }
 
 unsigned grid_for(int64_t n) { return unsigned(std::min<int64_t>((n + 255) / 256, 132 * 16)); }
-
-// Whether a view's rows can be read as vectors of E 16-bit elements.
-bool vector_rows(const TensorView& v, int E) {
-  if (dtype_size(v.dtype) != 2 || v.stride[3] != 1) return false;
-  const int64_t align = E * 2;
-  if (reinterpret_cast<uintptr_t>(v.data) % uintptr_t(align) != 0) return false;
-  for (int i = 0; i < 3; ++i)
-    if (v.stride[i] % E != 0) return false;
-  return true;
-}
 
 // The channel means of x's rows (H = x.shape[1], N = x.shape[2]), in the rotated frame where
 // `rotate`: of the rotated rows (rows_first, smooth_k's), or of the rows as read, then rotated
