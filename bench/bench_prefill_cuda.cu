@@ -64,15 +64,17 @@ int main(int argc, char** argv) {
   auto tf = [](int diag, int sinks, bool sk, bool sq, bool rot, int sink_keys) {
     Policy p = Policy::tiles(Format::mxfp8_e4m3, Format::mxfp4, diag, sinks);
     p.smooth_k = sk;
-    p.smooth_q = sq;
+    p.smooth_q = sq ? SmoothQ::all : SmoothQ::off;
     p.rotate = rot;
     p.sink_keys = sink_keys;
     return p;
   };
-  Policy default_sq;
-  default_sq.smooth_q = true;
+  Policy default_sq, default_sqh;
+  default_sq.smooth_q = SmoothQ::all;
+  default_sqh.smooth_q = SmoothQ::high;
   const Named policies[] = {{"DMA-default", Policy{}},
                             {"DMA-default-sq", default_sq},
+                            {"DMA-default-sqh", default_sqh},
                             {"DMA-plain", tf(1, 0, false, false, false, 0)},
                             {"DMA-rot-sk", tf(1, 0, true, false, true, 0)},
                             {"DMA-sq", tf(1, 0, false, true, false, 0)},

@@ -575,7 +575,7 @@ TEST(AttentionCpu, AccuracyTransformsAreExactIdentities) {
     for (int t = 0; t < 5; ++t) {
       Policy p = Policy::all(Format::bf16);
       p.smooth_k = t == 0 || t == 4;
-      p.smooth_q = t == 1 || t == 4;
+      p.smooth_q = t == 1 || t == 4 ? SmoothQ::all : SmoothQ::off;
       p.rotate = t == 2 || t == 4;
       p.sink_keys = t == 3 || t == 4 ? 3 : 0;
       const Result r = run(x, opts(p, causal));
@@ -598,7 +598,7 @@ TEST(AttentionCpu, AccuracyTransformsCutTheErrorTheyTarget) {
   std::vector<float> q = common.q.to_floats();
   for (size_t i = 0; i < q.size(); ++i) q[i] = 0.3f * q[i] + ((i % 64) % 3 == 0 ? 2.0f : -1.0f);
   common.q = HostTensor::from_floats(q, common.q.shape());
-  t.smooth_q = true;
+  t.smooth_q = SmoothQ::all;
   EXPECT_LT(err(common, t), 0.5 * err(common, f4));
 
   // Real keys: a few channels carry most of K's energy (layer 20 of SmolLM2, tests/data).
@@ -626,10 +626,11 @@ TEST(AttentionCpu, AccuracyTransformsHelpOnRealActivations) {
     const std::string base = std::string(DMATTN_SOURCE_DIR) + "/tests/data/layer" + std::to_string(layer) + "_";
     const QKV x{read_npy_tensor(base + "q.npy", "q"), read_npy_tensor(base + "k.npy", "k"), read_npy_tensor(base + "v.npy", "v")};
     Policy plain;
-    plain.smooth_k = plain.smooth_q = plain.rotate = false;
+    plain.smooth_k = plain.rotate = false;
     plain.sink_keys = 0;
     Policy all = plain;
-    all.smooth_k = all.smooth_q = all.rotate = true;
+    all.smooth_k = all.rotate = true;
+    all.smooth_q = SmoothQ::all;
     all.sink_keys = 1;
     all.sink_tiles = 1;
     const FormatErrors e = format_errors(x, plain);
@@ -653,7 +654,7 @@ TEST(AttentionCpu, SmoothQMeanSpansTheHeadsQueries) {
   x.q = HostTensor::from_floats(q, x.q.shape());
   for (bool causal : {true, false}) {
     Policy four = Policy::all(Format::mxfp4), bf = Policy::all(Format::bf16);
-    four.smooth_q = bf.smooth_q = true;
+    four.smooth_q = bf.smooth_q = SmoothQ::all;
     four.smooth_k = bf.smooth_k = false;
     for (bool rotate : {false, true}) {
       four.rotate = bf.rotate = rotate;
@@ -664,4 +665,45 @@ TEST(AttentionCpu, SmoothQMeanSpansTheHeadsQueries) {
     plain.smooth_k = plain.rotate = false;
     EXPECT_GT(rel_l2(run(x, opts(plain, causal)).out, run(x, opts(bf, causal)).out), 1e-3);
   }
+}
+
+// smooth_q=high centres the queries of the high tiles alone, each high tile with its correction:
+// with no high tile it is smooth_q off, with every tile high smooth_q on every tile, bit for bit.
+// Where every row of a head is one vector, q - mu = 0, so a high tile's scores are mu.k' in fp32
+// whatever its format: the high format then changes nothing, while the low tiles' queries, not
+// centred, still carry their rounding.
+TEST(AttentionCpu, SmoothQHighCentresTheHighTilesAlone) {
+  const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
+  // bf16 inputs: rounding the transformed rows to bf16 changes nothing.
+  QKV x = random_qkv({1, 4, 2, 600, 600, 64}, 45, DType::bf16);
+  std::vector<float> q = x.q.to_floats();
+  for (size_t i = 0; i < q.size(); ++i) q[i] += (i % 64) % 3 == 0 ? 2.0f : -1.0f;  // a common part
+  x.q = HostTensor::from_floats(q, x.q.shape(), DType::bf16);
+  auto with = [](Policy p, SmoothQ s) {
+    p.smooth_q = s;
+    return p;
+  };
+  for (bool causal : {true, false}) {
+    const Policy none = Policy::tiles(e4, f4, 0, 0), every = Policy::tiles(e4, f4, 100, 0), band = Policy::tiles(e4, f4, 2, 1);
+    EXPECT_EQ(run(x, opts(with(none, SmoothQ::high), causal)).out, run(x, opts(none, causal)).out);
+    EXPECT_EQ(run(x, opts(with(every, SmoothQ::high), causal)).out, run(x, opts(with(every, SmoothQ::all), causal)).out);
+    const Result h = run(x, opts(with(band, SmoothQ::high), causal));
+    EXPECT_GT(rel_l2(h.out, run(x, opts(band, causal)).out), 1e-4);
+    EXPECT_GT(rel_l2(h.out, run(x, opts(with(band, SmoothQ::all), causal)).out), 1e-4);
+  }
+
+  for (size_t i = 0; i < q.size(); ++i) {
+    const size_t bh = i / (600 * 64), c = i % 64;  // one vector per head across its 600 rows
+    q[i] = round_bf16(0.25f * float((bh * 5 + c * 3) % 11) - 1.2f);
+  }
+  x.q = HostTensor::from_floats(q, x.q.shape(), DType::bf16);
+  for (bool causal : {true, false}) {
+    const Result a = run(x, opts(with(Policy::tiles(f4, e4, 2, 1), SmoothQ::high), causal));
+    const Result b = run(x, opts(with(Policy::tiles(Format::bf16, e4, 2, 1), SmoothQ::high), causal));
+    EXPECT_EQ(a.out, b.out);
+    EXPECT_EQ(a.lse, b.lse);
+    EXPECT_GT(rel_l2(a.out, run(x, opts(Policy::tiles(f4, e4, 2, 1), causal)).out), 1e-4);
+  }
+  // One tile format: no low tiles to leave uncentred.
+  EXPECT_THROW(run(x, opts(with(Policy::all(e4), SmoothQ::high), true)), Error);
 }

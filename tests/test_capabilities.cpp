@@ -41,7 +41,7 @@ TEST(Capabilities, AcceptWhatTheTableListsAndNameTheRest) {
   EXPECT_EQ(refusal(cpu_capabilities(), Policy{}, 96), "");
 
   Policy sq;  // smooth_q: MX tiles and pv = bf16 only on the GPU
-  sq.smooth_q = true;
+  sq.smooth_q = SmoothQ::all;
   EXPECT_EQ(refusal(gpu, sq, 128), "");
   sq.pv = PV::fp8;
   EXPECT_NE(refusal(gpu, sq, 128).find("smooth_q"), std::string::npos);

@@ -201,7 +201,7 @@ TEST(Decode, TransformStateOfTheCache) {
   const QKV b = llm_like_qkv({1, 4, 2, 40, 40, 64}, 12, DType::bf16);
   const HostTensor q = HostTensor::copy_of(slice_tokens(b.q.view(), 39, 1));
   Policy sq = Policy::plain();
-  sq.smooth_q = true;
+  sq.smooth_q = SmoothQ::all;
   KVCache smoothed(2, 64, sq), none(2, 64, Policy::plain());
   const int a = fill(smoothed, b, {}), c = fill(none, b, {});
   EXPECT_EQ(decode(smoothed, a, q).out.to_floats(), decode(none, c, q).out.to_floats());

@@ -53,12 +53,13 @@ TEST(Ring, ScheduleVisitsEveryShardOncePerRank) {
 }
 
 // The default (rotate, smooth_k with the whole sequence's key mean), smooth_q (each head's query
-// mean over the sequence) and plain DMA.
+// mean over the sequence; on every tile and on the high tiles alone) and plain DMA.
 TEST(Ring, OneRankIsSingleDeviceAttentionBitForBit) {
   const QKV x = llm_like_qkv({1, 4, 2, 512, 512, 64}, 3);
-  Policy sq;
-  sq.smooth_q = true;
-  for (const Policy& pol : {Policy{}, sq, Policy::plain()}) {
+  Policy sq, sqh;
+  sq.smooth_q = SmoothQ::all;
+  sqh.smooth_q = SmoothQ::high;
+  for (const Policy& pol : {Policy{}, sq, sqh, Policy::plain()}) {
     AttentionOptions o;
     o.causal = true;
     o.policy = pol;
@@ -78,7 +79,7 @@ TEST(Ring, MatchesSingleDeviceToBf16Rounding) {
         o.causal = causal;
         o.policy.diag_tiles = 2;
         o.policy.sink_tiles = 1;
-        o.policy.smooth_q = R == 4;  // the query mean's all-reduce
+        o.policy.smooth_q = R == 4 ? SmoothQ::all : SmoothQ::high;  // the query mean's all-reduce
         const Result want = single(x, o), got = ring(x, o, RingPlan::make(1024, R, sh));
         const double rel = compare(got.out, want.out).rel_l2;
         std::printf("R=%d %s %s: rel. L2 %.2e vs one device\n", R, sh == Sharding::zigzag ? "zigzag" : "contiguous",

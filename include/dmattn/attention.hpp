@@ -27,7 +27,8 @@
 //    divided by its block size), smooth_k (K minus its per-channel mean over Nk, per batch and KV
 //    head; lse adds back scale * q.mean), smooth_q (Q minus its per-channel mean mu over the Nq rows of
 //    the call, per batch and head, taken before the rotation and rotated with the rows; every score
-//    gains mu.k' in fp32, k' the key as quantized below but unquantized). With any transform on, the
+//    gains mu.k' in fp32, k' the key as quantized below but unquantized; smooth_q=high: only the
+//    high tiles' queries are centred and their scores corrected). With any transform on, the
 //    transformed Q and K rows are rounded to bf16 and quantized from there. sink_keys: the keys at positions < sink_keys score
 //    dot(q_rot, k') in fp32 (q_rot: q rotated, unrounded) instead of the quantized sum (+ mu.k').
 //    Means and these dots accumulate in fp64 and round once to fp32.

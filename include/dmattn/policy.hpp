@@ -30,6 +30,10 @@ inline constexpr int kPvFp8Shift = 8;
 
 inline constexpr int kTile = 128;  // query rows and key rows per tile
 
+// Which tiles' queries smooth_q centres (Policy::smooth_q): none, the high tiles' (the low tiles
+// quantize the queries as they are and take no correction), or every tile's.
+enum class SmoothQ : uint8_t { off, high, all };
+
 struct Policy {
   Format high = Format::mxfp8_e4m3;
   Format low = Format::mxfp4;
@@ -52,8 +56,10 @@ struct Policy {
   // arithmetic; it removes Q's common part, which holds most of its energy, from the quantized
   // product, and scales K's quantization error by q - mu instead of q. One mean a head makes the
   // correction one value a (head, key), which rides in K's pre-pass. Like smooth_k's, the mean spans
-  // the call: a chunk of queries has its own. Prefill only (decode's queries are not smoothed).
-  bool smooth_q = false;
+  // the call: a chunk of queries has its own. `high` centres the queries of the high tiles alone
+  // (their correction with them), where the high format's error is what is left (docs/QUALITY.md);
+  // it needs two tile formats. Prefill only (decode's queries are not smoothed).
+  SmoothQ smooth_q = SmoothQ::off;
   // Rotate Q and K by one randomized Hadamard transform along d before quantizing
   // (include/dmattn/rotation.hpp): exact in real arithmetic (QH (KH)^T = Q K^T up to a power-of-two
   // factor folded into the scale); it spreads channel outliers over every block.
@@ -62,6 +68,11 @@ struct Policy {
   // (rotated, smoothed) q and k in fp32: the attention sink, which takes a large share of many rows'
   // weight, then carries no quantization error.
   int sink_keys = 0;
+
+  // Whether the queries of a high (or low) tile are centred by smooth_q.
+  DMATTN_HD bool smooths_q(bool high_tile) const {
+    return smooth_q == SmoothQ::all || (high_tile && smooth_q == SmoothQ::high);
+  }
 
   // Tile indices are absolute: query tile = floor(position / 128) with the query's position
   // counted as in causal alignment (row r sits at r + Nk - Nq), key tile = key / 128.
@@ -107,5 +118,7 @@ struct HighTiles {
 
 std::string_view pv_name(PV p);
 PV parse_pv(std::string_view name);
+std::string_view smooth_q_name(SmoothQ s);  // "off", "high", "all"
+SmoothQ parse_smooth_q(std::string_view name);
 
 }  // namespace dmattn

@@ -128,7 +128,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
         scale_rule: E8M0 block-scale rule, "ceil" (default: no element saturates) or "ocp" (the spec's floor rule).
         smooth_k, smooth_q, rotate, sink_keys: the accuracy transforms (exact in real arithmetic;
           they change only what gets quantized): K's channel mean removed; each head's query mean
-          removed and its scores added back exactly; a randomized Hadamard rotation of Q and K
+          removed and its scores added back exactly (smooth_q=True on every tile, "high" on the
+          high tiles alone, which needs high != low); a randomized Hadamard rotation of Q and K
           along d; the first sink_keys keys scored from unquantized q and k.
       q_offset, k_offset: absolute positions of the first query and the first key, to attend a
         block of a longer sequence (mask and tiles use them; k_offset a multiple of 128). Default:

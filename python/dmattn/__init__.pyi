@@ -16,13 +16,13 @@ class Policy:
     scale_rule: str
     pv: str
     smooth_k: bool
-    smooth_q: bool
+    smooth_q: bool | Literal["high"]
     rotate: bool
     sink_keys: int
     def __init__(self, *, high: Format = "mxfp8-e4m3", low: Format = "mxfp4", diag_tiles: int = 8,
                  sink_tiles: int = 1, scale_rule: Literal["ocp", "ceil"] = "ceil",
                  pv: Literal["bf16", "mxfp8", "mxfp4", "fp8"] = "bf16", smooth_k: bool = True,
-                 smooth_q: bool = False, rotate: bool = True, sink_keys: int = 0) -> None: ...
+                 smooth_q: bool | Literal["off", "high", "all"] = False, rotate: bool = True, sink_keys: int = 0) -> None: ...
     def __eq__(self, other: object) -> bool: ...
     @staticmethod
     def plain() -> Policy: ...
@@ -69,7 +69,8 @@ def attention(q: Any, k: Any, v: Any, *, causal: bool = False, scale: float | No
               high: Format = ...,
               low: Format = ..., diag_tiles: int = ...,
               sink_tiles: int = ..., scale_rule: Literal["ocp", "ceil"] = ...,
-              pv: Literal["bf16", "mxfp8", "mxfp4", "fp8"] = ..., smooth_k: bool = ..., smooth_q: bool = ...,
+              pv: Literal["bf16", "mxfp8", "mxfp4", "fp8"] = ..., smooth_k: bool = ...,
+              smooth_q: bool | Literal["off", "high", "all"] = ...,
               rotate: bool = ..., sink_keys: int = ...) -> Any: ...
 def sdpa(query: Any, key: Any, value: Any, attn_mask: Any = None, dropout_p: float = 0.0, is_causal: bool = False,
          scale: float | None = None, enable_gqa: bool = False, **policy: Any) -> Any: ...

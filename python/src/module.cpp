@@ -7,10 +7,12 @@
 #include <nanobind/stl/pair.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
+#include <nanobind/stl/variant.h>
 #include <nanobind/stl/vector.h>
 
 #include <cstring>
 #include <string>
+#include <variant>
 
 #include "dmattn/attention.hpp"
 #include "dmattn/error.hpp"
@@ -153,11 +155,24 @@ void decode_into(const Cache& cache, const std::vector<int>& seqs, const In& q, 
   decode_attention(cache, seqs, tq, to, lse_ptr, o);
 }
 
+// smooth_q in Python: False (off), True (every tile) or "high" (the high tiles alone); the names
+// "off" and "all" are taken too.
+using SmoothQArg = std::variant<bool, std::string>;
+SmoothQ smooth_q_of(const SmoothQArg& v) {
+  if (const bool* on = std::get_if<bool>(&v)) return *on ? SmoothQ::all : SmoothQ::off;
+  return parse_smooth_q(std::get<std::string>(v));
+}
+nb::object smooth_q_value(SmoothQ s) {
+  if (s == SmoothQ::high) return nb::str("high");
+  return nb::bool_(s == SmoothQ::all);
+}
+
 std::string policy_repr(const Policy& p) {
   return "Policy(high='" + std::string(format_name(p.high)) + "', low='" + std::string(format_name(p.low)) +
          "', diag_tiles=" + std::to_string(p.diag_tiles) + ", sink_tiles=" + std::to_string(p.sink_tiles) +
          ", scale_rule='" + std::string(scale_rule_name(p.scale_rule)) + "', pv='" + std::string(pv_name(p.pv)) +
-         "', smooth_k=" + (p.smooth_k ? "True" : "False") + ", smooth_q=" + (p.smooth_q ? "True" : "False") +
+         "', smooth_k=" + (p.smooth_k ? "True" : "False") + ", smooth_q=" +
+         (p.smooth_q == SmoothQ::high ? "'high'" : p.smooth_q == SmoothQ::all ? "True" : "False") +
          ", rotate=" + (p.rotate ? "True" : "False") + ", sink_keys=" + std::to_string(p.sink_keys) + ")";
 }
 
@@ -194,7 +209,7 @@ NB_MODULE(_dmattn, m) {
       .def(
           "__init__",
           [](Policy* self, const std::string& high, const std::string& low, int diag_tiles, int sink_tiles,
-             const std::string& scale_rule, const std::string& pv, bool smooth_k, bool smooth_q, bool rotate,
+             const std::string& scale_rule, const std::string& pv, bool smooth_k, const SmoothQArg& smooth_q, bool rotate,
              int sink_keys) {
             Policy p;
             p.high = parse_format(high);
@@ -204,7 +219,7 @@ NB_MODULE(_dmattn, m) {
             p.scale_rule = parse_scale_rule(scale_rule);
             p.pv = parse_pv(pv);
             p.smooth_k = smooth_k;
-            p.smooth_q = smooth_q;
+            p.smooth_q = smooth_q_of(smooth_q);
             p.rotate = rotate;
             p.sink_keys = sink_keys;
             p.validate();
@@ -214,7 +229,7 @@ NB_MODULE(_dmattn, m) {
           nb::arg("low") = std::string(format_name(Policy{}.low)), nb::arg("diag_tiles") = Policy{}.diag_tiles,
           nb::arg("sink_tiles") = Policy{}.sink_tiles, nb::arg("scale_rule") = std::string(scale_rule_name(Policy{}.scale_rule)),
           nb::arg("pv") = std::string(pv_name(Policy{}.pv)), nb::arg("smooth_k") = Policy{}.smooth_k,
-          nb::arg("smooth_q") = Policy{}.smooth_q, nb::arg("rotate") = Policy{}.rotate,
+          nb::arg("smooth_q") = smooth_q_value(Policy{}.smooth_q), nb::arg("rotate") = Policy{}.rotate,
           nb::arg("sink_keys") = Policy{}.sink_keys)
       .def_prop_rw("high", format_getter(&Policy::high), format_setter(&Policy::high),
                    "format of the diagonal and sink tiles")
@@ -228,7 +243,11 @@ NB_MODULE(_dmattn, m) {
           "pv", [](const Policy& p) { return std::string(pv_name(p.pv)); },
           [](Policy& p, const std::string& v) { p.pv = parse_pv(v); }, "P.V precision: bf16, mxfp8, mxfp4 (V in MXFP4) or fp8 (E4M3 P at 2^-8, per-channel V scales; prefill only)")
       .def_rw("smooth_k", &Policy::smooth_k, "subtract K's per-channel mean before quantizing")
-      .def_rw("smooth_q", &Policy::smooth_q, "subtract each head's query mean; its scores are added back exactly")
+      .def_prop_rw(
+          "smooth_q", [](const Policy& p) { return smooth_q_value(p.smooth_q); },
+          [](Policy& p, const SmoothQArg& v) { p.smooth_q = smooth_q_of(v); },
+          "subtract each head's query mean, its scores added back exactly: False, True (every tile) or "
+          "'high' (the high tiles alone)")
       .def_rw("rotate", &Policy::rotate, "rotate Q and K by a randomized Hadamard transform along d before quantizing")
       .def_rw("sink_keys", &Policy::sink_keys, "leading keys whose scores come from unquantized q and k")
       .def("__repr__", &policy_repr)

@@ -55,29 +55,40 @@ void dma_attention(const Problem& p) {
       for (int s = 0; s < slots.count; ++s) keys[s] = prepare_keys(kf, p.Nk, d, slots.fmt[s], rule, p.threads);
       const ValueRows values = prepare_values(vf, p.Nk, d, pol.pv, rule, p.threads);
 
-      // Q of each head of the group as it is quantized: rotated, with smooth_q the head's mean mu
-      // (query_mean) removed, then rounded to bf16 when transformed; qfull keeps the rotated rows
-      // in fp32 (exact sink scores, the LSE shift).
+      // Q of each head of the group as it is quantized: rotated, then rounded to bf16 when
+      // transformed (qt[g]); where smooth_q centres a slot's tiles, that slot quantizes the rows less
+      // the head's mean mu (query_mean), then rounded (qc[g]); qfull keeps the rotated rows in fp32
+      // (exact sink scores, the LSE shift).
       const int64_t G = p.group();
-      // ds[g]: smooth_q's mu.k for every key of head g (zero past Nk), added to every row's scores.
-      std::vector<std::vector<float>> qt(static_cast<size_t>(G)), qfull(static_cast<size_t>(G)), ds(static_cast<size_t>(G));
+      // ds[g]: smooth_q's mu.k for every key of head g (zero past Nk), added to the centred tiles' scores.
+      std::vector<std::vector<float>> qt(static_cast<size_t>(G)), qc(static_cast<size_t>(G)),
+          qfull(static_cast<size_t>(G)), ds(static_cast<size_t>(G));
+      const bool smooth_q = pol.smooth_q != SmoothQ::off;
       parallel_for(G, p.threads, [&](int64_t g) {
-        std::vector<float>& x = qt[size_t(g)];
+        std::vector<float>& x = qfull[size_t(g)];
         x.resize(size_t(p.Nq * d));
         for (int64_t r = 0; r < p.Nq; ++r) load_row(p.q, b, hk * G + g, r, x.data() + r * d);
         std::vector<float> mu;
-        if (pol.smooth_q) mu = query_mean(x.data(), p.Nq, d, pol.rotate);
+        if (smooth_q) mu = query_mean(x.data(), p.Nq, d, pol.rotate);
         if (pol.rotate)
           for (int64_t r = 0; r < p.Nq; ++r) rotate_row(x.data() + r * d, d);
-        qfull[size_t(g)] = x;
-        if (pol.smooth_q) {
+        auto rounded = [&](std::vector<float> y) {
+          if (transformed)
+            for (float& v : y) v = round_bf16(v);
+          return y;
+        };
+        if (pol.smooth_q != SmoothQ::all) qt[size_t(g)] = rounded(x);
+        if (smooth_q) {
+          std::vector<float> c = x;
           for (int64_t r = 0; r < p.Nq; ++r)
-            for (int i = 0; i < d; ++i) x[size_t(r * d + i)] -= mu[size_t(i)];
+            for (int i = 0; i < d; ++i) c[size_t(r * d + i)] -= mu[size_t(i)];
+          qc[size_t(g)] = rounded(std::move(c));
           ds[size_t(g)] = mean_dots(mu, kf.data(), p.Nk, d, (p.Nk + T - 1) / T * T);
         }
-        if (transformed)
-          for (float& v : x) v = round_bf16(v);
       });
+      // The rows each slot quantizes.
+      bool centred[2];
+      for (int s = 0; s < slots.count; ++s) centred[s] = pol.smooths_q(s == slots.high());
 
       parallel_for(G * row_chunks, p.threads, [&](int64_t item) {
         const int64_t g = item / row_chunks, h = hk * G + g, chunk = item % row_chunks;
@@ -88,14 +99,15 @@ void dma_attention(const Problem& p) {
           qe[s].resize(size_t(rows * d));
           qs[s].resize(size_t(rows * keys[s].nblk));
         }
-        const float* qrows = qt[size_t(g)].data() + r0 * d;
+        const float* qrows[2];
+        for (int s = 0; s < slots.count; ++s) qrows[s] = (centred[s] ? qc : qt)[size_t(g)].data() + r0 * d;
         const float* qorig = qfull[size_t(g)].data() + r0 * d;
         std::vector<float> lse_shift(static_cast<size_t>(rows), 0.0f);  // scale * q.mean(K), smooth_k only
         for (int64_t ri = 0; ri < rows; ++ri) {
           if (pol.smooth_k) lse_shift[size_t(ri)] = dot_f64(qorig + ri * d, kmean.data(), d) * scale;
           for (int s = 0; s < slots.count; ++s)
-            quantize_row_values(qrows + ri * d, d, slots.fmt[s], rule,
-                                slots.fmt[s] == Format::nvfp4 ? nvfp4_tensor_scale(abs_max(qrows + ri * d, d)) : 1.0f,
+            quantize_row_values(qrows[s] + ri * d, d, slots.fmt[s], rule,
+                                slots.fmt[s] == Format::nvfp4 ? nvfp4_tensor_scale(abs_max(qrows[s] + ri * d, d)) : 1.0f,
                                 qe[s].data() + ri * d,
                                 qs[s].data() + ri * keys[s].nblk);
         }
@@ -116,7 +128,7 @@ void dma_attention(const Problem& p) {
             const int slot = pol.is_high(p.query_tile(r), p.key_tile0() + j) ? slots.high() : slots.low();
             const int nvalid = int(std::min<int64_t>(T, kend - j * T));
             ScoreFix fix;
-            if (pol.smooth_q) fix.add = ds[size_t(g)].data() + j * T;
+            if (centred[slot]) fix.add = ds[size_t(g)].data() + j * T;
             if (j * T < exact_keys) {
               fix.exact = int(std::min<int64_t>(T, exact_keys - j * T));
               fix.exact_s = exact.data() + ri * exact_keys + j * T;

@@ -85,7 +85,10 @@ void ring_attention_simulated(const TensorView& q, const TensorView& k, const Te
       });
       // smooth_q: each head's query mean over the sequence and its mu.k' for every key.
       std::vector<std::vector<float>> qmean(size_t(p.group())), ds(size_t(p.group()));
-      if (pol.smooth_q)
+      const bool smooth_q = pol.smooth_q != SmoothQ::off;
+      bool centred[2];  // the slots whose queries smooth_q centres
+      for (int s = 0; s < nslots; ++s) centred[s] = pol.smooths_q(s == 0);
+      if (smooth_q)
         cpu::parallel_for(p.group(), p.threads, [&](int64_t g) {
           std::vector<float> rows(size_t(plan.n * d));
           for (int64_t n = 0; n < plan.n; ++n) load_row(p.q, b, hk * p.group() + g, n, rows.data() + n * d);
@@ -108,12 +111,14 @@ void ring_attention_simulated(const TensorView& q, const TensorView& k, const Te
             load_row(p.q, b, h, pos, qf.data());
             if (pol.rotate) rotate_row(qf.data(), d);
             const float shift = pol.smooth_k ? cpu::dot_f64(qf.data(), kmean.data(), d) * scale : 0.0f;
-            if (pol.smooth_q)
-              for (int c = 0; c < d; ++c) qf[size_t(c)] -= qmean[size_t(item % p.group())][size_t(c)];
-            if (transformed)
-              for (float& x : qf) x = round_bf16(x);
-            for (int s = 0; s < nslots; ++s)
-              quantize_row_values(qf.data(), d, fmt[s], p.policy.scale_rule, 1.0f, qe[s].data(), qs[s].data());
+            for (int s = 0; s < nslots; ++s) {
+              std::vector<float> y = qf;
+              if (centred[s])
+                for (int c = 0; c < d; ++c) y[size_t(c)] -= qmean[size_t(item % p.group())][size_t(c)];
+              if (transformed)
+                for (float& x : y) x = round_bf16(x);
+              quantize_row_values(y.data(), d, fmt[s], p.policy.scale_rule, 1.0f, qe[s].data(), qs[s].data());
+            }
             cpu::Partial total(d);
             for (int step = 0; step < R; ++step) {  // the shards in the order the ring delivers them
               const int src = plan.kv_source(r, step);
@@ -130,7 +135,7 @@ void ring_attention_simulated(const TensorView& q, const TensorView& k, const Te
                   cpu::online_tile(qe[slot].data(), qs[slot].data(), K, t, values[size_t(src * 2 + int64_t(c))], t,
                                    nvalid, d, scale, p.policy.pv, p.policy.scale_rule, part.m, part.l,
                                    part.acc.data(),
-                                   {pol.smooth_q ? ds[size_t(item % p.group())].data() + ktile * T : nullptr});
+                                   {centred[slot] ? ds[size_t(item % p.group())].data() + ktile * T : nullptr});
                 }
               cpu::merge(total, part);
             }

@@ -76,13 +76,18 @@ std::vector<std::string> default_eval_names() { return {"exact", "default", "mxf
 const std::vector<ConfigModifier>& config_modifiers() {
   static const std::vector<ConfigModifier> m{
       {"sk", "smooth_k: K's channel mean removed", [](Policy& p) { p.smooth_k = true; }},
-      {"sq", "smooth_q: each head's query mean removed, mu.k added back exactly", [](Policy& p) { p.smooth_q = true; }},
+      {"sq", "smooth_q: each head's query mean removed, mu.k added back exactly", [](Policy& p) { p.smooth_q = SmoothQ::all; }},
+      {"sqh", "smooth_q=high: the same on the high tiles alone", [](Policy& p) { p.smooth_q = SmoothQ::high; }},
       {"rot", "rotate: randomized Hadamard along d on Q and K", [](Policy& p) { p.rotate = true; }},
       {"sink", "sink_keys=1: key 0 scored exactly", [](Policy& p) { p.sink_keys = 1; }},
       {"ceil", "the ceil scale rule", [](Policy& p) { p.scale_rule = ScaleRule::ceil; }},
       {"nv", "NVFP4 as the low format", [](Policy& p) { p.low = Format::nvfp4; }},
       {"plain", "no transforms (smooth_k, smooth_q, rotate, sink_keys off)",
-       [](Policy& p) { p.smooth_k = p.smooth_q = p.rotate = false; p.sink_keys = 0; }}};
+       [](Policy& p) {
+         p.smooth_k = p.rotate = false;
+         p.smooth_q = SmoothQ::off;
+         p.sink_keys = 0;
+       }}};
   return m;
 }
 
@@ -103,6 +108,7 @@ EvalConfig config_by_name(const std::string& name) {
     c.what += "; " + m->what;
     at = next;
   }
+  c.policy.validate();
   c.name = name;
   return c;
 }

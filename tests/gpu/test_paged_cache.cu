@@ -117,7 +117,7 @@ Policy transformed(Policy p, bool rotate, bool smooth_k, int sink_keys, bool smo
   p.rotate = rotate;
   p.smooth_k = smooth_k;
   p.sink_keys = sink_keys;
-  p.smooth_q = smooth_q;
+  p.smooth_q = smooth_q ? SmoothQ::all : SmoothQ::off;
   return p;
 }
 

@@ -223,7 +223,8 @@ TEST(GpuPrefill, SlidingWindowsMatchCpuOracle) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
   Policy transforms = Policy::tiles(e4, f4, 2, 1);
-  transforms.rotate = transforms.smooth_k = transforms.smooth_q = true;
+  transforms.rotate = transforms.smooth_k = true;
+  transforms.smooth_q = SmoothQ::all;
   transforms.sink_keys = 4;
   Policy pv8;
   pv8.pv = PV::fp8;
@@ -580,7 +581,7 @@ TEST(GpuPrefill, PackedSequencesEqualEachSequenceAlone) {
   }
   const int64_t Hq = 8, Hkv = 2, tq = cq.back(), tk = ck.back();
   Policy smooth_q;
-  smooth_q.smooth_q = true;
+  smooth_q.smooth_q = SmoothQ::all;
   struct Run {
     Policy policy;
     bool causal;
@@ -673,7 +674,7 @@ TEST(GpuPrefill, RejectsWhatItCannotDo) {
 // keys and queries with large common parts (what smooth_k and smooth_q remove).
 TEST(GpuPrefill, AccuracyTransformsMatchCpuOracle) {
   SKIP_WITHOUT_CUDA_DEVICE();
-  auto with = [](Policy p, bool sk, bool sq, bool rot, int sink) {
+  auto with = [](Policy p, bool sk, SmoothQ sq, bool rot, int sink) {
     p.smooth_k = sk;
     p.smooth_q = sq;
     p.rotate = rot;
@@ -683,19 +684,22 @@ TEST(GpuPrefill, AccuracyTransformsMatchCpuOracle) {
   const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
   const Policy dflt = Policy::tiles(e4, f4, 1, 0), wide = Policy::tiles(e4, f4, 4, 1);
   const Case cases[] = {
-      {4, 1, 700, 700, 128, true, with(dflt, false, false, true, 0), "rotate"},
-      {4, 2, 700, 700, 64, true, with(dflt, true, false, false, 0), "smooth_k"},
-      {4, 2, 700, 700, 128, true, with(dflt, false, true, false, 0), "smooth_q"},
-      {4, 1, 700, 700, 64, true, with(dflt, false, false, false, 3), "sink_keys"},
-      {8, 2, 1000, 1000, 128, true, with(wide, true, true, true, 1), "all, diag4 sink1"},
-      {8, 1, 300, 1000, 64, true, with(dflt, true, true, true, 2), "all, chunked Nq<Nk"},
-      {4, 4, 500, 500, 128, false, with(dflt, true, true, true, 1), "all, non-causal"},
-      {4, 2, 4096, 4096, 128, true, with(wide, true, true, true, 1), "all, N=4096"},
-      {4, 1, 2000, 2000, 128, true, with(Policy::tiles(f4, Format::nvfp4, 1, 0), true, false, true, 0), "rotate+smooth_k nvfp4"},
-      {8, 2, 3000, 3000, 128, true, with(wide, true, false, true, 0), "rotate+smooth_k diag4 sink1"},
-      {8, 2, 2000, 2000, 128, true, with(Policy::tiles(e4, f4, 8, 1), true, true, true, 0), "sk+sq+rot diag8 sink1"},
-      {4, 4, 900, 900, 64, false, with(dflt, false, true, true, 0), "smooth_q+rotate non-causal"},
-      {4, 4, 1000, 1000, 64, false, with(dflt, true, false, true, 0), "rotate+smooth_k non-causal"},
+      {4, 1, 700, 700, 128, true, with(dflt, false, SmoothQ::off, true, 0), "rotate"},
+      {4, 2, 700, 700, 64, true, with(dflt, true, SmoothQ::off, false, 0), "smooth_k"},
+      {4, 2, 700, 700, 128, true, with(dflt, false, SmoothQ::all, false, 0), "smooth_q"},
+      {4, 1, 700, 700, 64, true, with(dflt, false, SmoothQ::off, false, 3), "sink_keys"},
+      {8, 2, 1000, 1000, 128, true, with(wide, true, SmoothQ::all, true, 1), "all, diag4 sink1"},
+      {8, 1, 300, 1000, 64, true, with(dflt, true, SmoothQ::all, true, 2), "all, chunked Nq<Nk"},
+      {4, 4, 500, 500, 128, false, with(dflt, true, SmoothQ::all, true, 1), "all, non-causal"},
+      {4, 2, 4096, 4096, 128, true, with(wide, true, SmoothQ::all, true, 1), "all, N=4096"},
+      {4, 1, 2000, 2000, 128, true, with(Policy::tiles(f4, Format::nvfp4, 1, 0), true, SmoothQ::off, true, 0), "rotate+smooth_k nvfp4"},
+      {8, 2, 3000, 3000, 128, true, with(wide, true, SmoothQ::off, true, 0), "rotate+smooth_k diag4 sink1"},
+      {8, 2, 2000, 2000, 128, true, with(Policy::tiles(e4, f4, 8, 1), true, SmoothQ::all, true, 0), "sk+sq+rot diag8 sink1"},
+      {4, 4, 900, 900, 64, false, with(dflt, false, SmoothQ::all, true, 0), "smooth_q+rotate non-causal"},
+      {8, 2, 2000, 2000, 128, true, with(Policy::tiles(e4, f4, 8, 1), true, SmoothQ::high, true, 0), "sk+sq=high+rot diag8 sink1"},
+      {4, 2, 1000, 1000, 64, true, with(wide, true, SmoothQ::high, true, 2), "all, sq=high (rows transformed first)"},
+      {4, 4, 900, 900, 128, false, with(dflt, false, SmoothQ::high, true, 0), "sq=high+rotate non-causal"},
+      {4, 4, 1000, 1000, 64, false, with(dflt, true, SmoothQ::off, true, 0), "rotate+smooth_k non-causal"},
   };
   const uint64_t seed = fresh_seed();
   const DType dtypes[3] = {DType::bf16, DType::f16, DType::f32};
@@ -710,10 +714,10 @@ TEST(GpuPrefill, AccuracyTransformsMatchCpuOracle) {
     check_qkv(c, x, dtypes[i % 3]);
   }
   // A batch: each (batch, head) its own query mean, key mean and correction.
-  const Case batch{8, 2, 600, 600, 128, true, with(Policy::tiles(e4, f4, 8, 1), true, true, true, 0), "sk+sq+rot batch 3"};
+  const Case batch{8, 2, 600, 600, 128, true, with(Policy::tiles(e4, f4, 8, 1), true, SmoothQ::all, true, 0), "sk+sq+rot batch 3"};
   check_qkv(batch, random_qkv({3, batch.hq, batch.hkv, batch.nq, batch.nk, batch.d}, seed + 30, DType::bf16), DType::bf16);
   // Key blocks: the sink keys only where the block holds them.
-  Case block{4, 2, 256, 384, 128, true, with(dflt, false, true, true, 2), "all, key block", 512, 256};
+  Case block{4, 2, 256, 384, 128, true, with(dflt, false, SmoothQ::all, true, 2), "all, key block", 512, 256};
   check_case(block, DType::bf16, seed + 20);
   block.k_offset = 0;
   block.name = "all, key block with sinks";
@@ -722,7 +726,9 @@ TEST(GpuPrefill, AccuracyTransformsMatchCpuOracle) {
   for (int layer : {1, 20}) {
     const std::string base = std::string(src ? src : DMATTN_SOURCE_DIR) + "/tests/data/layer" + std::to_string(layer) + "_";
     const QKV x{read_npy_tensor(base + "q.npy", "q"), read_npy_tensor(base + "k.npy", "k"), read_npy_tensor(base + "v.npy", "v")};
-    check_qkv({9, 3, 512, 512, 64, true, with(wide, true, true, true, 1), "all, real activations"}, x, DType::f16);
+    check_qkv({9, 3, 512, 512, 64, true, with(wide, true, SmoothQ::all, true, 1), "all, real activations"}, x, DType::f16);
+    check_qkv({9, 3, 512, 512, 64, true, with(Policy{}, true, SmoothQ::high, true, 0), "the default + sq=high, real activations"},
+              x, DType::bf16);
   }
 }
 
@@ -730,7 +736,8 @@ TEST(GpuPrefill, AccuracyTransformsMatchCpuOracle) {
 TEST(GpuPrefill, AccuracyTransformsSmallMatchCpuOracle) {
   SKIP_WITHOUT_CUDA_DEVICE();
   Policy p;
-  p.smooth_k = p.smooth_q = p.rotate = true;
+  p.smooth_k = p.rotate = true;
+  p.smooth_q = SmoothQ::all;
   p.sink_keys = 2;
   p.sink_tiles = 1;
   const uint64_t seed = fresh_seed();
@@ -738,4 +745,8 @@ TEST(GpuPrefill, AccuracyTransformsSmallMatchCpuOracle) {
   check_case({2, 2, 200, 260, 128, true, p, "all, small d=128"}, DType::f16, seed + 1);
   p.sink_keys = 0;  // the fused pre-pass (rows transformed as they are quantized)
   check_case({2, 1, 300, 300, 128, true, p, "sk+sq+rot, small d=128"}, DType::bf16, seed + 2);
+  p.smooth_q = SmoothQ::high;
+  check_case({2, 1, 300, 300, 128, true, p, "sk+sq=high+rot, small d=128"}, DType::bf16, seed + 3);
+  p.sink_keys = 1;  // the high and the low tiles' Q from rows of their own
+  check_case({2, 1, 300, 300, 64, true, p, "sk+sq=high+rot+sink, small d=64"}, DType::f16, seed + 4);
 }

@@ -10,9 +10,9 @@ namespace dmattn::cli {
 // Policy / backend options shared by the commands that run attention.
 // The policy flags start from the library's default Policy, so --help shows it.
 struct PolicyArgs {
-  Policy policy{};  // the integer and boolean fields are bound directly
+  Policy policy{};  // the integer and boolean fields are bound directly, the named ones parsed by options()
   std::string high{format_name(policy.high)}, low{format_name(policy.low)}, pv{pv_name(policy.pv)},
-      scale_rule{scale_rule_name(policy.scale_rule)}, backend = "auto";
+      scale_rule{scale_rule_name(policy.scale_rule)}, smooth_q{smooth_q_name(policy.smooth_q)}, backend = "auto";
   int threads = 0;
   std::vector<const CLI::Option*> policy_options;  // the flags that set the policy, for policy_given()
   void add_to(CLI::App& app, bool with_backend = true);  // with --backend and --threads

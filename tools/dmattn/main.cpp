@@ -20,7 +20,13 @@ void PolicyArgs::add_to(CLI::App& app, bool with_backend) {
     app.add_flag("--" + name + ",!--no-" + name, field, help + (field ? " (on by default)" : " (off by default)"));
   };
   on_off("smooth-k", policy.smooth_k, "subtract K's per-channel mean before quantizing (softmax-invariant)");
-  on_off("smooth-q", policy.smooth_q, "subtract each head's query mean, add its scores back exactly");
+  app.add_option("--smooth-q", smooth_q,
+                 "subtract each head's query mean, add its scores back exactly: on every tile (all, what a bare "
+                 "--smooth-q means) or the high tiles alone (high); off by default")
+      ->expected(0, 1)
+      ->default_str("all")
+      ->type_name("[off|high|all]");
+  app.add_flag("--no-smooth-q{off}", smooth_q, "the same as --smooth-q off");
   on_off("rotate", policy.rotate, "randomized Hadamard rotation of Q and K along d before quantizing");
   app.add_option("--sink-keys", policy.sink_keys, "leading keys scored exactly from unquantized q and k")->capture_default_str();
   if (with_backend) {
@@ -28,7 +34,7 @@ void PolicyArgs::add_to(CLI::App& app, bool with_backend) {
     add_threads(app, threads);
   }
   for (const char* name : {"--high", "--low", "--diag-tiles", "--sink-tiles", "--pv", "--scale-rule", "--smooth-k",
-                           "--smooth-q", "--rotate", "--sink-keys"})
+                           "--smooth-q", "--no-smooth-q", "--rotate", "--sink-keys"})
     policy_options.push_back(app.get_option(name));
 }
 
@@ -72,6 +78,7 @@ AttentionOptions PolicyArgs::options() const {
   o.policy.low = parse_format(low);
   o.policy.pv = parse_pv(pv);
   o.policy.scale_rule = parse_scale_rule(scale_rule);
+  o.policy.smooth_q = parse_smooth_q(smooth_q);
   o.policy.validate();
   o.backend = parse_backend(backend);
   o.threads = threads;

@@ -193,8 +193,8 @@ void require_supported(const Problem& p) {
 bool packs(const Problem& p) {
   // The pre-pass's K form for packed sequences (PackedRows) is the default's pair, from 16-bit rows.
   const Policy& pol = p.policy;
-  return p.B == 1 && pol.high == Format::mxfp8_e4m3 && pol.low == Format::mxfp4 && pol.pv == PV::bf16 && !pol.smooth_q &&
-         pol.sink_keys == 0 && dtype_size(p.q.dtype) == 2 && p.k.dtype == p.q.dtype && p.v.dtype == p.q.dtype;
+  return p.B == 1 && pol.high == Format::mxfp8_e4m3 && pol.low == Format::mxfp4 && pol.pv == PV::bf16 &&
+         pol.smooth_q == SmoothQ::off && pol.sink_keys == 0 && dtype_size(p.q.dtype) == 2 && p.k.dtype == p.q.dtype && p.v.dtype == p.q.dtype;
 }
 
 void dma_attention(const Problem& call, const Packing* packing) {
@@ -281,23 +281,29 @@ void dma_attention(const Problem& call, const Packing* packing) {
     tf.kmean = buf.alloc<float>(size_t((packing ? pk.nseq : p.B) * p.Hkv * d) * 4);
     if (p.lse) tf.lse_shift = buf.alloc<float>(size_t(q_rows) * 4);
   }
-  if (pol.smooth_q) {  // the query mean (fused: on the caller's stream, ahead of Q's pass below)
+  const bool smooth_q = pol.smooth_q != SmoothQ::off, split_q = pol.smooth_q == SmoothQ::high;
+  if (smooth_q) {  // the query mean (fused: on the caller's stream, ahead of Q's pass below)
     tf.q_part = buf.alloc<double>(size_t(p.B * p.Hq * ((p.Nq + kTile - 1) / kTile) * d) * 8);
     tf.qmean = buf.alloc<float>(size_t(p.B * p.Hq * d) * 4);
     tf.ds = buf.alloc<float>(size_t(p.B * p.Hq * ldv) * 4);
   }
   if (fused) {
-    q_tf = {true, pol.rotate, tf.qmean};
+    q_tf = {true, pol.rotate, tf.qmean, split_q};
     k_tf = {true, pol.rotate, tf.kmean};
   } else if (transformed) {
     tf.sink_keys = int(std::min<int64_t>(std::max<int64_t>(pol.sink_keys - p.k_pos0, 0), p.Nk));
     tf.q = buf.alloc<uint16_t>(size_t(q_rows * d) * 2);
     tf.k = buf.alloc<uint16_t>(size_t(k_rows * d) * 2);
+    if (split_q) tf.q_plain = buf.alloc<uint16_t>(size_t(q_rows * d) * 2);
     if (tf.sink_keys > 0) tf.sink = buf.alloc<float>(size_t(q_rows * tf.sink_keys) * 4);
     transform_qk(p, tf, scale, stream);
     q_in = TensorView::contiguous(tf.q, DType::bf16, p.q.shape, Device::cuda);
     k_in = TensorView::contiguous(tf.k, DType::bf16, p.k.shape, Device::cuda);
   }
+  // The rows each slot's Q is quantized from (smooth_q=high: the high slot's centred, the low slot's
+  // not; fused, one pass applies the mean to its first target alone).
+  TensorView q_slot[2] = {q_in, q_in};
+  if (split_q && !fused) q_slot[1] = TensorView::contiguous(tf.q_plain, DType::bf16, p.q.shape, Device::cuda);
 
   PrefillParams pp{};
   // MX slots go through quantize_rows (both in one pass where both are MX) and fold_key_tiles; NVFP4
@@ -341,14 +347,17 @@ void dma_attention(const Problem& call, const Packing* packing) {
   // of Q and K once and flags NaN/Inf on the way. (Q quantized inside the prefill kernel instead was
   // 5-12% slower at N = 16384: bench/RESULTS.md.)
   StreamFork fork(stream);
-  if (fused && pol.smooth_q) {  // Q's pass (after it on this stream) and K's dots (on K's side stream) take it
+  if (fused && smooth_q) {  // Q's pass (after it on this stream) and K's dots (on K's side stream) take it
     query_means(p, tf.q_part, tf.qmean, stream);
     fork.mark();
   }
-  if (n_mx > 0)
+  if (n_mx == 2 && q_slot[mx[0]].data != q_slot[mx[1]].data) {  // each slot from its own rows
+    for (int i = 0; i < 2; ++i) quantize_rows(q_slot[mx[i]], p.policy.scale_rule, qt[mx[i]], QuantTarget{}, stream, flags);
+  } else if (n_mx > 0) {
     quantize_rows(q_in, p.policy.scale_rule, qt[mx[0]], n_mx == 2 ? qt[mx[1]] : QuantTarget{}, stream, flags, q_tf);
+  }
   for (int s = 0; s < nslots; ++s)
-    if (pp.op[s] == Operand::bf16) quantize_rows_nvfp4(q_in, qn[s], stream, flags);
+    if (pp.op[s] == Operand::bf16) quantize_rows_nvfp4(q_slot[s], qn[s], stream, flags);
   if (fused && pol.smooth_k) {
     key_means(p, tf.k_part, tf.kmean, fork.side(1), packed);
     if (tf.lse_shift)
@@ -363,7 +372,7 @@ void dma_attention(const Problem& call, const Packing* packing) {
     // one scale per key tile where exact (always for MXFP4 keys within 2^8)
     fold_key_tiles(folds, n_mx, p.B * p.Hkv, k_code_rows, ldv, d, fork.side(1));
   }
-  if (fused && pol.smooth_q) {
+  if (fused && smooth_q) {
     fork.side_waits_mark(1);
     key_dots(p, tf.kmean, tf.qmean, scale, tf.ds, fork.side(1));
   }

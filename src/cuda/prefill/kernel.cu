@@ -104,7 +104,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
         const bool nv = kNv && p.op[slot] == Operand::bf16;  // bf16 K in D/64 atoms of 128-byte rows, no block scales
         if (j - kt.begin >= kStages) tma::wait(&empty[st], uint32_t(phase ^ 1));
         // kSplit: K's copies first, then V's into a ring whose buffer frees later (after P.V).
-        const uint32_t ds_bytes = kFix && p.ds ? BN * 4 : 0;
+        const uint32_t ds_bytes = kFix && p.ds && p.policy.smooths_q(slot == 0) ? BN * 4 : 0;
         tma::arrive_expect(&full[st], (nv ? S::kTxKBf16 : S::kTxK) + (S::kSplit ? 0 : S::kVt) + ds_bytes);
         if (ds_bytes)  // smooth_q's additions of this head for the tile's keys
           tma::load_bytes(sK(st) + S::kDs, p.ds + (int64_t(b) * p.Hq + h) * p.ldv + key0 + int64_t(j) * BN, ds_bytes, &full[st]);
@@ -281,15 +281,16 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       else
         scores_per_block<D, Operand::e4m3>(s, sq, sqs, sk, sKb(st), p.scale, t);  // s: scaled logits
     }
-    // kFix: S to logits plus the transforms' parts (c then takes log2(e) alone), on every tile with
-    // smooth_q, on key tile 0 alone with only sink keys.
-    if (kFix && (p.ds || (j == 0 && p.ktile0 == 0 && p.sink_keys > 0))) {
+    // kFix: S to logits plus the transforms' parts (c then takes log2(e) alone), on the tiles whose
+    // queries smooth_q centres (slot 0 is the high one, or the only one), on key tile 0 with sink keys.
+    const bool centred = kFix && p.ds && p.policy.smooths_q(slot == 0);
+    if (kFix && (centred || (j == 0 && p.ktile0 == 0 && p.sink_keys > 0))) {
       const float u[2] = {folded ? c[0] * (1.0f / kLog2e) : 1.0f, folded ? c[1] * (1.0f / kLog2e) : 1.0f};
       const int64_t bhq = int64_t(b) * p.Hq + h;
       const int sk = j == 0 && p.ktile0 == 0 ? p.sink_keys : 0;
       const float* sink0 = sk ? p.sink + (bhq * p.Nq + (valid[0] ? row[0] : 0)) * p.sink_keys : nullptr;
       const float* sink1 = sk ? p.sink + (bhq * p.Nq + (valid[1] ? row[1] : 0)) * p.sink_keys : nullptr;
-      fix_scores(s, u, p.ds ? reinterpret_cast<const float*>(sK(st) + S::kDs) : nullptr, sink0, sink1, sk, t);
+      fix_scores(s, u, centred ? reinterpret_cast<const float*>(sK(st) + S::kDs) : nullptr, sink0, sink1, sk, t);
       c[0] = c[1] = kLog2e;
     }
 

@@ -111,6 +111,16 @@ __device__ __forceinline__ void emit(const QuantTarget& q, ScaleRule rule, const
   }
 }
 
+// To bf16, round to nearest even (cvt), and back.
+__device__ __forceinline__ void round_to_bf16(float (&v)[kPerLane]) {
+#pragma unroll
+  for (int e = 0; e < kPerLane; e += 2) {
+    const uint32_t pair = bf16x2_rn(v[e], v[e + 1]);
+    v[e] = __uint_as_float(pair << 16);
+    v[e + 1] = __uint_as_float(pair & 0xFFFF0000u);
+  }
+}
+
 // RowTransform on one lane-unit (kPerLane channels 8 u.. of its row, u = its unit in the row; a
 // row's units sit in consecutive lanes of the warp, 4 nblk of them from a multiple of 4 nblk): the
 // butterfly's stages below 8 channels in registers, the rest across lanes, in the oracle's order.
@@ -119,9 +129,10 @@ __device__ __forceinline__ void emit(const QuantTarget& q, ScaleRule rule, const
 // grid's stride between a thread's units, are multiples of kRowLanes), so a thread's units share
 // their signs, and the lane stages unroll, where a run-time row length needs a division and a
 // counted loop.
-template <int kRowLanes, bool kSeq>
-__device__ __forceinline__ void transform_unit(float (&v)[kPerLane], const Lanes& l, uint32_t nblk, int d,
-                                               const RowTransform& tf, const PackedRows& pr) {
+// kKeep: w takes the rows rotated but not less sub (RowTransform::sub_first's second target).
+template <int kRowLanes, bool kSeq, bool kKeep>
+__device__ __forceinline__ void transform_unit(float (&v)[kPerLane], float (&w)[kPerLane], const Lanes& l,
+                                               uint32_t nblk, int d, const RowTransform& tf, const PackedRows& pr) {
   static_assert((kRowLanes & (kRowLanes - 1)) == 0);
   const int unit = kRowLanes ? int(threadIdx.x % kRowLanes) : int(4 * (l.blk % nblk)) + l.part, ch0 = kPerLane * unit;
   if (tf.rotate) {
@@ -146,6 +157,9 @@ __device__ __forceinline__ void transform_unit(float (&v)[kPerLane], const Lanes
       for (int e = 0; e < kPerLane; ++e) v[e] = fmaf(v[e], sign, __shfl_xor_sync(0xffffffffu, v[e], m));
     }
   }
+  if constexpr (kKeep)
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) w[e] = v[e];
   if (tf.sub) {
     const int64_t row = kSeq ? int64_t(pr.seq[l.n]) * pr.heads + l.bh : int64_t(l.bh);
     const float4* s4 = reinterpret_cast<const float4*>(tf.sub + row * d + ch0);
@@ -154,12 +168,8 @@ __device__ __forceinline__ void transform_unit(float (&v)[kPerLane], const Lanes
 #pragma unroll
     for (int e = 0; e < kPerLane; ++e) v[e] -= sub[e];
   }
-#pragma unroll
-  for (int e = 0; e < kPerLane; e += 2) {  // to bf16, round to nearest even (cvt), and back
-    const uint32_t pair = bf16x2_rn(v[e], v[e + 1]);
-    v[e] = __uint_as_float(pair << 16);
-    v[e + 1] = __uint_as_float(pair & 0xFFFF0000u);
-  }
+  round_to_bf16(v);
+  if constexpr (kKeep) round_to_bf16(w);
 }
 
 // A lane's values as floats: bf16 pairs by one shift or one mask each (to_float's 16-bit path costs a
@@ -184,7 +194,8 @@ __device__ __forceinline__ void to_floats(const T (&raw)[kPerLane], float (&v)[k
 // 32-bit indices: 64-bit division costs the GPU far more than the quantization itself.
 // F: the targets' form (fixed element types only; RuntimeForm otherwise).
 constexpr int kThreads = 256;
-template <class T, bool kVector, Elems kElems, class F = RuntimeForm, bool kTf = false>
+// kTf: 0 no RowTransform, 1 one for both targets, 2 its sub for the first target alone.
+template <class T, bool kVector, Elems kElems, class F = RuntimeForm, int kTf = 0>
 __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T* __restrict__ x, Geometry g, uint32_t nblocks,
                                                             ScaleRule rule, QuantTarget t0, QuantTarget t1, Elem e0,
                                                             Elem e1, int targets, int* nonfinite, RowTransform tf,
@@ -230,22 +241,30 @@ __global__ void __launch_bounds__(kThreads) quantize_rows_kernel(const T* __rest
   }
 #pragma unroll
   for (int u = 0; u < kUnits; ++u) {
-    float v[kPerLane];
+    float v[kPerLane], w[kPerLane];  // w: the second target's values where they differ (kTf == 2)
     to_floats(raw[u], v);
-    if constexpr (kTf) transform_unit<F::kRowLanes, F::kSlots>(v, l[u], nblk, int(nblk) * kBlock, tf, pr);
-    float amax;
-    bool bad;
+    if constexpr (kTf) transform_unit<F::kRowLanes, F::kSlots, kTf == 2>(v, w, l[u], nblk, int(nblk) * kBlock, tf, pr);
+    float amax, amax1;
+    bool bad, bad1;
     block_stats(v, amax, bad);
-    if (bad && nonfinite && l[u].part == 0) atomicOr(nonfinite, 1);
+    if constexpr (kTf == 2) {
+      block_stats(w, amax1, bad1);
+    } else {
+      amax1 = amax;
+      bad1 = bad;
+    }
+    const float(&v1)[kPerLane] = kTf == 2 ? w : v;
+    if ((bad || bad1) && nonfinite && l[u].part == 0) atomicOr(nonfinite, 1);
     constexpr bool kHalf = sizeof(T) == 2;  // bf16 / fp16: E2M1 rounds in f16 pairs
     if constexpr (kElems == Elems::e4m3_e2m1) {
       emit<Elem::e4m3, kHalf, F>(t0, rule, v, amax, bad, l[u], int(nblk), pr);
-      emit<Elem::e2m1, kHalf, F>(t1, rule, v, amax, bad, l[u], int(nblk), pr);
+      emit<Elem::e2m1, kHalf, F>(t1, rule, v1, amax1, bad1, l[u], int(nblk), pr);
     } else if constexpr (kElems == Elems::e2m1) {
       emit<Elem::e2m1, kHalf, F>(t0, rule, v, amax, bad, l[u], int(nblk), pr);
     } else {
       with_elem(e0, [&](auto e) { emit<decltype(e)::value, kHalf, F>(t0, rule, v, amax, bad, l[u], int(nblk), pr); });
-      if (targets == 2) with_elem(e1, [&](auto e) { emit<decltype(e)::value, kHalf, F>(t1, rule, v, amax, bad, l[u], int(nblk), pr); });
+      if (targets == 2)
+        with_elem(e1, [&](auto e) { emit<decltype(e)::value, kHalf, F>(t1, rule, v1, amax1, bad1, l[u], int(nblk), pr); });
     }
   }
 }
@@ -272,10 +291,14 @@ void launch(const T* x, const Launch& a) {
   // its quantized copies anyway.
   if (a.nblocks * 4 + per_cta >= (int64_t(1) << 32)) throw Error("quantize_rows: tensor too large (2^35 elements or more)");
   const unsigned grid = unsigned((a.nblocks * 4 + per_cta - 1) / per_cta);
-  if (a.tf.on)  // (instances of their own: the plain pass keeps its code)
-    quantize_rows_kernel<T, kVector, kElems, F, true><<<grid, kThreads, 0, a.stream>>>(
+  if (a.tf.on && a.tf.sub_first && a.targets == 2) {  // (instances of their own: the plain pass keeps its code)
+    if constexpr (!F::kSlots && kElems != Elems::e2m1)  // (K's packed rows and one-target forms never split)
+      quantize_rows_kernel<T, kVector, kElems, F, 2><<<grid, kThreads, 0, a.stream>>>(
+          x, a.g, uint32_t(a.nblocks), a.rule, a.t0, a.t1, a.e0, a.e1, a.targets, a.nonfinite, a.tf, a.pr);
+  } else if (a.tf.on) {
+    quantize_rows_kernel<T, kVector, kElems, F, 1><<<grid, kThreads, 0, a.stream>>>(
         x, a.g, uint32_t(a.nblocks), a.rule, a.t0, a.t1, a.e0, a.e1, a.targets, a.nonfinite, a.tf, a.pr);
-  else
+  } else
     quantize_rows_kernel<T, kVector, kElems, F><<<grid, kThreads, 0, a.stream>>>(x, a.g, uint32_t(a.nblocks), a.rule, a.t0, a.t1,
                                                                                 a.e0, a.e1, a.targets, a.nonfinite, a.tf, a.pr);
 }
@@ -321,6 +344,8 @@ void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first
   auto plain = [](const QuantTarget& t) { return !t.fp8_bytes && !t.fold && !t.row_scale; };
   const bool plain_pair = pair && plain(first) && plain(second);
   const bool plain_e2m1 = vec && targets == 1 && e0 == Elem::e2m1 && plain(first);
+  if (transform.sub_first && (targets != 2 || packed.slot))
+    throw Error("quantize_rows: a mean for the first target alone takes two targets and unpacked rows");
   if (transform.rotate && (rotation_block(int(x.shape[3])) < kPerLane || x.shape[3] > 256))
     throw Error("quantize_rows: the rotation takes head dims up to 256 with blocks of at least 8");
   const Launch a{g, nblocks, rule, first, second, e0, e1, targets, nonfinite, stream, transform, packed};

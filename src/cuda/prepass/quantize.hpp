@@ -45,11 +45,14 @@ struct QuantTarget {
 // The accuracy transforms a quantize pass applies to each row as it reads it (the prefill's fast
 // path for Policy::rotate and smooth_k): the randomized Hadamard rotation (dmattn/rotation.hpp; d a
 // power of two up to 256, or blocks of its largest power-of-two divisor), then minus sub[b*H + h]
-// (a [B*H][d] vector, smooth_k's mean; see PackedRows), then rounded to bf16 -- the oracle's transformed rows.
+// (a [B*H][d] vector, smooth_k's or smooth_q's mean; see PackedRows), then rounded to bf16 -- the
+// oracle's transformed rows.
 struct RowTransform {
   bool on = false;
   bool rotate = false;
   const float* sub = nullptr;
+  // sub for the first target alone (smooth_q=high: the high tiles' queries centred, the low tiles' not).
+  bool sub_first = false;
 };
 
 // Packed sequences' K (the prefill's K form only, both targets): input row n of each (b, h) goes to

@@ -234,12 +234,14 @@ struct QArgs {
   const float* qmean;  // smooth_q: [B*Hq, d], subtracted from the rows written to out; else null
   int sink;
   uint16_t* out;
+  uint16_t* out_plain;  // smooth_q=high: the rows not centred (the low tiles'), else null
   float *lse_shift, *sinks;
   const int32_t* row_seq = nullptr;  // packed sequences: each row's sequence (kmean [nseq * Hkv][d])
 };
 
 // One query tile's rows of one (b, h): rotated; the exact sink scores and the LSE shift from the
-// rotated rows; then minus the head's mean (smooth_q) to bf16. Grid (qtiles, Hq, B); kWarps warps.
+// rotated rows; then minus the head's mean (smooth_q) to bf16, and (smooth_q=high) as they are to bf16
+// too. Grid (qtiles, Hq, B); kWarps warps.
 template <class T, int E, bool kSeq = false>
 __global__ void __launch_bounds__(kRowThreads) q_rows_kernel(QArgs a) {
   constexpr int d = 32 * E;
@@ -271,6 +273,7 @@ __global__ void __launch_bounds__(kRowThreads) q_rows_kernel(QArgs a) {
       const double s = warp_dot<E>(x, km);
       if (lane == 0) a.lse_shift[row] = float(s) * a.scale;
     }
+    if (a.out_plain) store_bf16<E>(a.out_plain + row * d, x);
     if (a.out) {
 #pragma unroll
       for (int e = 0; e < E; ++e) x[e] -= mu[e];
@@ -337,7 +340,7 @@ void transform_d(const Problem& p, const Transformed& t, float scale, cudaStream
   const Policy& pol = p.policy;
   const int64_t chunks = (p.Nk + kTile - 1) / kTile;
   if (pol.smooth_k) row_means_d<E>(p.k, pol.rotate, true, t.k_part, t.kmean, stream);
-  if (pol.smooth_q) row_means_d<E>(p.q, pol.rotate, false, t.q_part, t.qmean, stream);
+  if (t.qmean) row_means_d<E>(p.q, pol.rotate, false, t.q_part, t.qmean, stream);
   with_typed(p.k, [&](auto* typed) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
     rows_kernel<T, E><<<dim3(unsigned(chunks), unsigned(p.B * p.Hkv)), kRowThreads, 0, stream>>>(
@@ -345,13 +348,13 @@ void transform_d(const Problem& p, const Transformed& t, float scale, cudaStream
   });
   check(cudaGetLastError(), "rows_kernel");
   QArgs a{p.q,   vector_rows(p.q, E), pol.rotate, p.Hkv, p.Nk, p.q_pos0 - p.k_pos0, t.qtile0, scale, t.k,
-          t.lse_shift ? t.kmean : nullptr, pol.smooth_q ? t.qmean : nullptr, t.sink_keys, t.q, t.lse_shift, t.sink};
+          t.lse_shift ? t.kmean : nullptr, t.qmean, t.sink_keys, t.q, t.q_plain, t.lse_shift, t.sink};
   with_typed(p.q, [&](auto* typed) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
     q_rows_kernel<T, E><<<dim3(unsigned(t.qtiles), unsigned(p.Hq), unsigned(p.B)), kRowThreads, 0, stream>>>(a);
   });
   check(cudaGetLastError(), "q_rows_kernel");
-  if (pol.smooth_q) key_dots_d<E>(p, pol.smooth_k ? t.kmean : nullptr, t.qmean, scale, t.ds, stream);
+  if (t.qmean) key_dots_d<E>(p, pol.smooth_k ? t.kmean : nullptr, t.qmean, scale, t.ds, stream);
 }
 
 template <class F>
@@ -381,7 +384,7 @@ template <int E>
 void lse_shifts_d(const Problem& p, const float* kmean, float scale, int64_t qtile0, int64_t qtiles, float* shift,
                   cudaStream_t stream, const int32_t* row_seq) {
   QArgs a{p.q,   vector_rows(p.q, E), p.policy.rotate, p.Hkv, p.Nk, p.q_pos0 - p.k_pos0, qtile0, scale, nullptr,
-          kmean, nullptr, 0, nullptr, shift, nullptr, row_seq};
+          kmean, nullptr, 0, nullptr, nullptr, shift, nullptr, row_seq};
   with_typed(p.q, [&](auto* typed) {
     using T = std::remove_const_t<std::remove_pointer_t<decltype(typed)>>;
     const dim3 grid{unsigned(qtiles), unsigned(p.Hq), unsigned(p.B)};

@@ -13,6 +13,7 @@ namespace dmattn::cuda {
 // call's rows touch, ldv = Nk rounded up to 128).
 struct Transformed {
   uint16_t* q = nullptr;     // [B, Hq, Nq, d] bf16 bits: rotated, minus the head's mean (smooth_q)
+  uint16_t* q_plain = nullptr;  // smooth_q=high: [B, Hq, Nq, d] rotated, not centred (the low tiles')
   uint16_t* k = nullptr;     // [B, Hkv, Nk, d] bf16 bits: rotated, minus the key mean (smooth_k)
   double* k_part = nullptr;  // smooth_k: [B*Hkv, ceil(Nk/128), d] scratch (partial channel sums)
   float* kmean = nullptr;    // smooth_k: [B*Hkv, d]
