@@ -64,6 +64,8 @@ QUALITY = [
         "Gemma-3-270M": ("eval_gemma3_ctx2048_diag8.csv", "diag8-sink1+sk+rot+ceil")}),
     ("the default + smooth_q", {"SmolLM2-135M": ("eval_smollm2_ctx2048_sq.csv", "custom"),
                                 "Gemma-3-270M": ("eval_gemma3_ctx2048_sq.csv", "custom")}),
+    ("the default + smooth_q=high", {"SmolLM2-135M": ("eval_smollm2_ctx2048_sqh.csv", "default+sqh"),
+                                     "Gemma-3-270M": ("eval_gemma3_ctx2048_sqh.csv", "default+sqh")}),
 ]
 
 
