@@ -74,7 +74,10 @@ def parse(spec):
     kw = {}
     for item in filter(None, body.split(",")):
         key, _, val = item.partition(":")
-        kw[key] = bool(int(val)) if key in ("smooth_k", "smooth_q", "rotate") else int(val) if val.isdigit() else val
+        if key in ("smooth_k", "smooth_q", "rotate") and val.isdigit():
+            kw[key] = bool(int(val))  # (smooth_q also takes a name: smooth_q:high)
+        else:
+            kw[key] = int(val) if val.isdigit() else val
     return name, kw
 
 

@@ -30,7 +30,7 @@ PAGE = os.path.join(ROOT, "docs", "PERFORMANCE.md")
 SECTIONS = {
     "python_prefill": ({"POLICY_SHAPES": ""}, "python3 bench/bench_python.py"),
     "policy_cost": ({"ROUNDS": "3", "SHAPES": "0", "VARLEN": "0", "POLICY_SHAPES": "1x16384 1x4096 4x4096 8x2048"},
-                    "python3 bench/bench_python.py sq=smooth_q:1 plain=diag_tiles:1,sink_tiles:0,smooth_k:0,rotate:0"),
+                    "python3 bench/bench_python.py sq=smooth_q:1 sqh=smooth_q:high plain=diag_tiles:1,sink_tiles:0,smooth_k:0,rotate:0"),
     "kernel_prefill": ({}, "python3 bench/compare_sdpa.py {build} {out} 4096 16384"),
     "kernel_decode": ({}, "python3 bench/compare_decode.py {build} {out}"),
     "decode_step": ({}, "python3 bench/bench_decode_step.py 1:8192 1:131072 16:8192 16:32768 64:32768"),
