@@ -59,8 +59,8 @@ int main(int argc, char** argv) {
   Policy pv_fp8 = Policy::plain();
   pv_fp8.pv = PV::fp8;
   // The accuracy transforms: rotate + smooth_k (the pre-pass alone), smooth_q (the kernel's per-key
-  // addition), all four, and all four with MXFP8 on 4 diagonal tiles and the sink tile; the bands
-  // without transforms.
+  // addition; everywhere, or on the high tiles), all four, and all four with MXFP8 on 4 diagonal
+  // tiles and the sink tile; the bands without transforms.
   auto tf = [](int diag, int sinks, bool sk, bool sq, bool rot, int sink_keys) {
     Policy p = Policy::tiles(Format::mxfp8_e4m3, Format::mxfp4, diag, sinks);
     p.smooth_k = sk;
@@ -69,12 +69,15 @@ int main(int argc, char** argv) {
     p.sink_keys = sink_keys;
     return p;
   };
-  Policy default_sq, default_sqh;
+  Policy default_sq, default_sqh, no_high_sqh = tf(0, 0, true, false, true, 0);
   default_sq.smooth_q = SmoothQ::all;
-  default_sqh.smooth_q = SmoothQ::high;
+  default_sqh.smooth_q = no_high_sqh.smooth_q = SmoothQ::high;
   const Named policies[] = {{"DMA-default", Policy{}},
                             {"DMA-default-sq", default_sq},
                             {"DMA-default-sqh", default_sqh},
+                            // no high tile: smooth_q=high's pre-pass and kernel instance with nothing to correct
+                            {"DMA-rot-sk-d0s0", tf(0, 0, true, false, true, 0)},
+                            {"DMA-rot-sk-d0s0-sqh", no_high_sqh},
                             {"DMA-plain", tf(1, 0, false, false, false, 0)},
                             {"DMA-rot-sk", tf(1, 0, true, false, true, 0)},
                             {"DMA-sq", tf(1, 0, false, true, false, 0)},
