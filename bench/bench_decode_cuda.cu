@@ -82,9 +82,10 @@ __global__ void read_all(const uint4* p, size_t n, uint32_t* sink) {
 
 // A prompt appended to the KV cache in GPU memory, as a generation's prefill fills it: B sequences of
 // ctx new tokens (bf16 K and V [B, 8, ctx, 128] on the device) appended whole into a new PagedKVCache
-// under the default policy with V in pv, its pool's growth included (a first append pays it; a small
+// under the default policy with V in pv: once with the pool's growth (a fresh cache's first append pays
+// it), once into a cache that reserve()d the room first, as a server sizes its pool ahead (a small
 // append first loads the kernels). The ceiling, same run: a device copy of the same K and V bytes.
-// Medians of five. Prints "fill-<pv> B ctx ms copy_ms ratio".
+// Medians of five. Prints "fill-<pv> B ctx ms copy_ms ratio" and the same for "fill-reserved-<pv>".
 int fill_bench(const std::string& pv_arg, int B, int ctx) {
   const int Hkv = 8, d = 128;
   const size_t n = size_t(B) * Hkv * ctx * d;
@@ -120,19 +121,26 @@ int fill_bench(const std::string& pv_arg, int B, int ctx) {
     cudaEventElapsedTime(&ms, e0, e1);
     return ms;
   };
-  std::vector<float> fills, copies;
+  std::vector<float> fills, reserved, copies;
   for (int r = 0; r < 5; ++r) {
     PagedKVCache c(Hkv, d, pol);
     const std::vector<int> ids = sequences(c);
     fills.push_back(time_ms([&] { c.append(ids, tk, tv); }));
+    PagedKVCache r(Hkv, d, pol);
+    const std::vector<int> rids = sequences(r);
+    r.reserve(B, ctx);
+    reserved.push_back(time_ms([&] { r.append(rids, tk, tv); }));
     copies.push_back(time_ms([&] {
       cudaMemcpyAsync(copy, k, n * 2, cudaMemcpyDeviceToDevice);
       cudaMemcpyAsync(copy + n, v, n * 2, cudaMemcpyDeviceToDevice);
     }));
   }
   std::sort(fills.begin(), fills.end());
+  std::sort(reserved.begin(), reserved.end());
   std::sort(copies.begin(), copies.end());
   std::printf("fill-%s %d %d %.3f %.3f %.2f\n", pv_arg.c_str(), B, ctx, fills[2], copies[2], fills[2] / copies[2]);
+  std::printf("fill-reserved-%s %d %d %.3f %.3f %.2f\n", pv_arg.c_str(), B, ctx, reserved[2], copies[2],
+              reserved[2] / copies[2]);
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
   cudaFree(k);

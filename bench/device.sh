@@ -70,7 +70,7 @@ if [ -n "${AB:-}" ]; then
   for spec in ${AB_FILL:-}; do  # the fill: "dir fill-pv B ctx ms copy_ms ratio" lines
     IFS=: read -r pv b ctx <<<"$spec"
     for rep in 1 2 3; do
-      for dir in $AB; do echo "$dir $(timeout 120 $dir/bench/bench_decode_cuda fill "$pv" "$b" "$ctx" | grep '^fill-')"; done
+      for dir in $AB; do timeout 120 $dir/bench/bench_decode_cuda fill "$pv" "$b" "$ctx" | grep '^fill-' | sed "s|^|$dir |"; done
     done
   done | tee "$OUT/ab_fill.txt"
   python3 bench/ab_medians.py "$OUT/ab_fill.txt" 4 ms 1 2 3
