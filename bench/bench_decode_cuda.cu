@@ -126,10 +126,10 @@ int fill_bench(const std::string& pv_arg, int B, int ctx) {
     PagedKVCache c(Hkv, d, pol);
     const std::vector<int> ids = sequences(c);
     fills.push_back(time_ms([&] { c.append(ids, tk, tv); }));
-    PagedKVCache r(Hkv, d, pol);
-    const std::vector<int> rids = sequences(r);
-    r.reserve(B, ctx);
-    reserved.push_back(time_ms([&] { r.append(rids, tk, tv); }));
+    PagedKVCache room(Hkv, d, pol);
+    const std::vector<int> room_ids = sequences(room);
+    room.reserve(B, ctx);
+    reserved.push_back(time_ms([&] { room.append(room_ids, tk, tv); }));
     copies.push_back(time_ms([&] {
       cudaMemcpyAsync(copy, k, n * 2, cudaMemcpyDeviceToDevice);
       cudaMemcpyAsync(copy + n, v, n * 2, cudaMemcpyDeviceToDevice);
