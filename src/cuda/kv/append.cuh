@@ -5,6 +5,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/common/rotate_lanes.cuh"
 #include "cuda/decode/kv_record.hpp"
@@ -128,19 +129,31 @@ __device__ __forceinline__ uint8_t encode_code(float y, Elem e) {
 // A lane's E codes (E consecutive elements of one 32-block, already divided by the block's scale),
 // packed as a record holds them: FP8 and FP6 one byte an element, E2M1 two a byte (the even element in
 // the low nibble). FP8 pairs take one conversion; every other element is encode_code's.
-template <int E>
-__device__ __forceinline__ uint64_t encode_lane_codes(const float (&y)[E], Elem e) {
+template <int E, Elem kE>
+__device__ __forceinline__ uint64_t encode_lane_codes(const float (&y)[E]) {
   uint64_t w = 0;
-  if (e == Elem::e4m3 || e == Elem::e5m2) {
+  if constexpr (kE == Elem::e4m3 || kE == Elem::e5m2) {
 #pragma unroll
-    for (int i = 0; i < E; i += 2)
-      w |= uint64_t(e == Elem::e4m3 ? fp8x2_encode<false>(y[i], y[i + 1]) : fp8x2_encode<true>(y[i], y[i + 1])) << (8 * i);
+    for (int i = 0; i < E; i += 2) w |= uint64_t(fp8x2_encode<kE == Elem::e5m2>(y[i], y[i + 1])) << (8 * i);
   } else {
-    const int bits = e == Elem::e2m1 ? 4 : 8;
+    constexpr int bits = kE == Elem::e2m1 ? 4 : 8;
 #pragma unroll
-    for (int i = 0; i < E; ++i) w |= uint64_t(encode_code(y[i], e)) << (bits * i);
+    for (int i = 0; i < E; ++i) w |= uint64_t(encode_code(y[i], kE)) << (bits * i);
   }
   return w;
+}
+
+// f(std::integral_constant<Elem, e>): code that takes the element format as a type, chosen at run
+// time (a page's K format): each format's encoder compiles without the others' branches.
+template <class F>
+__device__ __forceinline__ void with_elem(Elem e, F&& f) {
+  switch (e) {
+    case Elem::e2m1: return f(std::integral_constant<Elem, Elem::e2m1>{});
+    case Elem::e4m3: return f(std::integral_constant<Elem, Elem::e4m3>{});
+    case Elem::e5m2: return f(std::integral_constant<Elem, Elem::e5m2>{});
+    case Elem::e3m2: return f(std::integral_constant<Elem, Elem::e3m2>{});
+    case Elem::e2m3: return f(std::integral_constant<Elem, Elem::e2m3>{});
+  }
 }
 
 // The low N bytes of w, stored at an N-byte aligned address (N = 1, 2, 4 or 8).
@@ -175,9 +188,9 @@ __device__ __forceinline__ float values_amax(const float (&x)[N], bool& bad) {
 // of its record with quantize_mx_block's bytes: each 32-block is 32 / E consecutive lanes, which
 // combine their amax and NaN/Inf flags (shuffles within the block), take the block's scale and divide
 // by it (a product by a power of two: the codec's ldexp, one rounding), and store their E codes at once.
-template <int D>
+template <int D, Elem e>
 __device__ __forceinline__ void write_key_row(const Pools& p, int32_t page, int h, int key, const float (&x)[D / 32],
-                                              Elem e, ScaleRule rule) {
+                                              ScaleRule rule) {
   constexpr int E = D / 32, L = 32 / E;  // channels a lane, lanes a block
   const int lane = threadIdx.x % 32, k = key % kRecordKeys;
   bool bad;
@@ -191,9 +204,9 @@ __device__ __forceinline__ void write_key_row(const Pools& p, int32_t page, int 
   const float inv = inverse_e8m0(sc);
 #pragma unroll
   for (int i = 0; i < E; ++i) y[i] = x[i] * inv;
-  const uint64_t w = sc == kE8M0NaN ? 0 : encode_lane_codes<E>(y, e);  // the NaN scale carries the block
+  const uint64_t w = sc == kE8M0NaN ? 0 : encode_lane_codes<E, e>(y);  // the NaN scale carries the block
   uint8_t* r = record_at(p, page, h, key);
-  if (e == Elem::e2m1) {
+  if constexpr (e == Elem::e2m1) {
     constexpr int row = record_k_row(D, true);
     store_bytes<E / 2>(r + record_k(D, true) + k * row + swizzled(row / 16, k, E / 2 * lane), w);
     store_bytes<E / 2>(r + k * (D / 2) + E / 2 * lane, 0);  // the K region's unused head: the row's share of it
@@ -258,8 +271,13 @@ __device__ __forceinline__ void append_rows(const Pools& p, const NewTokens<T>& 
       // The transforms as the host cache runs them: rotated, smooth_k's mean subtracted, rounded to
       // bf16; the sink keys' rows into the state.
       if (p.rotate) rotate_lanes<E>(r);
+      static_assert(E % 2 == 0, "the rounding takes channel pairs");
 #pragma unroll
-      for (int c = 0; c < E; ++c) r[c] = round_bf16(r[c] - mean[c]);
+      for (int c = 0; c < E; c += 2) {
+        r[c] -= mean[c];
+        r[c + 1] -= mean[c + 1];
+        round_bf16x2(r[c], r[c + 1]);
+      }
       if (pos < p.sink_keys)
 #pragma unroll
         for (int c = 0; c < E; ++c) st[(int(p.smooth_k) + pos) * D + E * lane + c] = r[c];
@@ -269,7 +287,8 @@ __device__ __forceinline__ void append_rows(const Pools& p, const NewTokens<T>& 
 #pragma unroll
       for (int c = 0; c < E; ++c) kept[c] = r[c];
     }
-    if (!pending) write_key_row<D>(p, page, h, key, r, low ? cd.low : cd.high, cd.rule);
+    if (!pending)
+      with_elem(low ? cd.low : cd.high, [&](auto e) { write_key_row<D, decltype(e)::value>(p, page, h, key, r, cd.rule); });
     if (p.vbits == 16) {  // V's bf16 row: the lane's E channels, one store within a swizzled 16-byte chunk
       uint64_t w = 0;
 #pragma unroll
@@ -531,7 +550,7 @@ __device__ __forceinline__ void reencode_rows(const Pools& p, const Plan& plan, 
     float x[E];
 #pragma unroll
     for (int c = 0; c < E; ++c) x[c] = key < rows ? src[c] : 0.0f;
-    write_key_row<D>(p, page, h, key, x, low, rule);
+    with_elem(low, [&](auto e) { write_key_row<D, decltype(e)::value>(p, page, h, key, x, rule); });
   }
 }
 template <int D>

@@ -17,7 +17,7 @@ constexpr int64_t kRowWarps = 32768;
 // Rows a run, for an append of `rows` rows in all (S x Hkv x n): a power of two, 1 to 32.
 DMATTN_HD int rows_per_warp(int64_t rows) {
   int r = 1;
-  while (r < 32 && rows / (2 * r) >= kRowWarps) r *= 2;
+  while (r < 32 && rows >= 2 * r * kRowWarps) r *= 2;  // rows / (2 r) >= kRowWarps, without a division
   return r;
 }
 

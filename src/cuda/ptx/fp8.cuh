@@ -20,6 +20,15 @@ __device__ __forceinline__ uint16_t fp8x2_encode(float lo, float hi) {
 template <bool kE5M2>
 __device__ __forceinline__ uint8_t fp8_encode(float x) { return uint8_t(fp8x2_encode<kE5M2>(x, 0.0f) & 0xFF); }
 
+// Two values rounded to bf16 (RNE) in one conversion, returned as floats: round_bf16's values for
+// every input but NaN, which stays a NaN without its payload.
+__device__ __forceinline__ void round_bf16x2(float& lo, float& hi) {
+  uint32_t r;
+  asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+  lo = __uint_as_float(r << 16);
+  hi = __uint_as_float(r & 0xFFFF0000u);
+}
+
 // Every E4M3 and E5M2 value is an fp16 value, so widening to f16 is exact, and so is narrowing an
 // f16 that holds such a value back (the decode kernel transposes FP8 pairs through f16 this way).
 // Two FP8 bytes (low 16 bits of x, low byte first) -> two f16 (low half first), and back.
