@@ -170,17 +170,15 @@ __device__ __forceinline__ void store_bytes(uint8_t* dst, uint64_t w) {
 }
 
 // The largest magnitude among x, and (bad) whether any of them is NaN or infinite: what a block's
-// scale is chosen from.
+// scale is chosen from. In integer compares of the magnitudes' bits, which order non-negative floats
+// as their values and put Inf and NaN above every finite one (the magnitude is used only where none is).
 template <int N>
 __device__ __forceinline__ float values_amax(const float (&x)[N], bool& bad) {
-  float amax = 0.0f;
-  bad = false;
+  uint32_t m = 0;
 #pragma unroll
-  for (int i = 0; i < N; ++i) {
-    bad |= !hd::is_finite(x[i]);
-    amax = fmaxf(amax, hd::abs_f(x[i]));
-  }
-  return amax;
+  for (int i = 0; i < N; ++i) m = max(m, hd::bits_of(x[i]) & 0x7FFFFFFFu);
+  bad = m >= 0x7F800000u;
+  return hd::float_of(m);
 }
 
 // Key row `key` (0..127 in its page) of head h, held by the warp as rotate_lanes holds a row (lane l:
@@ -606,14 +604,17 @@ __device__ __forceinline__ void apply_items(const Pools& p, const Plan& plan, in
     p.kept_of[page] = plan.meta[4 * i + 2];
     p.pending[page] = uint8_t(plan.meta[4 * i + 3]);
   }
-  const int64_t words = page_bytes / 16;
-  for (int64_t i = tid; i < int64_t(plan.nz) * words; i += stride)
-    if (plan.zero[i / words] >= 0)
-      reinterpret_cast<uint4*>(p.rec + int64_t(plan.zero[i / words]) * page_bytes)[i % words] = make_uint4(0, 0, 0, 0);
-  const int64_t sf = int64_t(p.Hkv) * p.srows * p.d;  // a page's state floats (a first page's: zeros, as the host's)
-  for (int64_t i = tid; i < int64_t(plan.nz) * sf; i += stride) {
-    const int32_t z = plan.zero[i / sf];
-    p.state[int64_t(z >= 0 ? z : -1 - z) * sf + i % sf] = 0.0f;
+  // The new pages, a warp a page: records zeroed unless the page's writers fill it (-1 - page), state
+  // always (a first page's: zeros, as the host's).
+  const int lane = threadIdx.x % 32;
+  const int64_t words = page_bytes / 16, sf = int64_t(p.Hkv) * p.srows * p.d / 4;  // 16-byte words
+  for (int64_t i = tid / 32; i < plan.nz; i += stride / 32) {
+    const int32_t z = plan.zero[i];
+    if (z >= 0)
+      for (int64_t w = lane; w < words; w += 32)
+        reinterpret_cast<uint4*>(p.rec + int64_t(z) * page_bytes)[w] = make_uint4(0, 0, 0, 0);
+    for (int64_t w = lane; w < sf; w += 32)
+      reinterpret_cast<float4*>(p.state + int64_t(z >= 0 ? z : -1 - z) * sf * 4)[w] = make_float4(0, 0, 0, 0);
   }
 }
 
