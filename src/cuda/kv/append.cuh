@@ -563,8 +563,8 @@ __global__ void reencode_pages(Pools p, Plan plan, Elem low, ScaleRule rule) {
 // The general append's writer (after apply_plan), a warp an item. with_reencode: the re-encoding too
 // (reencode_rows), where no page it re-encodes takes a new key: an append of one token a sequence, whose
 // new key's page is on the diagonal (the pages leaving the window are older).
-// Three CTAs an SM: the key rows' 88 registers left two (a quarter of the warps), too few to cover
-// their loads' latency; held to 80, none spill and the fill of a long prompt takes a fifth less time.
+// Three CTAs an SM: unbounded, the key rows take 88 registers, which leaves two (a quarter of the
+// warps), too few to cover their loads' latency; at 80 none spill and a long prompt fills a fifth faster.
 template <int D, class T>
 __global__ void __launch_bounds__(256, 3) append_items(Pools p, Plan plan, NewTokens<T> x, Codes cd, int blocks, bool with_reencode) {
   follow_prior_grids();
