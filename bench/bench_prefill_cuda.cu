@@ -69,14 +69,15 @@ int main(int argc, char** argv) {
     p.sink_keys = sink_keys;
     return p;
   };
-  Policy default_sq, default_sqh, no_high_sqh = tf(0, 0, true, false, true, 0);
+  const Policy no_high = tf(0, 0, true, false, true, 0);  // the default's transforms, every tile MXFP4
+  Policy default_sq, default_sqh, no_high_sqh = no_high;
   default_sq.smooth_q = SmoothQ::all;
   default_sqh.smooth_q = no_high_sqh.smooth_q = SmoothQ::high;
   const Named policies[] = {{"DMA-default", Policy{}},
                             {"DMA-default-sq", default_sq},
                             {"DMA-default-sqh", default_sqh},
                             // no high tile: smooth_q=high's pre-pass and kernel instance with nothing to correct
-                            {"DMA-rot-sk-d0s0", tf(0, 0, true, false, true, 0)},
+                            {"DMA-rot-sk-d0s0", no_high},
                             {"DMA-rot-sk-d0s0-sqh", no_high_sqh},
                             {"DMA-plain", tf(1, 0, false, false, false, 0)},
                             {"DMA-rot-sk", tf(1, 0, true, false, true, 0)},

@@ -5,9 +5,9 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <type_traits>
 
 #include "cuda/common/rotate_lanes.cuh"
+#include "cuda/common/with_elem.cuh"
 #include "cuda/decode/kv_record.hpp"
 #include "cuda/kv/row_runs.hpp"
 #include "cuda/ptx/fp8.cuh"
@@ -141,19 +141,6 @@ __device__ __forceinline__ uint64_t encode_lane_codes(const float (&y)[E]) {
     for (int i = 0; i < E; ++i) w |= uint64_t(encode_code(y[i], kE)) << (bits * i);
   }
   return w;
-}
-
-// f(std::integral_constant<Elem, e>): code that takes the element format as a type, chosen at run
-// time (a page's K format): each format's encoder compiles without the others' branches.
-template <class F>
-__device__ __forceinline__ void with_elem(Elem e, F&& f) {
-  switch (e) {
-    case Elem::e2m1: return f(std::integral_constant<Elem, Elem::e2m1>{});
-    case Elem::e4m3: return f(std::integral_constant<Elem, Elem::e4m3>{});
-    case Elem::e5m2: return f(std::integral_constant<Elem, Elem::e5m2>{});
-    case Elem::e3m2: return f(std::integral_constant<Elem, Elem::e3m2>{});
-    case Elem::e2m3: return f(std::integral_constant<Elem, Elem::e2m3>{});
-  }
 }
 
 // The low N bytes of w, stored at an N-byte aligned address (N = 1, 2, 4 or 8).

@@ -2,8 +2,8 @@
 // (dmattn/mx_codec.hpp), checked by GpuQuantize. (Quantizing Q inside the prefill kernel with it
 // measured slower than this separate pass: bench/RESULTS.md.)
 #pragma once
-#include <type_traits>
 
+#include "cuda/common/with_elem.cuh"
 #include "cuda/ptx/fp8.cuh"
 #include "cuda/ptx/mma.cuh"
 #include "dmattn/mx_codec.hpp"
@@ -221,17 +221,6 @@ __device__ __forceinline__ void block_stats(const float (&v)[kPerLane], float& a
 __device__ __forceinline__ bool row_scales_equal(uint32_t sc, int row_lanes, int row_max) {
   if (row_max < 0) row_max = row_max_code(int(sc), row_lanes);
   return row_all(sc == uint32_t(row_max), row_mask(row_lanes));
-}
-
-template <class F>
-__device__ __forceinline__ void with_elem(Elem e, F&& f) {
-  switch (e) {
-    case Elem::e4m3: f(std::integral_constant<Elem, Elem::e4m3>{}); break;
-    case Elem::e5m2: f(std::integral_constant<Elem, Elem::e5m2>{}); break;
-    case Elem::e3m2: f(std::integral_constant<Elem, Elem::e3m2>{}); break;
-    case Elem::e2m3: f(std::integral_constant<Elem, Elem::e2m3>{}); break;
-    case Elem::e2m1: f(std::integral_constant<Elem, Elem::e2m1>{}); break;
-  }
 }
 
 }  // namespace dmattn::cuda
