@@ -87,10 +87,12 @@ DMATTN_HD uint32_t e2m1_magnitude_code(uint32_t b) {
   const uint32_t c = hd::bits_of(sum) - m + ((m >> 22) - 298u);  // n + 2e
   return c < 7u ? c : 7u;
 }
-DMATTN_HD uint8_t encode_e2m1_fast(float x) {
+// encode_e2m1_fast for a value known not to be NaN (the elements of a block whose scale is not NaN).
+DMATTN_HD uint8_t encode_e2m1_not_nan(float x) {
   const uint32_t u = hd::bits_of(x);
-  return hd::is_nan(x) ? uint8_t(0) : uint8_t(((u >> 28) & 8u) | e2m1_magnitude_code(u & 0x7FFFFFFFu));
+  return uint8_t(((u >> 28) & 8u) | e2m1_magnitude_code(u & 0x7FFFFFFFu));
 }
+DMATTN_HD uint8_t encode_e2m1_fast(float x) { return hd::is_nan(x) ? uint8_t(0) : encode_e2m1_not_nan(x); }
 
 DMATTN_HD uint8_t encode_elem(const ElemSpec& s, float x) {
   if (s.ebits == 2 && s.mbits == 1) return encode_e2m1(x);

@@ -128,7 +128,8 @@ __device__ __forceinline__ uint8_t encode_code(float y, Elem e) {
 
 // A lane's E codes (E consecutive elements of one 32-block, already divided by the block's scale),
 // packed as a record holds them: FP8 and FP6 one byte an element, E2M1 two a byte (the even element in
-// the low nibble). FP8 pairs take one conversion; every other element is encode_code's.
+// the low nibble). FP8 pairs take one conversion; every other element is encode_code's, without its NaN
+// test for E2M1 (the block's values are finite: a NaN or Inf gives the block the NaN scale and no codes).
 template <int E, Elem kE>
 __device__ __forceinline__ uint64_t encode_lane_codes(const float (&y)[E]) {
   uint64_t w = 0;
@@ -138,7 +139,8 @@ __device__ __forceinline__ uint64_t encode_lane_codes(const float (&y)[E]) {
   } else {
     constexpr int bits = kE == Elem::e2m1 ? 4 : 8;
 #pragma unroll
-    for (int i = 0; i < E; ++i) w |= uint64_t(encode_code(y[i], kE)) << (bits * i);
+    for (int i = 0; i < E; ++i)
+      w |= uint64_t(kE == Elem::e2m1 ? encode_e2m1_not_nan(y[i]) : encode_code(y[i], kE)) << (bits * i);
   }
   return w;
 }
@@ -157,27 +159,24 @@ __device__ __forceinline__ void store_bytes(uint8_t* dst, uint64_t w) {
 }
 
 // The largest magnitude among x, and (bad) whether any of them is NaN or infinite: what a block's
-// scale is chosen from.
+// scale is chosen from. In integer compares of the magnitudes' bits, which order non-negative floats
+// as their values and put Inf and NaN above every finite one (the magnitude is used only where none is).
 template <int N>
 __device__ __forceinline__ float values_amax(const float (&x)[N], bool& bad) {
-  float amax = 0.0f;
-  bad = false;
+  uint32_t m = 0;
 #pragma unroll
-  for (int i = 0; i < N; ++i) {
-    bad |= !hd::is_finite(x[i]);
-    amax = fmaxf(amax, hd::abs_f(x[i]));
-  }
-  return amax;
+  for (int i = 0; i < N; ++i) m = max(m, hd::bits_of(x[i]) & 0x7FFFFFFFu);
+  bad = m >= 0x7F800000u;
+  return hd::float_of(m);
 }
 
-// Key row `key` (0..127 in its page) of head h, held by the warp as rotate_lanes holds a row (lane l:
-// channels E l .. E l + E - 1, E = D / 32), written in format e (the page's) into the K codes and scales
-// of its record with quantize_mx_block's bytes: each 32-block is 32 / E consecutive lanes, which
+// Key row `key` (0..127 in its page), held by the warp as rotate_lanes holds a row (lane l: channels
+// E l .. E l + E - 1, E = D / 32), written in format e (the page's) into the K codes and scales of its
+// record r (record_at) with quantize_mx_block's bytes: each 32-block is 32 / E consecutive lanes, which
 // combine their amax and NaN/Inf flags (shuffles within the block), take the block's scale and divide
 // by it (a product by a power of two: the codec's ldexp, one rounding), and store their E codes at once.
 template <int D, Elem e>
-__device__ __forceinline__ void write_key_row(const Pools& p, int32_t page, int h, int key, const float (&x)[D / 32],
-                                              ScaleRule rule) {
+__device__ __forceinline__ void write_key_row(uint8_t* r, int key, const float (&x)[D / 32], ScaleRule rule) {
   constexpr int E = D / 32, L = 32 / E;  // channels a lane, lanes a block
   const int lane = threadIdx.x % 32, k = key % kRecordKeys;
   bool bad;
@@ -186,13 +185,12 @@ __device__ __forceinline__ void write_key_row(const Pools& p, int32_t page, int 
   for (int s = 1; s < L; s *= 2) amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, s));
   const uint32_t block_lanes = (L == 32 ? 0xffffffffu : (1u << L) - 1u) << (lane & ~(L - 1));
   bad = (__ballot_sync(0xffffffffu, bad) & block_lanes) != 0;
-  const uint8_t sc = bad ? kE8M0NaN : choose_e8m0(amax, e, rule);
+  const uint8_t sc = bad ? kE8M0NaN : choose_e8m0_nonneg(amax, e, rule);  // amax finite
   float y[E];
   const float inv = inverse_e8m0(sc);
 #pragma unroll
   for (int i = 0; i < E; ++i) y[i] = x[i] * inv;
   const uint64_t w = sc == kE8M0NaN ? 0 : encode_lane_codes<E, e>(y);  // the NaN scale carries the block
-  uint8_t* r = record_at(p, page, h, key);
   if constexpr (e == Elem::e2m1) {
     constexpr int row = record_k_row(D, true);
     store_bytes<E / 2>(r + record_k(D, true) + k * row + swizzled(row / 16, k, E / 2 * lane), w);
@@ -236,6 +234,7 @@ __device__ __forceinline__ void append_rows(const Pools& p, const NewTokens<T>& 
     for (int c = 0; c < E; ++c) mean[c] = st[E * lane + c];
   int32_t page = 0, ks = -1;
   bool pending = false, low = false;
+  uint8_t* page_rec = nullptr;  // the page's first record of head h
   for (int t = t0; t < t1; ++t) {
     const int pos = e.pos0 + t, key = pos % kPage;
     float r[E], v[E];
@@ -253,7 +252,9 @@ __device__ __forceinline__ void append_rows(const Pools& p, const NewTokens<T>& 
       ks = p.kept_of[page];
       pending = p.pending[page];
       low = p.slot[page];
+      page_rec = record_at(p, page, h, 0);
     }
+    uint8_t* rec = page_rec + (key / kRecordKeys) * p.record;  // the row's record
     if (p.transformed) {
       // The transforms as the host cache runs them: rotated, smooth_k's mean subtracted, rounded to
       // bf16; the sink keys' rows into the state.
@@ -275,12 +276,12 @@ __device__ __forceinline__ void append_rows(const Pools& p, const NewTokens<T>& 
       for (int c = 0; c < E; ++c) kept[c] = r[c];
     }
     if (!pending)
-      with_elem(low ? cd.low : cd.high, [&](auto e) { write_key_row<D, decltype(e)::value>(p, page, h, key, r, cd.rule); });
+      with_elem(low ? cd.low : cd.high, [&](auto e) { write_key_row<D, decltype(e)::value>(rec, key, r, cd.rule); });
     if (p.vbits == 16) {  // V's bf16 row: the lane's E channels, one store within a swizzled 16-byte chunk
       uint64_t w = 0;
 #pragma unroll
       for (int c = 0; c < E; ++c) w |= uint64_t(to_bf16(v[c]).bits) << (16 * c);
-      uint8_t* dst = record_at(p, page, h, key) + record_v(D) + (key % kRecordKeys) * 2 * D;
+      uint8_t* dst = rec + record_v(D) + (key % kRecordKeys) * 2 * D;
       store_bytes<2 * E>(dst + swizzled(2 * D / 16, key % kRecordKeys, 2 * E * lane), w);
     }
   }
@@ -304,7 +305,7 @@ __device__ __forceinline__ void write_value_column(uint8_t* dst, uint8_t* scale,
                                                    ScaleRule rule) {
   bool bad;
   const float amax = values_amax(x, bad);
-  const uint8_t sc = bad ? kE8M0NaN : choose_e8m0(amax, kE, rule);
+  const uint8_t sc = bad ? kE8M0NaN : choose_e8m0_nonneg(amax, kE, rule);  // amax finite
   const float inv = inverse_e8m0(sc);  // a product by a power of two: the codec's ldexp
   uint32_t w[8] = {};                  // the column's 16 (E2M1) or 32 bytes; zero codes under a NaN scale
   if (sc != kE8M0NaN) {
@@ -313,7 +314,7 @@ __device__ __forceinline__ void write_value_column(uint8_t* dst, uint8_t* scale,
       for (int t = 0; t < 4; ++t) {
         uint8_t codes[8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) codes[j] = encode_e2m1_fast(x[8 * (j / 2) + 2 * t + j % 2] * inv);
+        for (int j = 0; j < 8; ++j) codes[j] = encode_e2m1_not_nan(x[8 * (j / 2) + 2 * t + j % 2] * inv);
         w[t] = e2m1x8_f16_pack(codes);
       }
     } else if constexpr (kE == Elem::e4m3 || kE == Elem::e5m2) {
@@ -537,7 +538,7 @@ __device__ __forceinline__ void reencode_rows(const Pools& p, const Plan& plan, 
     float x[E];
 #pragma unroll
     for (int c = 0; c < E; ++c) x[c] = key < rows ? src[c] : 0.0f;
-    with_elem(low, [&](auto e) { write_key_row<D, decltype(e)::value>(p, page, h, key, x, rule); });
+    with_elem(low, [&](auto e) { write_key_row<D, decltype(e)::value>(record_at(p, page, h, key), key, x, rule); });
   }
 }
 template <int D>
@@ -593,14 +594,17 @@ __device__ __forceinline__ void apply_items(const Pools& p, const Plan& plan, in
     p.kept_of[page] = plan.meta[4 * i + 2];
     p.pending[page] = uint8_t(plan.meta[4 * i + 3]);
   }
-  const int64_t words = page_bytes / 16;
-  for (int64_t i = tid; i < int64_t(plan.nz) * words; i += stride)
-    if (plan.zero[i / words] >= 0)
-      reinterpret_cast<uint4*>(p.rec + int64_t(plan.zero[i / words]) * page_bytes)[i % words] = make_uint4(0, 0, 0, 0);
-  const int64_t sf = int64_t(p.Hkv) * p.srows * p.d;  // a page's state floats (a first page's: zeros, as the host's)
-  for (int64_t i = tid; i < int64_t(plan.nz) * sf; i += stride) {
-    const int32_t z = plan.zero[i / sf];
-    p.state[int64_t(z >= 0 ? z : -1 - z) * sf + i % sf] = 0.0f;
+  // The new pages, a warp a page: records zeroed unless the page's writers fill it (-1 - page), state
+  // always (a first page's: zeros, as the host's).
+  const int lane = threadIdx.x % 32;
+  const int64_t words = page_bytes / 16, sf = int64_t(p.Hkv) * p.srows * p.d / 4;  // 16-byte words
+  for (int64_t i = tid / 32; i < plan.nz; i += stride / 32) {
+    const int32_t z = plan.zero[i];
+    if (z >= 0)
+      for (int64_t w = lane; w < words; w += 32)
+        reinterpret_cast<uint4*>(p.rec + int64_t(z) * page_bytes)[w] = make_uint4(0, 0, 0, 0);
+    for (int64_t w = lane; w < sf; w += 32)
+      reinterpret_cast<float4*>(p.state + int64_t(z >= 0 ? z : -1 - z) * sf * 4)[w] = make_float4(0, 0, 0, 0);
   }
 }
 
