@@ -453,17 +453,39 @@ __device__ __forceinline__ void append_value_block(const Pools& p, const NewToke
       if (j >= from && j < to) keep[j * D] = x[j];
 }
 
+// The V block warps of an append to S sequences touching at most `blocks` V blocks each (pv MX; bf16 V
+// rows go with the K rows), and warp v of them: (batch entry, head, block, channel group), orders of
+// significance as listed, reversed; `batch` as Plan::batch.
+__host__ __device__ inline int64_t value_warps(const Pools& p, int64_t S, int blocks) {
+  return p.vbits == 16 ? 0 : S * p.Hkv * blocks * (p.d / 32);
+}
+template <int D, class T>
+__device__ __forceinline__ void append_value_item(const Pools& p, const NewTokens<T>& x, const Codes& cd, int n,
+                                                  int blocks, const int32_t* batch, int64_t v) {
+  constexpr int CG = D / 32;
+  const int cg = int(v % CG), bi = int(v / CG % blocks), h = int(v / CG / blocks % p.Hkv), i = int(v / CG / blocks / p.Hkv);
+  append_value_block<D>(p, x, cd, n, i, h, bi, cg, entry_of(batch, i));
+}
+
 // smooth_k: a sequence's first append fixes its keys' mean (KVCache::transform_keys): per channel
 // the mean of the rotated rows, summed in fp64. Partial sums of kMeanRows-row chunks, a warp a
 // (batch entry, head, chunk), lanes holding rotate_lanes' channels; only entries starting at 0.
+// kValues: the append's V blocks (pv MX) take the warps after them, as they need no mean: their loads
+// and encoding run beside the mean's rotations, which the shuffles bound (its own instance: the V
+// blocks' registers, held to 80 as append_items', would halve the mean's warps where it runs alone).
 constexpr int kMeanRows = 256;
-template <int D, class T>
-__global__ void key_mean_parts(Pools p, Plan plan, NewTokens<T> x, int chunks, double* part) {
+template <int D, class T, bool kValues>
+__global__ void __launch_bounds__(256, 3) key_mean_parts(Pools p, Plan plan, NewTokens<T> x, int chunks, double* part,
+                                                         Codes cd, int blocks) {
   constexpr int E = D / 32;
   follow_prior_grids();
   if (!resolve(plan, p.gate)) return;
-  const int64_t w = warp_index();
-  if (w >= int64_t(plan.S) * p.Hkv * chunks) return;
+  const int64_t w = warp_index(), means = int64_t(plan.S) * p.Hkv * chunks;
+  if (w >= means) {
+    if (kValues && w - means < value_warps(p, plan.S, blocks))
+      append_value_item<D>(p, x, cd, plan.n, blocks, plan.batch, w - means);
+    return;
+  }
   const int ch = int(w % chunks), h = int(w / chunks % p.Hkv), i = int(w / chunks / p.Hkv), lane = threadIdx.x % 32;
   if (plan.batch[3 * i + 1] != 0) return;
   double acc[E] = {};
@@ -500,25 +522,20 @@ __global__ void key_mean_finish(Pools p, Plan plan, int chunks, const double* pa
   p.state[(int64_t(p.table[int64_t(seq) * p.cols]) * p.Hkv + h) * p.srows * D + c] = float(sum / double(plan.n));
 }
 
-// An append's items: K rows first, a warp a run of rows (row_runs.hpp: append_rows), then V blocks
-// (pv MX), a warp a V block (batch entry, head, block, channel group). Orders of significance as
-// listed, reversed; `batch` as Plan::batch.
-// The warps of an append of n tokens to S sequences touching at most `blocks` V blocks each.
-__host__ __device__ inline int64_t item_warps(const Pools& p, int64_t S, int64_t n, int blocks) {
-  return row_runs(S, p.Hkv, n) + (p.vbits == 16 ? 0 : S * p.Hkv * blocks * (p.d / 32));
+// An append's items: K rows first, a warp a run of rows (row_runs.hpp: append_rows), then, with
+// `values`, V blocks (append_value_item).
+__host__ __device__ inline int64_t item_warps(const Pools& p, int64_t S, int64_t n, int blocks, bool values = true) {
+  return row_runs(S, p.Hkv, n) + (values ? value_warps(p, S, blocks) : 0);
 }
 template <int D, class T>
 __device__ __forceinline__ void append_item(const Pools& p, const NewTokens<T>& x, const Codes& cd, int S, int n,
-                                            int blocks, const int32_t* batch, int64_t w) {
-  constexpr int CG = D / 32;
+                                            int blocks, const int32_t* batch, bool values, int64_t w) {
   const int64_t runs = row_runs(S, p.Hkv, n);
   if (w < runs) {
     const RowRun r = row_run(w, S, p.Hkv, n);
     append_rows<D>(p, x, cd, r.i, r.h, r.t0, r.t1, entry_of(batch, r.i));
-  } else if (p.vbits != 16 && w - runs < int64_t(S) * p.Hkv * blocks * CG) {
-    const int64_t v = w - runs;
-    const int cg = int(v % CG), bi = int(v / CG % blocks), h = int(v / CG / blocks % p.Hkv), i = int(v / CG / blocks / p.Hkv);
-    append_value_block<D>(p, x, cd, n, i, h, bi, cg, entry_of(batch, i));
+  } else if (values && w - runs < value_warps(p, S, blocks)) {
+    append_value_item<D>(p, x, cd, n, blocks, batch, w - runs);
   }
 }
 
@@ -548,16 +565,18 @@ __global__ void reencode_pages(Pools p, Plan plan, Elem low, ScaleRule rule) {
   reencode_rows<D>(p, plan, low, rule);
 }
 
-// The general append's writer (after apply_plan), a warp an item. with_reencode: the re-encoding too
+// The general append's writer (after apply_plan), a warp an item; `values`: the V blocks too, where
+// key_mean_parts did not take them. with_reencode: the re-encoding too
 // (reencode_rows), where no page it re-encodes takes a new key: an append of one token a sequence, whose
 // new key's page is on the diagonal (the pages leaving the window are older).
 // Three CTAs an SM: unbounded, the key rows take 88 registers, which leaves two (a quarter of the
 // warps), too few to cover their loads' latency; at 80 none spill and a long prompt fills a fifth faster.
 template <int D, class T>
-__global__ void __launch_bounds__(256, 3) append_items(Pools p, Plan plan, NewTokens<T> x, Codes cd, int blocks, bool with_reencode) {
+__global__ void __launch_bounds__(256, 3) append_items(Pools p, Plan plan, NewTokens<T> x, Codes cd, int blocks, bool values,
+                                                       bool with_reencode) {
   follow_prior_grids();
   if (!resolve(plan, p.gate)) return;
-  append_item<D>(p, x, cd, plan.S, plan.n, blocks, plan.batch, warp_index());
+  append_item<D>(p, x, cd, plan.S, plan.n, blocks, plan.batch, values, warp_index());
   if (with_reencode) reencode_rows<D>(p, plan, cd.low, cd.rule);
 }
 
@@ -580,7 +599,7 @@ __global__ void append_step(const __grid_constant__ StepArgs<T> a) {
     const Entry e = entry_of(a.batch, int(tid));
     p.length[e.seq] = e.pos0 + a.n;
   }
-  append_item<D>(p, a.x, a.cd, a.S, a.n, a.blocks, a.batch, warp_index());
+  append_item<D>(p, a.x, a.cd, a.S, a.n, a.blocks, a.batch, true, warp_index());
 }
 
 // The plan's table, length and page updates, and zeroed records for new pages (grid-stride).

@@ -437,20 +437,27 @@ void PagedKVCache::Impl::launch(const cuda::kv::Plan& plan, int blocks, bool mea
     with_typed(k, [&](auto* kt) {
       using T = std::remove_pointer_t<decltype(kt)>;
       const cuda::kv::NewTokens<T> x = new_tokens(kt, k, v, D / 32);
+      // The V blocks (pv MX) ride the key mean's launch where there is one (key_mean_parts says why).
+      const bool values_with_mean = p.smooth_k && means && p.vbits != 16;
       if (p.smooth_k && means) {  // the first append of some sequence fixes its keys' mean
         const int chunks = int((n + cuda::kv::kMeanRows - 1) / cuda::kv::kMeanRows);
         double* part = buf.alloc<double>(size_t(S * heads * chunks * D) * sizeof(double));
-        chained(cuda::kv::key_mean_parts<D, T>, grid(S * heads * chunks), "KV cache key mean", p, plan, x, chunks, part);
+        if (values_with_mean)
+          chained(cuda::kv::key_mean_parts<D, T, true>, grid(S * heads * chunks + cuda::kv::value_warps(p, S, blocks)),
+                  "KV cache key mean", p, plan, x, chunks, part, cd, blocks);
+        else
+          chained(cuda::kv::key_mean_parts<D, T, false>, grid(S * heads * chunks), "KV cache key mean", p, plan, x, chunks,
+                  part, cd, blocks);
         chained(cuda::kv::key_mean_finish<D>, (S * heads * D + 255) / 256, "KV cache key mean", p, plan, chunks,
                 static_cast<const double*>(part));
       }
       // The re-encoding's warps stride over its pages (a prepared plan's: its capacity). With one
       // token a sequence it runs in the writer's launch (append_items says why), else after it.
-      const int64_t items = cuda::kv::item_warps(p, S, n, blocks);
+      const int64_t items = cuda::kv::item_warps(p, S, n, blocks, !values_with_mean);
       const int64_t reenc = std::min<int64_t>(int64_t(plan.nr) * heads * kPage, int64_t(heads) * kPage);
       const bool together = n == 1 && reenc > 0;
       chained(cuda::kv::append_items<D, T>, grid(together ? std::max(items, reenc) : items), "KV cache append", p, plan,
-              x, cd, blocks, together);
+              x, cd, blocks, !values_with_mean, together);
       if (reenc > 0 && !together)
         chained(cuda::kv::reencode_pages<D>, grid(reenc), "KV cache re-encode", p, plan, cd.low, pol.scale_rule);
     });
