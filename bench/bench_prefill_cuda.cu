@@ -1,5 +1,5 @@
 // In-process timing of dmattn's CUDA attention() on device-resident bf16 inputs (no files, so large
-// N fits): B=1, causal, GQA; prints one line per (N, d, policy): "dmattn <policy> N d ms TFLOP/s".
+// N fits): B=1 (DMATTN_BENCH_BATCH=B: B sequences), causal, GQA; prints one line per (N, d, policy): "dmattn <policy> N d ms TFLOP/s".
 // compare_sdpa.py runs it for the shapes whose .npy files would be too large for the CLI route.
 // Usage: bench_prefill_cuda N d [iters [policies]]   (policies: names below, comma-separated, run in that
 // order in one process; default all, in the table's order)
@@ -35,23 +35,25 @@ int main(int argc, char** argv) {
     return 2;
   }
   const int64_t N = std::atoll(argv[1]), d = std::atoll(argv[2]), HQ = 32, HKV = 8;
+  const char* batch_env = std::getenv("DMATTN_BENCH_BATCH");  // B sequences of N (default 1)
+  const int64_t B = batch_env ? std::max<int64_t>(1, std::atoll(batch_env)) : 1;
   const int iters = argc > 3 ? std::atoi(argv[3]) : 5;
   const std::string order = argc > 4 ? argv[4] : "";
   // "nocheck": check_finite = false (no read-back of the NaN/Inf flags, so no host sync in the call)
   const bool check = !(argc > 5 && std::string(argv[5]) == "nocheck");
   Rng rng(7);
   auto upload = [&](int64_t heads) {
-    std::vector<uint16_t> h(static_cast<size_t>(heads * N * d));
+    std::vector<uint16_t> h(static_cast<size_t>(B * heads * N * d));
     for (auto& x : h) x = to_bf16(float(rng.normal())).bits;
     void* p = nullptr;
     if (cudaMalloc(&p, h.size() * 2) != cudaSuccess || cudaMemcpy(p, h.data(), h.size() * 2, cudaMemcpyHostToDevice) != cudaSuccess) {
       std::fprintf(stderr, "allocation failed\n");
       std::exit(1);
     }
-    return TensorView::contiguous(p, DType::bf16, {1, heads, N, d}, Device::cuda);
+    return TensorView::contiguous(p, DType::bf16, {B, heads, N, d}, Device::cuda);
   };
   const TensorView q = upload(HQ), k = upload(HKV), v = upload(HKV), out = upload(HQ);
-  const double flops = 2.0 * HQ * double(N) * double(N) * double(d);  // the issue's convention
+  const double flops = 2.0 * double(B) * HQ * double(N) * double(N) * double(d);  // the issue's convention
   struct Named {
     const char* name;
     Policy policy;
