@@ -22,6 +22,13 @@ std::string refusal(const Capabilities& c, const Policy& p, int64_t d) {
   return "";
 }
 
+Policy sq_all() {
+  Policy p;
+  p.smooth_q = SmoothQ::all;
+  p.sink_keys = 2;
+  return p;
+}
+
 }  // namespace
 
 TEST(Capabilities, AcceptWhatTheTableListsAndNameTheRest) {
@@ -37,8 +44,17 @@ TEST(Capabilities, AcceptWhatTheTableListsAndNameTheRest) {
   EXPECT_NE(m.find("CPU backend"), std::string::npos) << m;
   EXPECT_EQ(m.find("--"), std::string::npos) << "a library error names no CLI flag: " << m;
 
-  EXPECT_NE(refusal(gpu, Policy{}, 96).find("head dims 64, 128"), std::string::npos);
+  EXPECT_NE(refusal(gpu, Policy{}, 96).find("head dims 64, 128, 256"), std::string::npos);
   EXPECT_EQ(refusal(cpu_capabilities(), Policy{}, 96), "");
+  // Head dim 256: MX tiles with pv = bf16 (the transforms included), nothing else.
+  EXPECT_EQ(refusal(gpu, sq_all(), 256), "");
+  Policy nv256 = Policy::tiles(Format::mxfp8_e4m3, Format::nvfp4, 1, 0), pv256;
+  pv256.pv = PV::fp8;
+  EXPECT_NE(refusal(gpu, nv256, 256).find("at head dim 256 takes MX tiles with pv=bf16"), std::string::npos)
+      << refusal(gpu, nv256, 256);
+  EXPECT_NE(refusal(gpu, pv256, 256).find("at head dim 256"), std::string::npos);
+  EXPECT_EQ(refusal(gpu, pv256, 128), "");
+  EXPECT_NE(refusal(cuda_decode_capabilities(), Policy{}, 256).find("head dims 64, 128"), std::string::npos);
 
   Policy sq;  // smooth_q: MX tiles and pv = bf16 only on the GPU
   sq.smooth_q = SmoothQ::all;

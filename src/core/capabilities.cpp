@@ -14,7 +14,8 @@ const std::vector<Format> kMx32 = {Format::mxfp8_e4m3, Format::mxfp8_e5m2, Forma
 constexpr std::string_view kAllMasks = "none, causal, q/k offsets, sliding window", kDecodeMasks = "causal, sliding window";
 const std::vector<std::string_view> kAllTransforms = {"rotate", "smooth_k", "smooth_q", "sink_keys"};
 // The head dims the CUDA kernels are built for.
-const std::vector<int64_t> kCudaHeadDims = cuda::dim_vector(cuda::HeadDims{});
+const std::vector<int64_t> kPrefillHeadDims = cuda::dim_vector(cuda::PrefillHeadDims{}),
+                           kDecodeHeadDims = cuda::dim_vector(cuda::DecodeHeadDims{});
 
 std::vector<Format> with_nvfp4(std::vector<Format> f) {
   f.push_back(Format::nvfp4);
@@ -34,9 +35,12 @@ std::string join(const std::vector<std::string_view>& v, std::string_view sep = 
 
 std::string head_dims_text(const Capabilities& c) {
   if (c.head_dims.empty()) return "multiples of 32 up to 256";
-  std::string s;
-  for (int64_t x : c.head_dims) s += (s.empty() ? "" : ", ") + std::to_string(x);
-  return s;
+  std::string s, wide;
+  for (int64_t x : c.head_dims) {
+    s += (s.empty() ? "" : ", ") + std::to_string(x);
+    if (c.mx_bf16_above && x > c.mx_bf16_above) wide += (wide.empty() ? "" : ", ") + std::to_string(x);
+  }
+  return wide.empty() ? s : s + " (" + wide + ": MX tiles, P·V bf16)";
 }
 
 // full: every format by name (the errors); else MX 32-block formats as "MX" (the table).
@@ -89,23 +93,27 @@ const Capabilities& kv_cache_capabilities() {
 }
 
 const Capabilities& cuda_prefill_capabilities() {
-  static const Capabilities c{
-      "the CUDA prefill", kCudaHeadDims, with_nvfp4(kMx32), {PV::bf16, PV::fp8}, {"rotate", "smooth_k"},
-      {"smooth_q", "sink_keys"}, kAllMasks, "",
-      "bf16 tiles and per-32-key-block P.V scales do not map onto Hopper's FP8 wgmma at speed",
-      "the CPU backend computes every combination (CPU tensors)"};
+  static const Capabilities c = [] {
+    Capabilities c{"the CUDA prefill", kPrefillHeadDims, with_nvfp4(kMx32), {PV::bf16, PV::fp8}, {"rotate", "smooth_k"},
+                   {"smooth_q", "sink_keys"}, kAllMasks, "",
+                   "bf16 tiles and per-32-key-block P.V scales do not map onto Hopper's FP8 wgmma at speed; "
+                   "at head dim 256 NVFP4's bf16 operands and pv=fp8's E4M3 V leave no room for three stages",
+                   "the CPU backend computes every combination (CPU tensors)"};
+    c.mx_bf16_above = 128;
+    return c;
+  }();
   return c;
 }
 
 const Capabilities& cuda_decode_capabilities() {
-  static const Capabilities c{"the CUDA decode", kCudaHeadDims, kMx32, {PV::bf16, PV::mxfp8, PV::mxfp4}, kAllTransforms,
+  static const Capabilities c{"the CUDA decode", kDecodeHeadDims, kMx32, {PV::bf16, PV::mxfp8, PV::mxfp4}, kAllTransforms,
                               {}, kDecodeMasks, kv_cache_capabilities().note, "",
                               "the decode of CPU tensors takes every head dim the KV cache does"};
   return c;
 }
 
 const Capabilities& cuda_kv_cache_capabilities() {
-  static const Capabilities c{"the CUDA KV cache", kCudaHeadDims, kMx32, {PV::bf16, PV::mxfp8, PV::mxfp4},
+  static const Capabilities c{"the CUDA KV cache", kDecodeHeadDims, kMx32, {PV::bf16, PV::mxfp8, PV::mxfp4},
                               kAllTransforms, {}, kDecodeMasks, kv_cache_capabilities().note, "",
                               "the KV cache (host memory) takes every head dim"};
   return c;
@@ -123,6 +131,9 @@ void require(const Capabilities& c, const Policy& p, int64_t d) {
   if (!has(c.pv, p.pv))
     throw Error(std::string(c.name) + " takes pv " + pv_text(c) + ", not pv=" + std::string(pv_name(p.pv)) + rest);
   const bool mx_bf16 = p.pv == PV::bf16 && format_info(p.high).block == 32 && format_info(p.low).block == 32;
+  if (c.mx_bf16_above && d > c.mx_bf16_above && !mx_bf16)
+    throw Error(std::string(c.name) + " at head dim " + std::to_string(d) + " takes MX tiles with pv=bf16, not " +
+                p.describe() + rest);
   for (const std::string& t : transforms_of(p)) {
     if (has(c.transforms, std::string_view(t))) continue;
     if (has(c.transforms_mx_bf16, std::string_view(t)) && mx_bf16) continue;

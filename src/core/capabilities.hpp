@@ -23,6 +23,7 @@ struct Capabilities {
   std::string_view note;       // said under the transforms (the table)
   std::string_view why;        // why the limits are where they are (the errors)
   std::string_view elsewhere;  // where what it does not take runs (the errors)
+  int64_t mx_bf16_above = 0;   // head dims above this take MX tiles and pv = bf16 alone (0: none)
 };
 
 const Capabilities& cpu_capabilities();           // attention on the CPU (every combination)

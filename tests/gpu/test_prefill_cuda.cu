@@ -362,7 +362,7 @@ TensorView to_device(const HostTensor& t) {
 TEST(GpuPrefill, MatchesCpuOracleWhereScalesDoNotFold) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const uint64_t seed = fresh_seed();
-  for (int64_t d : {64, 128}) {
+  for (int64_t d : {64, 128, 256}) {
     const QKV x = random_qkv({1, 4, 2, 700, 700, d}, seed + uint64_t(d), DType::f32);
     const float shrink = 1.0f / 1024;
     const HostTensor q = spread(spread(x.q, d, 700, 0, 32, shrink, q_chosen), d, 700, 64, d, shrink, q_chosen);
@@ -383,7 +383,7 @@ TEST(GpuPrefill, MatchesCpuOracleWhereScalesDoNotFold) {
 TEST(GpuPrefill, LargeLogitsStayFiniteAndBounded) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const uint64_t seed = fresh_seed();
-  for (int64_t d : {64, 128}) {
+  for (int64_t d : {64, 128, 256}) {
     const int64_t n = 700;
     const QKV x = random_qkv({1, 4, 2, n, n, d}, seed + uint64_t(d), DType::f32);
     const QKV y{spread(x.q, d, n, 32, 64, 1024.0f, q_chosen), spread(x.k, d, n, 32, 64, 1024.0f, k_chosen),
@@ -591,7 +591,7 @@ TEST(GpuPrefill, PackedSequencesEqualEachSequenceAlone) {
   const Run runs[] = {{Policy{}, true, -1, "default"},       {Policy::plain(), true, -1, "plain"},
                       {Policy::all(Format::mxfp4), true, -1, "mxfp4"}, {Policy{}, true, 150, "window 150"},
                       {Policy{}, false, -1, "non-causal"},   {smooth_q, true, -1, "smooth_q (a call a sequence)"}};
-  for (int64_t d : {64, 128}) {
+  for (int64_t d : {64, 128, 256}) {
     // Packed [1, total, H, d] bf16 rows seen as the [1, H, total, d] views varlen_attention takes.
     const QKV x = random_qkv({1, Hq, Hkv, tq, tk, d}, seed + uint64_t(d), DType::bf16);
     auto packed = [](const HostTensor& t, int64_t H, int64_t n, int64_t dd) {
@@ -700,6 +700,7 @@ TEST(GpuPrefill, AccuracyTransformsMatchCpuOracle) {
       {4, 2, 1000, 1000, 64, true, with(wide, true, SmoothQ::high, true, 2), "all, sq=high (rows transformed first)"},
       {4, 4, 900, 900, 128, false, with(dflt, false, SmoothQ::high, true, 0), "sq=high+rotate non-causal"},
       {4, 4, 1000, 1000, 64, false, with(dflt, true, SmoothQ::off, true, 0), "rotate+smooth_k non-causal"},
+      {4, 2, 700, 700, 128, true, with(dflt, false, SmoothQ::off, true, 200), "200 sink keys (two tiles)"},
   };
   const uint64_t seed = fresh_seed();
   const DType dtypes[3] = {DType::bf16, DType::f16, DType::f32};
@@ -722,6 +723,10 @@ TEST(GpuPrefill, AccuracyTransformsMatchCpuOracle) {
   block.k_offset = 0;
   block.name = "all, key block with sinks";
   check_case(block, DType::bf16, seed + 21);
+  block.k_offset = 128;  // sink keys 128..199 are the block's keys 0..71
+  block.policy.sink_keys = 200;
+  block.name = "all, key block inside the sinks";
+  check_case(block, DType::bf16, seed + 22);
   const char* src = std::getenv("DMATTN_SOURCE_DIR");
   for (int layer : {1, 20}) {
     const std::string base = std::string(src ? src : DMATTN_SOURCE_DIR) + "/tests/data/layer" + std::to_string(layer) + "_";
@@ -749,4 +754,43 @@ TEST(GpuPrefill, AccuracyTransformsSmallMatchCpuOracle) {
   check_case({2, 1, 300, 300, 128, true, p, "sk+sq=high+rot, small d=128"}, DType::bf16, seed + 3);
   p.sink_keys = 1;  // the high and the low tiles' Q from rows of their own
   check_case({2, 1, 300, 300, 64, true, p, "sk+sq=high+rot+sink, small d=64"}, DType::f16, seed + 4);
+}
+
+// Head dim 256 (Gemma's): a step of the kernel's loop is half a key tile (Tiling<256>) and an FP8 row
+// two swizzle atoms. Each path of its MX instances against the oracle: folded and per-block tiles
+// (MatchesCpuOracleWhereScalesDoNotFold), the transforms' instance with sink keys across steps and
+// tiles, offsets, windows, packed sequences (PackedSequencesEqualEachSequenceAlone); and the forms
+// it does not take (NVFP4, pv = fp8) refused.
+TEST(GpuPrefill, HeadDim256MatchesCpuOracle) {
+  SKIP_WITHOUT_CUDA_DEVICE();
+  const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
+  Policy sinks, sq;
+  sinks.sink_keys = 100;  // two steps
+  sq.smooth_q = SmoothQ::all;
+  const Case cases[] = {
+      {1, 1, 1, 1, 256, true, Policy{}, "d=256 N=1"},
+      {8, 2, 1000, 1000, 256, true, Policy{}, "d=256 default GQA 4"},
+      {4, 4, 700, 700, 256, true, Policy::plain(), "d=256 plain"},
+      {4, 1, 300, 1000, 256, true, Policy::tiles(e4, f4, 2, 1), "d=256 Nq<Nk diag2 sink1"},
+      {4, 4, 1000, 300, 256, false, Policy{}, "d=256 Nq>Nk non-causal"},
+      {2, 2, 1500, 1500, 256, false, Policy::tiles(Format::mxfp8_e5m2, Format::mxfp6_e2m3, 1, 1), "d=256 e5m2/e2m3"},
+      {4, 2, 900, 900, 256, true, Policy{}, "d=256 window (300, 0)", {}, {}, {300, 0}},
+      {2, 2, 700, 700, 256, false, Policy{}, "d=256 window (40, 130)", {}, {}, {40, 130}},
+      {4, 2, 384, 640, 256, true, Policy{}, "d=256 offsets", 2048 + 100, 2048},
+      {4, 2, 700, 700, 256, true, sinks, "d=256 100 sink keys"},
+      {4, 2, 700, 700, 256, true, sq, "d=256 smooth_q"},
+      {8, 1, 4096, 4096, 256, true, Policy{}, "d=256 N=4096 GQA 8"},
+  };
+  const uint64_t seed = fresh_seed();
+  const DType dtypes[3] = {DType::bf16, DType::f16, DType::f32};
+  for (size_t i = 0; i < std::size(cases); ++i) check_case(cases[i], dtypes[i % 3], seed + i);
+
+  const QKV x = random_qkv({1, 2, 1, 64, 64, 256}, seed);
+  HostTensor out(DType::f32, x.q.shape());
+  AttentionOptions o;
+  o.policy.pv = PV::fp8;
+  EXPECT_THROW(attention_on_device(x.q.view(), x.k.view(), x.v.view(), out.view(), nullptr, o), Error);
+  o = {};
+  o.policy.low = Format::nvfp4;
+  EXPECT_THROW(attention_on_device(x.q.view(), x.k.view(), x.v.view(), out.view(), nullptr, o), Error);
 }

@@ -220,7 +220,7 @@ TEST(GpuQuantize, FlagsNonFiniteValues) {
 // where no small value would round, so some do and some do not.
 TEST(GpuQuantize, FoldingKeepsValuesAndUnifiesRowScales) {
   SKIP_WITHOUT_CUDA_DEVICE();
-  for (int64_t d : {64, 128}) {
+  for (int64_t d : {64, 128, 256}) {
     const int64_t rows = 512, nb = d / 32;
     // per-block magnitudes 2^0..2^2 over a per-row level
     const std::vector<float> x =
@@ -275,7 +275,7 @@ TEST(GpuQuantize, RoundFoldMovesOnlySubnormalValuesByHalfAStep) {
   // Block levels 2^0..2^3 over a per-row level; every 7th row one block at 2^-10.
   auto level = [](int64_t r, int64_t i) { return (r % 7 == 0 && i / 32 == 1 ? -10 : int((i / 32 + r) % 4)) + int(r % 9) - 4; };
   constexpr int64_t rows = 700;
-  for (int64_t d : {64, 128}) {
+  for (int64_t d : {64, 128, 256}) {
     const int64_t nb = d / 32;
     const std::vector<float> x = leveled_rows(rows, d, uint64_t(7 + d), level);
     HostTensor host = HostTensor::from_floats(x, {1, 1, rows, d}, DType::bf16);
@@ -344,7 +344,7 @@ TEST(GpuQuantize, RoundFoldMovesOnlySubnormalValuesByHalfAStep) {
 TEST(GpuQuantize, PrefillPairFormsKeepValues) {
   SKIP_WITHOUT_CUDA_DEVICE();
   for (DType dt : {DType::bf16, DType::f16})
-    for (int64_t d : {64, 128}) {
+    for (int64_t d : {64, 128, 256}) {
       const int64_t H = 3, N = 200, rows = H * N, nb = d / 32, pad = 256;
       Rng rng(31 + d);
       std::vector<float> x(size_t(rows * d));
@@ -430,7 +430,7 @@ TEST(GpuQuantize, PrefillPairFormsKeepValues) {
 // E4M3's smallest subnormal) does not. Outputs poisoned first; ragged last tile (N = 300).
 TEST(GpuQuantize, KeyTileFoldingKeepsValues) {
   SKIP_WITHOUT_CUDA_DEVICE();
-  for (int64_t d : {64, 128}) {
+  for (int64_t d : {64, 128, 256}) {
     const int64_t BH = 2, N = 300, pad = 384, nb = d / 32, tiles = pad / 128;
     Rng rng(7 + d);
     std::vector<float> x(size_t(BH * N * d));

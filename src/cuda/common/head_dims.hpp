@@ -1,6 +1,10 @@
-// The head dims the CUDA kernels are built for, stated once (HeadDims): every check and every
-// dispatch to a kernel's compile-time D goes through here, so a new head dim is one entry in the
-// list plus the kernels' own tiling for it.
+// The head dims the CUDA kernels are built for, stated once: every check and every dispatch to a
+// kernel's compile-time D goes through here, so a new head dim is one entry in a list plus the
+// kernels' own tiling for it.
+//  PrefillHeadDims: the prefill kernel and its pre-pass.
+//  DecodeHeadDims: the decode kernel and the KV cache in GPU memory (their pages' records). At d = 256
+//    a warp's stages of bf16 or MXFP8 V records leave room for one CTA an SM, which the decode's
+//    instances and plan do not have.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -13,7 +17,8 @@ namespace dmattn::cuda {
 
 template <int... Ds>
 struct DimList {};
-using HeadDims = DimList<64, 128>;
+using PrefillHeadDims = DimList<64, 128, 256>;
+using DecodeHeadDims = DimList<64, 128>;
 
 // Calls f(std::integral_constant<int, D>{}) for the listed D equal to d; false if none is.
 template <class F, int... Ds>
@@ -33,19 +38,18 @@ std::vector<int64_t> dim_vector(DimList<Ds...>) {
   return {Ds...};
 }
 
-inline bool head_dim_built(int64_t d) { return dispatch_dim(HeadDims{}, d, [](auto) {}); }
-
-// Throws dmattn::Error, naming `what`, for a head dim the kernels are not built for.
-inline void require_head_dim(int64_t d, const char* what) {
-  if (!head_dim_built(d))
-    throw Error(std::string(what) + " supports head dims " + dim_names(HeadDims{}) + " (got " + std::to_string(d) + ")");
+// Throws dmattn::Error, naming `what`, for a head dim the list's kernels are not built for.
+template <class List>
+void require_head_dim(List list, int64_t d, const char* what) {
+  if (!dispatch_dim(list, d, [](auto) {}))
+    throw Error(std::string(what) + " supports head dims " + dim_names(list) + " (got " + std::to_string(d) + ")");
 }
 
-// f(std::integral_constant<int, D>{}) with D = d (require_head_dim first).
-template <class F>
-void with_head_dim(int64_t d, const char* what, F&& f) {
-  require_head_dim(d, what);
-  dispatch_dim(HeadDims{}, d, f);
+// f(std::integral_constant<int, D>{}) with D = d, one of the list's.
+template <class List, class F>
+void with_head_dim(List list, int64_t d, const char* what, F&& f) {
+  require_head_dim(list, d, what);
+  dispatch_dim(list, d, f);
 }
 
 }  // namespace dmattn::cuda

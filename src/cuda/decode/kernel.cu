@@ -161,7 +161,7 @@ void launch(const Params& p, dim3 grid, int d, int vbits, int nr, int ctas, cuda
     else
       go(dc, std::integral_constant<int, 4>{});
   };
-  with_head_dim(d, "the CUDA decode", with_v);
+  with_head_dim(DecodeHeadDims{}, d, "the CUDA decode", with_v);
 }
 
 }  // namespace
@@ -229,7 +229,7 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
         transform_queries<decltype(dc)::value><<<blocks, 128, 0, stream>>>(
             typed, q.stride[0], q.stride[1], q.stride[2], int(Hq), int(Nq), p.G, rows, qt, kv, scale, qx, sink, lse_shift);
       };
-      with_head_dim(d, "the CUDA decode", go);
+      with_head_dim(DecodeHeadDims{}, d, "the CUDA decode", go);
     });
     check(cudaGetLastError(), "decode query transform");
     p.q = qx;

@@ -22,7 +22,7 @@ __device__ __forceinline__ void store_pair(fp16* dst, float lo, float hi) { *rei
 // row[0], row[1] (valid: inside the output); hk: the head's KV head (V's scales).
 template <int D, class TOut, bool kF8V>
 __device__ __forceinline__ void store_output(const PrefillParams& p, const float (&o)[D / 2],
-                                             const OnlineSoftmax<BN>& softmax, int b, int h, int hk,
+                                             const OnlineSoftmax<Tiling<D>::kBN>& softmax, int b, int h, int hk,
                                              const int64_t (&row)[2], const bool (&valid)[2], int t) {
   constexpr float kShift = kF8V ? float(kPvFp8Shift) : 0.0f;
   // pv = fp8: V's scales for this thread's D/4 columns (acc_col), all loaded before any store: read

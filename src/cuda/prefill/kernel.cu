@@ -49,6 +49,7 @@ template <int D, class TOut, bool kF8V, bool kNv, bool kFix = false, bool kPacke
 __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_constant__ PrefillParams p) {
   using S = Smem<D, kF8V, kNv, kFix>;
   constexpr int NB = S::kNb, kStages = S::kStages;
+  constexpr int BN = S::BN, kR = kTile / BN;  // keys a step, steps a key tile
   extern __shared__ __align__(1024) uint8_t smem[];
   uint8_t* sQ = smem;
   float* sQs = reinterpret_cast<float*>(smem + S::kQ);
@@ -71,12 +72,12 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   const int64_t pos0 = tile.pos0;
   const int64_t qtile = hd::floor_div(pos0, kTile);
   const int nslots = p.nslots;
-  const Mask::Tiles kt = key_tiles(tile.mask(), pos0);
-  const int tiles = kt.end;  // key tiles [kt.begin, tiles)
+  const Mask::Tiles kt = key_steps<BN>(tile.mask(), pos0);
+  const int steps = kt.end;  // steps [kt.begin, steps); step j lies in key tile j / kR
   const int key0 = tile.key0();  // the sequence's key 0 in K's padded rows
   const int64_t kv_tile0 = (int64_t(b) * p.Hkv + hk) * p.ldv + key0;  // this head's row scales
-  const HighTiles high(p.policy, qtile, tiles, p.ktile0);
-  auto slot_of = [&](int j) { return (nslots == 2 && !high(j)) ? 1 : 0; };
+  const HighTiles high(p.policy, qtile, (steps + kR - 1) / kR, p.ktile0);
+  auto slot_of = [&](int j) { return (nslots == 2 && !high(j / kR)) ? 1 : 0; };
 
   if (threadIdx.x < 4) q_folded[threadIdx.x / 2][threadIdx.x % 2] = 1;
   if (threadIdx.x == 0) {
@@ -99,7 +100,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     wg::regs_dec<24>();
     if (threadIdx.x == kConsumers) {
       const int bh = b * p.Hkv + hk;
-      for (int j = kt.begin, st = 0, phase = 0; j < tiles; ++j, phase ^= (st == kStages - 1), st = (st + 1) % kStages) {
+      for (int j = kt.begin, st = 0, phase = 0; j < steps; ++j, phase ^= (st == kStages - 1), st = (st + 1) % kStages) {
         const int slot = slot_of(j);
         const bool nv = kNv && p.op[slot] == Operand::bf16;  // bf16 K in D/64 atoms of 128-byte rows, no block scales
         if (j - kt.begin >= kStages) tma::wait(&empty[st], uint32_t(phase ^ 1));
@@ -111,8 +112,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
         if (nv) {
           for (int a = 0; a < D / 64; ++a)
             tma::load_3d(sK(st) + a * BN * 128, &p.kmap[slot], a * 64, key0 + j * BN, bh, &full[st]);
-        } else {
-          tma::load_3d(sK(st), &p.kmap[slot], 0, key0 + j * BN, bh, &full[st]);
+        } else {  // (d = 256: two 128-byte atoms a row)
+          for (int a = 0; a < Fp8Rows<D, BN>::kAtoms; ++a)
+            tma::load_3d(sK(st) + a * BN * 128, &p.kmap[slot], a * 128, key0 + j * BN, bh, &full[st]);
         }
         tma::load_bytes(sKr(st), p.krs[slot] + kv_tile0 + int64_t(j) * BN, BN * 4, &full[st]);
         if (!nv) tma::load_bytes(sKb(st), p.ks[slot] + (kv_tile0 + int64_t(j) * BN) * NB, BN * NB, &full[st]);
@@ -123,7 +125,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
           tma::arrive_expect(vbar, S::kVt);
         }
         tma::load_3d(sVt(st), &p.vmap, key0 + j * BN, 0, bh, vbar);
-        if (!kF8V) tma::load_3d(sVt(st) + S::kVHalf, &p.vmap, key0 + j * BN + BN / 2, 0, bh, vbar);
+        if (!kF8V && BN == 128) tma::load_3d(sVt(st) + S::kVHalf, &p.vmap, key0 + j * BN + 64, 0, bh, vbar);
       }
     }
     return;
@@ -135,7 +137,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   // arrivals as waits.
   constexpr bool kTurns = Tiling<D>::kTurns;
   const int me = 1 + wgi, other = 2 - wgi;
-  if (kTurns && wgi == 1 && kt.begin < tiles) wg::bar_arrive(1, kConsumers);
+  if (kTurns && wgi == 1 && kt.begin < steps) wg::bar_arrive(1, kConsumers);
   // Each warpgroup brings in its Q rows while the producer's first copies are in flight.
   load_q<D, kF8V, kNv>(p, tile, pos0, off, wgi, sQ, sQs, q_folded);
   wg::fence_async_smem();       // Q bytes written by st.shared are read by wgmma
@@ -170,21 +172,22 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
 #pragma unroll
   for (int kc = 0; kc < (kF8V ? BN / 32 : BN / 16); ++kc) a[kc][0] = a[kc][1] = a[kc][2] = a[kc][3] = 0u;
 
-  // Tile j's key scales (kts): one scale for the whole tile (> 0), one a key (0), or several a key
-  // (< 0). Read a tile ahead: a global load's latency on the loop's critical path cost as much as the
+  // Key tile j's key scales (kts): one scale for the whole tile (> 0), one a key (0), or several a key
+  // (< 0). Read a step ahead: a global load's latency on the loop's critical path cost as much as the
   // tile's softmax.
-  const float* kts0 = p.kts[0] + kv_tile0 / BN;
-  const float* kts1 = nslots == 2 ? p.kts[1] + kv_tile0 / BN : kts0;  // (a select: an indexed pair went to local memory)
-  float kts_next = kt.begin < tiles ? (slot_of(kt.begin) ? kts1 : kts0)[kt.begin] : 0.0f;
+  const float* kts0 = p.kts[0] + kv_tile0 / kTile;
+  const float* kts1 = nslots == 2 ? p.kts[1] + kv_tile0 / kTile : kts0;  // (a select: an indexed pair went to local memory)
+  float kts_next = kt.begin < steps ? (slot_of(kt.begin) ? kts1 : kts0)[kt.begin / kR] : 0.0f;
   // Each slot's tensor-core form in registers: indexing the parameter by slot cost a stalled constant
   // load per tile (ncu).
   const Operand op_high = p.op[0], op_low = p.op[1];
   // wgmma descriptors of the warpgroup's Q slots and of stage 0's K and V^T.
-  const wg::Desc dq0 = wg::make_desc<D>(sQ + wgi * 64 * D), dq1 = dq0 + S::kOp, dk0 = wg::make_desc<D>(sK(0)),
+  constexpr int kW = Fp8Rows<D, BM>::kW;  // (the warpgroup's rows start 64 rows in)
+  const wg::Desc dq0 = wg::make_desc<kW>(sQ + wgi * 64 * kW), dq1 = dq0 + S::kQSlot, dk0 = wg::make_desc<kW>(sK(0)),
                  dv0 = wg::make_desc<128>(sVt(0));
   // (stage st: K at dk0 + st * kKStride, V^T at dv0 + st * kVStride)
   // kNv: the bf16 forms' descriptors (128-byte atoms; the warpgroup's rows start 64 rows in).
-  const wg::Desc bq0 = wg::make_desc<128>(sQ + wgi * 64 * 128), bq1 = bq0 + S::kOp, bk0 = wg::make_desc<128>(sK(0));
+  const wg::Desc bq0 = wg::make_desc<128>(sQ + wgi * 64 * 128), bq1 = bq0 + S::kQSlot, bk0 = wg::make_desc<128>(sK(0));
   // Stage st of tile j and the parity of its fill, kept as counters (64-bit j % 3 and j / 3 cost ~40
   // instructions a tile).
   int st = 0, prev = kStages - 1;
@@ -214,10 +217,10 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     wg::pin(a);
     if (j > kt.begin) tma::arrive(S::kSplit ? &vempty[prev] : &empty[prev]);
   };
-  for (int j = kt.begin; j < tiles; ++j) {
+  for (int j = kt.begin; j < steps; ++j) {
     const int slot = slot_of(j);
     const float kts_j = kts_next;
-    if (j + 1 < tiles) kts_next = (slot_of(j + 1) ? kts1 : kts0)[j + 1];
+    if (j + 1 < steps) kts_next = (slot_of(j + 1) ? kts1 : kts0)[(j + 1) / kR];
     const Operand op = slot ? op_low : op_high;
     const bool nv = kNv && op == Operand::bf16;  // one chain always (only the kNv instances carry its code)
     const bool folded = nv || (kts_j >= 0.0f && q_folded[slot][wgi]);
@@ -241,9 +244,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       wg::commit();
     }
     if (folded) {
-      if (nv)
-        issue_chain<D, Operand::bf16>(s, slot ? bq1 : bq0, bk0 + st * S::kKStride);
-      else if (op == Operand::e5m2)
+      if (nv) {
+        if constexpr (kNv) issue_chain<D, Operand::bf16>(s, slot ? bq1 : bq0, bk0 + st * S::kKStride);
+      } else if (op == Operand::e5m2)
         issue_chain<D, Operand::e5m2>(s, sq, sk);
       else
         issue_chain<D, Operand::e4m3>(s, sq, sk);
@@ -251,7 +254,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
         issue_pv_any(pv_stage, pv_phase);
         wg::commit();
       }
-      if (kTurns && (wgi == 0 || j + 1 < tiles)) wg::bar_arrive(other, kConsumers);
+      if (kTurns && (wgi == 0 || j + 1 < steps)) wg::bar_arrive(other, kConsumers);
       if constexpr (kF8V) {
         wg::wait<1>();
         finish_pv(j);
@@ -265,13 +268,13 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       const float kf = kts_j > 0.0f ? kts_j : 1.0f;
       c[0] = rmask.sees_any(0) ? p.scale * kLog2e * sqs[0] * kf : 1.0f;
       c[1] = rmask.sees_any(1) ? p.scale * kLog2e * sqs[8 * NB] * kf : 1.0f;
-      if (kts_j <= 0.0f) scale_by_keys(s, sKr(st), t);
+      if (kts_j <= 0.0f) scale_by_keys<BN>(s, sKr(st), t);
     } else {
       if constexpr (!kF8V) {
         issue_pv_any(pv_stage, pv_phase);
         wg::commit();
       }
-      if (kTurns && (wgi == 0 || j + 1 < tiles)) wg::bar_arrive(other, kConsumers);
+      if (kTurns && (wgi == 0 || j + 1 < steps)) wg::bar_arrive(other, kConsumers);
       if constexpr (kF8V) {  // (the blocks' first wait would retire it anyway; opv is free for their partial sums)
         wg::wait<0>();
         finish_pv(j);
@@ -282,21 +285,23 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
         scores_per_block<D, Operand::e4m3>(s, sq, sqs, sk, sKb(st), p.scale, t);  // s: scaled logits
     }
     // kFix: S to logits plus the transforms' parts (c then takes log2(e) alone), on the tiles whose
-    // queries smooth_q centres (slot 0 is the high one, or the only one), on key tile 0 with sink keys.
+    // queries smooth_q centres (slot 0 is the high one, or the only one), on the steps holding sink
+    // keys (p.sink_keys: the keys from key 0 whose absolute positions are sinks).
     const bool centred = kFix && p.ds && p.policy.smooths_q(slot == 0);
-    if (kFix && (centred || (j == 0 && p.ktile0 == 0 && p.sink_keys > 0))) {
+    const bool sinks = kFix && j * BN < p.sink_keys;
+    if (kFix && (centred || sinks)) {
       const float u[2] = {folded ? c[0] * (1.0f / kLog2e) : 1.0f, folded ? c[1] * (1.0f / kLog2e) : 1.0f};
       const int64_t bhq = int64_t(b) * p.Hq + h;
-      const int sk = j == 0 && p.ktile0 == 0 ? p.sink_keys : 0;
-      const float* sink0 = sk ? p.sink + (bhq * p.Nq + (valid[0] ? row[0] : 0)) * p.sink_keys : nullptr;
-      const float* sink1 = sk ? p.sink + (bhq * p.Nq + (valid[1] ? row[1] : 0)) * p.sink_keys : nullptr;
-      fix_scores(s, u, centred ? reinterpret_cast<const float*>(sK(st) + S::kDs) : nullptr, sink0, sink1, sk, t);
+      const float* sink0 = sinks ? p.sink + (bhq * p.Nq + (valid[0] ? row[0] : 0)) * p.sink_keys : nullptr;
+      const float* sink1 = sinks ? p.sink + (bhq * p.Nq + (valid[1] ? row[1] : 0)) * p.sink_keys : nullptr;
+      fix_scores<BN>(s, u, centred ? reinterpret_cast<const float*>(sK(st) + S::kDs) : nullptr, sink0, sink1, j * BN,
+                     sinks ? p.sink_keys : 0, t);
       c[0] = c[1] = kLog2e;
     }
 
     if constexpr (S::kSplit) tma::arrive(&empty[st]);  // S_j has retired and the key scales are read
 
-    rmask.apply(s, j * BN, t);
+    rmask.apply<BN>(s, j * BN, t);
     float alpha[2];
     softmax.update(s, c, kShift, alpha);
 
@@ -334,7 +339,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     phase ^= st == kStages - 1;
     st = st == kStages - 1 ? 0 : st + 1;
   }
-  if (kt.begin < tiles) {  // the last tile's P.V
+  if (kt.begin < steps) {  // the last step's P.V
     issue_pv_any(prev, prev_phase);
     wg::commit();
     wg::wait<0>();
@@ -346,8 +351,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
 
 template <int D, class TOut, bool kF8V, bool kNv, bool kFix = false, bool kPacked = false>
 void launch(PrefillParams p, int64_t blocks, int batch, cudaStream_t stream) {
-  // TMA maps: K bytes [B*Hkv][Nk][D] in boxes of one tile (zeros past Nk), swizzled like wg::swizzled<D>;
-  // V^T bf16 [B*Hkv][D][ldv] in boxes of 64 keys x D (128-byte rows).
+  // TMA maps: K bytes [B*Hkv][Nk][D] in boxes of a step's keys x one swizzle atom (zeros past Nk),
+  // laid out like Fp8Rows; V^T bf16 [B*Hkv][D][ldv] in boxes of 64 keys x D (128-byte rows).
+  constexpr int BN = Tiling<D>::kBN;
   const uint64_t bh = uint64_t(batch) * uint64_t(p.Hkv), nk = uint64_t(p.Nk), ldv = uint64_t(p.ldv);
   // (An NVFP4 slot's K: bf16 values in boxes of 64 elements x one tile, D/64 a tile.)
   for (int s = 0; s < 2; ++s)
@@ -355,14 +361,14 @@ void launch(PrefillParams p, int64_t blocks, int batch, cudaStream_t stream) {
       p.kmap[s] = tensor_map_3d(p.k8[s], CU_TENSOR_MAP_DATA_TYPE_UINT16, {D, nk, bh}, {2 * D, nk * 2 * D}, {64, BN, 1},
                                 CU_TENSOR_MAP_SWIZZLE_128B);
     else if (p.k8[s])
-      p.kmap[s] = tensor_map_3d(p.k8[s], CU_TENSOR_MAP_DATA_TYPE_UINT8, {D, nk, bh}, {D, nk * D}, {D, BN, 1},
-                                Tiling<D>::kKSwizzle);
+      p.kmap[s] = tensor_map_3d(p.k8[s], CU_TENSOR_MAP_DATA_TYPE_UINT8, {D, nk, bh}, {D, nk * D},
+                                {Fp8Rows<D, BN>::kW, BN, 1}, Tiling<D>::kKSwizzle);
   // (pv = fp8: E4M3 V^T in boxes of 128 keys x D.)
   if constexpr (kF8V)
     p.vmap = tensor_map_3d(p.vt, CU_TENSOR_MAP_DATA_TYPE_UINT8, {ldv, D, bh}, {ldv, D * ldv}, {BN, D, 1},
                            CU_TENSOR_MAP_SWIZZLE_128B);
   else
-    p.vmap = tensor_map_3d(p.vt, CU_TENSOR_MAP_DATA_TYPE_UINT16, {ldv, D, bh}, {ldv * 2, D * ldv * 2}, {BN / 2, D, 1},
+    p.vmap = tensor_map_3d(p.vt, CU_TENSOR_MAP_DATA_TYPE_UINT16, {ldv, D, bh}, {ldv * 2, D * ldv * 2}, {64, D, 1},
                            CU_TENSOR_MAP_SWIZZLE_128B);
   constexpr int bytes = Smem<D, kF8V, kNv, kFix>::kBytes;
   constexpr auto kernel = prefill_kernel<D, TOut, kF8V, kNv, kFix, kPacked>;
@@ -388,17 +394,21 @@ void launch_pv(const PrefillParams& p, DType out, int64_t blocks, int batch, cud
     if (nv || p.pv_fp8) throw Error("the CUDA prefill applies smooth_q and sink_keys to MX tiles with pv=bf16");
     return launch_d<D, false, false, true>(p, out, blocks, batch, stream);
   }
-  if (p.pv_fp8)
+  if constexpr (!kAllForms<D>) {  // (require_supported says so first)
+    if (nv || p.pv_fp8) throw Error("the CUDA prefill at head dim " + std::to_string(D) + " takes MX tiles and pv=bf16");
+    return launch_d<D, false, false>(p, out, blocks, batch, stream);
+  } else if (p.pv_fp8) {
     nv ? launch_d<D, true, true>(p, out, blocks, batch, stream) : launch_d<D, true, false>(p, out, blocks, batch, stream);
-  else
+  } else {
     nv ? launch_d<D, false, true>(p, out, blocks, batch, stream) : launch_d<D, false, false>(p, out, blocks, batch, stream);
+  }
 }
 
 }  // namespace
 }  // namespace prefill
 
 void launch_prefill(const PrefillParams& p, int d, DType out_dtype, int64_t blocks, int batch, cudaStream_t stream) {
-  with_head_dim(d, "the CUDA prefill kernel",
+  with_head_dim(PrefillHeadDims{}, d, "the CUDA prefill kernel",
                 [&](auto dc) { prefill::launch_pv<decltype(dc)::value>(p, out_dtype, blocks, batch, stream); });
   const cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) throw Error(std::string("prefill kernel launch failed: ") + cudaGetErrorString(err));

@@ -9,9 +9,10 @@
 
 namespace dmattn::cuda::prefill {
 
-// The key tiles [begin, end) a CTA's query tile at positions [pos0, pos0 + BM) visits (Mask::key_tiles;
-// the host checks Nk < 2^31).
-__device__ __forceinline__ Mask::Tiles key_tiles(const Mask& mask, int64_t pos0) { return mask.key_tiles(pos0, BM, BN); }
+// The steps of BN keys [begin, end) a CTA's query tile at positions [pos0, pos0 + BM) visits
+// (Mask::key_tiles; the host checks Nk < 2^31).
+template <int BN>
+__device__ __forceinline__ Mask::Tiles key_steps(const Mask& mask, int64_t pos0) { return mask.key_tiles(pos0, BM, BN); }
 
 // A thread's rows g and g + 8 of its warp's 16 (pos: their positions; valid: inside the output).
 struct RowMask {
@@ -33,9 +34,10 @@ struct RowMask {
   // Row r sees some key (kmax, not the positions: ptxas recomputed those from 64 bits every tile).
   __device__ __forceinline__ bool sees_any(int r) const { return kmax[r] >= 0; }
 
-  // The scores of tile j's keys [key0, key0 + BN) in the accumulator layout: keys a row does not
-  // see become -inf. A tile every row of the warp sees whole is skipped, in a branch of its own:
+  // The scores of a step's keys [key0, key0 + BN) in the accumulator layout: keys a row does not
+  // see become -inf. A step every row of the warp sees whole is skipped, in a branch of its own:
   // if-converted into the softmax's max loop the test costs every tile 128 instructions.
+  template <int BN>
   __device__ __forceinline__ void apply(float (&s)[BN / 2], int key0, int t) const {
     const bool whole = __all_sync(0xffffffffu, key0 >= max(kmin[0], kmin[1]) && key0 + BN - 1 <= min(kmax[0], kmax[1]));
     if (!whole)

@@ -11,11 +11,12 @@
 
 namespace dmattn::cuda::prefill {
 
-// Multiplies S by the keys' row scales (smem, adjacent pairs); the rows' factors are applied later,
-// inside the softmax's exponent (one FFMA).
-__device__ __forceinline__ void scale_by_keys(float (&s)[BN / 2], const float* sks, int t) {
+// Multiplies S (N keys) by the keys' row scales (smem, adjacent pairs); the rows' factors are
+// applied later, inside the softmax's exponent (one FFMA).
+template <int N>
+__device__ __forceinline__ void scale_by_keys(float (&s)[N / 2], const float* sks, int t) {
 #pragma unroll
-  for (int nt = 0; nt < BN / 8; ++nt) {
+  for (int nt = 0; nt < N / 8; ++nt) {
     const float2 k = *reinterpret_cast<const float2*>(sks + acc_col(4 * nt, t));
     s[4 * nt] *= k.x;
     s[4 * nt + 1] *= k.y;
@@ -24,10 +25,10 @@ __device__ __forceinline__ void scale_by_keys(float (&s)[BN / 2], const float* s
   }
 }
 
-// S for this warpgroup's 64 rows x the tile's 128 keys (docs/DESIGN.md):
+// S for this warpgroup's 64 rows x the step's keys (Tiling<D>::kBN; docs/DESIGN.md):
 //  - folded tile: all of d as one wgmma chain (issued and committed here, awaited by the caller),
 //    then the key scales (scale_by_keys) and the row scales (in the softmax) once;
-//  - otherwise one wgmma per (64-key half, 32-wide block) into a fresh accumulator, promoted with
+//  - otherwise one wgmma per (64 keys, 32-wide block) into a fresh accumulator, promoted with
 //    the block scales sq * sk on the CUDA cores (this retires every wgmma in flight).
 // Precision (GpuMma.WgmmaFp8DotPrecision): Hopper's FP8 wgmma keeps about 13 bits of its sum, so
 // E4M3/FP6 blocks, and chains over blocks of different magnitude, differ from the oracle's fp32 sums
@@ -41,13 +42,14 @@ __device__ __forceinline__ void scale_by_keys(float (&s)[BN / 2], const float* s
 // runs as one bf16 wgmma chain, 16 elements a wgmma, in 128-byte swizzle atoms of 64 elements
 // ([atom][rows][128 B]); the rows' second scales multiply S once, Q's as the row factor of the folded
 // path and K's as its per-key factor (the tile marked "a scale a key").
-template <int D, Operand Op>
+template <int D, Operand Op, int BN = Tiling<D>::kBN>
 __device__ __forceinline__ void issue_chain(float (&s)[BN / 2], wg::Desc sq, wg::Desc sk) {
   wg::fence();  // in the wgmmas' basic block: ptxas serialises every wgmma when it must insert one itself
   if constexpr (OperandTraits<Op>::kFp8) {
 #pragma unroll
     for (int c = 0; c < D / 32; ++c)
-      wg::mma_fp8<BN, OperandTraits<Op>::kE5M2>(s, (sq + c * 32).u64(), (sk + c * 32).u64(), c > 0);
+      wg::mma_fp8<BN, OperandTraits<Op>::kE5M2>(s, (sq + Fp8Rows<D, BM>::k_step(c)).u64(),
+                                                (sk + Fp8Rows<D, BN>::k_step(c)).u64(), c > 0);
   } else {
 #pragma unroll
     for (int k = 0; k < D / 16; ++k)
@@ -56,54 +58,57 @@ __device__ __forceinline__ void issue_chain(float (&s)[BN / 2], wg::Desc sq, wg:
   wg::commit();
 }
 
-template <int D, Operand Op>
+template <int D, Operand Op, int BN = Tiling<D>::kBN>
 __device__ __forceinline__ void scores_per_block(float (&s)[BN / 2], wg::Desc sq, const float* sqs, wg::Desc sk,
                                                  const uint8_t* sks8, float scale, int t) {
   static_assert(OperandTraits<Op>::kFp8, "the bf16 form has no block scales of its own: it always folds");
-  constexpr int NB = D / 32;
+  constexpr int NB = D / 32, kW = Fp8Rows<D, BN>::kW;
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) s[i] = 0.0f;
 #pragma unroll
-  for (int half = 0; half < 2; ++half)
+  for (int half = 0; half < BN / 64; ++half)  // 64 keys at a time
 #pragma unroll 1
     for (int c = 0; c < NB; ++c) {
-      float part[BN / 4];
+      float part[32];
 #pragma unroll
-      for (int i = 0; i < BN / 4; ++i) part[i] = 0.0f;
+      for (int i = 0; i < 32; ++i) part[i] = 0.0f;
       wg::fence();
-      wg::mma_fp8<BN / 2, OperandTraits<Op>::kE5M2>(part, (sq + c * 32).u64(), (sk + (half * (BN / 2) * D + c * 32)).u64(), false);
+      wg::mma_fp8<64, OperandTraits<Op>::kE5M2>(part, (sq + Fp8Rows<D, BM>::k_step(c)).u64(),
+                                                (sk + (half * 64 * kW + Fp8Rows<D, BN>::k_step(c))).u64(), false);
       wg::commit();
       wg::wait<0>();
       wg::pin(part);
 #pragma unroll
-      for (int i = 0; i < BN / 4; ++i) {
-        const float k = decode_e8m0(sks8[(half * BN / 2 + acc_col(i, t)) * NB + c]);
-        s[half * BN / 4 + i] += sqs[((i / 2) % 2) * 8 * NB + c] * k * part[i];
+      for (int i = 0; i < 32; ++i) {
+        const float k = decode_e8m0(sks8[(half * 64 + acc_col(i, t)) * NB + c]);
+        s[half * 32 + i] += sqs[((i / 2) % 2) * 8 * NB + c] * k * part[i];
       }
     }
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) s[i] *= scale;
 }
 
-// The accuracy transforms' share of a tile's scores (kFix instances): S in logits, plus smooth_q's
-// per-key addition (ds: the tile's 128 floats in shared memory, brought with its K), and on key
-// tile 0 the exact scores of the sink keys. u: each row's factor from S to logits (1
-// where S already holds them).
-__device__ __forceinline__ void fix_scores(float (&s)[BN / 2], const float (&u)[2], const float* ds,
-                                           const float* sink0, const float* sink1, int sink_keys, int t) {
+// The accuracy transforms' share of a step's N scores (kFix instances): S in logits, plus smooth_q's
+// per-key addition (ds: the step's N floats in shared memory, brought with its K), and the exact
+// scores of the sink keys among them (the step's first key is key0; sink0, sink1: the rows' sink
+// scores, keys 0 .. sink_keys - 1). u: each row's factor from S to logits (1 where S already
+// holds them).
+template <int N>
+__device__ __forceinline__ void fix_scores(float (&s)[N / 2], const float (&u)[2], const float* ds,
+                                           const float* sink0, const float* sink1, int key0, int sink_keys, int t) {
 #pragma unroll
-  for (int nt = 0; nt < BN / 8; ++nt) {
+  for (int nt = 0; nt < N / 8; ++nt) {
     const float2 a = ds ? *reinterpret_cast<const float2*>(ds + acc_col(4 * nt, t)) : make_float2(0.0f, 0.0f);
     s[4 * nt] = fmaf(s[4 * nt], u[0], a.x);
     s[4 * nt + 1] = fmaf(s[4 * nt + 1], u[0], a.y);
     s[4 * nt + 2] = fmaf(s[4 * nt + 2], u[1], a.x);
     s[4 * nt + 3] = fmaf(s[4 * nt + 3], u[1], a.y);
   }
-  if (sink_keys > 0)
+  if (key0 < sink_keys)
 #pragma unroll
-    for (int i = 0; i < BN / 2; ++i) {
-      const int col = acc_col(i, t);
-      if (col < sink_keys) s[i] = ((i / 2) % 2 ? sink1 : sink0)[col];
+    for (int i = 0; i < N / 2; ++i) {
+      const int key = key0 + acc_col(i, t);
+      if (key < sink_keys) s[i] = ((i / 2) % 2 ? sink1 : sink0)[key];
     }
 }
 
