@@ -1,7 +1,8 @@
 // DMA prefill on Hopper's warpgroup tensor cores (wgmma), warp-specialised. One CTA = one
 // 128-position query tile (aligned in absolute positions, so one format per key tile; scheduler.cuh
 // picks it) x the key tiles its mask reaches (mask.cuh: causal and sliding windows), in ascending
-// order. A producer warpgroup streams each tile's K (in the tile's format, FP8 bytes),
+// order, in steps of a tile (half a tile at d = 256: smem.cuh's Tiling). A producer warpgroup streams
+// each step's K (in its tile's format, FP8 bytes),
 // V (bf16, transposed by the pre-pass so both wgmma operands are K-major) and key scales into a
 // 3-stage ring with TMA (or K and V rings of 2 where 3 stages do not fit: Smem), signalled through
 // mbarriers; two consumer warpgroups of 64 query rows each
