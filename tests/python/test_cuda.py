@@ -20,9 +20,10 @@ def qkv(seed, N=1000, d=128, dtype=torch.bfloat16):
     return mk(8), mk(2), mk(2)
 
 
-@pytest.mark.parametrize("policy", [{}, {"high": "mxfp4"}, {"diag_tiles": 2, "sink_tiles": 1}, {"low": "nvfp4"}])
-def test_cuda_matches_cpu_oracle(policy):
-    q, k, v = qkv(1)
+@pytest.mark.parametrize("policy,d", [({}, 128), ({"high": "mxfp4"}, 128), ({"diag_tiles": 2, "sink_tiles": 1}, 128),
+                                      ({"low": "nvfp4"}, 128), ({}, 256), ({"smooth_q": True, "sink_keys": 2}, 256)])
+def test_cuda_matches_cpu_oracle(policy, d):
+    q, k, v = qkv(1, d=d)
     ref, ref_lse = dmattn.attention(q, k, v, causal=True, return_lse=True, **policy)
     out, lse = dmattn.attention(q.cuda(), k.cuda(), v.cuda(), causal=True, return_lse=True, **policy)
     assert out.is_cuda and out.dtype == torch.bfloat16 and lse.is_cuda
@@ -146,17 +147,17 @@ def test_decode_sliding_window_on_cuda_matches_cpu():
     assert torch.allclose(lse.cpu(), ref_lse, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("policy", [{}, {"pv": "mxfp4", "diag_tiles": 2, "sink_tiles": 1}, {"pv": "mxfp8"},
-                                    {"diag_tiles": 4, "sink_tiles": 1, "rotate": True, "smooth_k": True, "sink_keys": 4}])
-def test_paged_cache_decodes_as_the_host_cache(policy):
+@pytest.mark.parametrize("policy,d", [({}, 128), ({"pv": "mxfp4", "diag_tiles": 2, "sink_tiles": 1}, 128), ({"pv": "mxfp8"}, 128),
+                                      ({"diag_tiles": 4, "sink_tiles": 1, "rotate": True, "smooth_k": True, "sink_keys": 4}, 128)])
+def test_paged_cache_decodes_as_the_host_cache(policy, d):
     # A prompt then one-token steps for a batch, appended as a generation loop does (CUDA tensors on
     # the current stream): decode over the GPU cache equals decode over the host cache, bit for bit.
     rng = np.random.default_rng(5)
-    host, dev = dmattn.KVCache(2, 128, dmattn.Policy(**policy)), dmattn.PagedKVCache(2, 128, **policy)
+    host, dev = dmattn.KVCache(2, d, dmattn.Policy(**policy)), dmattn.PagedKVCache(2, d, **policy)
     hs = [host.new_sequence() for _ in range(2)]
     ds = [dev.new_sequence() for _ in range(2)]
-    k = torch.from_numpy(llm_like(rng, (2, 2, 400, 128))).to(torch.bfloat16)
-    v = torch.from_numpy(llm_like(rng, (2, 2, 400, 128))).to(torch.bfloat16)
+    k = torch.from_numpy(llm_like(rng, (2, 2, 400, d))).to(torch.bfloat16)
+    v = torch.from_numpy(llm_like(rng, (2, 2, 400, d))).to(torch.bfloat16)
     for i in range(2):
         host.append(hs[i], k[i:i + 1, :, :250], v[i:i + 1, :, :250])
     dev.append(ds, k[:, :, :250].cuda(), v[:, :, :250].cuda())
@@ -165,7 +166,7 @@ def test_paged_cache_decodes_as_the_host_cache(policy):
             host.append(hs[i], k[i:i + 1, :, t:t + 1], v[i:i + 1, :, t:t + 1])
         dev.append(ds, k[:, :, t:t + 1].cuda(), v[:, :, t:t + 1].cuda())
     assert [dev.length(s) for s in ds] == [400, 400]
-    q = torch.from_numpy(llm_like(rng, (2, 8, 2, 128))).to(torch.bfloat16).cuda()
+    q = torch.from_numpy(llm_like(rng, (2, 8, 2, d))).to(torch.bfloat16).cuda()
     want, want_lse = dmattn.decode(host, hs, q, splits=2, return_lse=True)
     got, got_lse = dmattn.decode(dev, ds, q, splits=2, return_lse=True)
     assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
@@ -192,7 +193,8 @@ def test_varlen_on_cuda_equals_each_sequence_alone():
         assert torch.equal(lse[:, cq[i]:cq[i + 1]], want_lse[0])
 
 
-def test_paged_cache_generate_on_cuda():
+@pytest.mark.parametrize("head_dim", [64])  # the GPU cache's head dims: 64, 128
+def test_paged_cache_generate_on_cuda(head_dim):
     """generate() with dmattn.hf.PagedCache on the GPU: the layers' caches are PagedKVCache, and each
     generated token's logits agree with the model's logits over the whole sequence (teacher-forced,
     dmattn's prefill), padded batch included."""
@@ -200,7 +202,7 @@ def test_paged_cache_generate_on_cuda():
     from dmattn import hf
     from test_transformers import padding_mask, tiny_llama
     name = dmattn.register_transformers()
-    model = tiny_llama(name, head_dim=64).cuda()  # the GPU cache's head dims: 64, 128
+    model = tiny_llama(name, head_dim=head_dim).cuda()
     ids = torch.randint(0, 256, (2, 150), generator=torch.Generator().manual_seed(4)).cuda()
     mask = padding_mask(150, "left", 37).cuda()
     cache = hf.PagedCache(model)
