@@ -99,7 +99,7 @@ const Capabilities& cuda_prefill_capabilities() {
                    "bf16 tiles and per-32-key-block P.V scales do not map onto Hopper's FP8 wgmma at speed; "
                    "at head dim 256 NVFP4's bf16 operands and pv=fp8's E4M3 V leave no room for three stages",
                    "the CPU backend computes every combination (CPU tensors)"};
-    c.mx_bf16_above = 128;
+    c.mx_bf16_above = cuda::kPrefillAllFormsMaxHeadDim;
     return c;
   }();
   return c;

@@ -19,6 +19,9 @@ template <int... Ds>
 struct DimList {};
 using PrefillHeadDims = DimList<64, 128, 256>;
 using DecodeHeadDims = DimList<64, 128>;
+// The prefill takes NVFP4 tiles and pv = fp8 up to this head dim, above it MX tiles with pv = bf16
+// alone (prefill/smem.cuh says why); the capabilities table states the same bound.
+constexpr int kPrefillAllFormsMaxHeadDim = 128;
 
 // Calls f(std::integral_constant<int, D>{}) for the listed D equal to d; false if none is.
 template <class F, int... Ds>

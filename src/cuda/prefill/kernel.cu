@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
           for (int a = 0; a < D / 64; ++a)
             tma::load_3d(sK(st) + a * BN * 128, &p.kmap[slot], a * 64, key0 + j * BN, bh, &full[st]);
         } else {  // (d = 256: two 128-byte atoms a row)
-          for (int a = 0; a < Fp8Rows<D, BN>::kAtoms; ++a)
+          for (int a = 0; a < KMajorTile<D, BN>::kAtoms; ++a)
             tma::load_3d(sK(st) + a * BN * 128, &p.kmap[slot], a * 128, key0 + j * BN, bh, &full[st]);
         }
         tma::load_bytes(sKr(st), p.krs[slot] + kv_tile0 + int64_t(j) * BN, BN * 4, &full[st]);
@@ -183,7 +183,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   // load per tile (ncu).
   const Operand op_high = p.op[0], op_low = p.op[1];
   // wgmma descriptors of the warpgroup's Q slots and of stage 0's K and V^T.
-  constexpr int kW = Fp8Rows<D, BM>::kW;  // (the warpgroup's rows start 64 rows in)
+  constexpr int kW = KMajorTile<D, BM>::kW;  // (the warpgroup's rows start 64 rows in)
   const wg::Desc dq0 = wg::make_desc<kW>(sQ + wgi * 64 * kW), dq1 = dq0 + S::kQSlot, dk0 = wg::make_desc<kW>(sK(0)),
                  dv0 = wg::make_desc<128>(sVt(0));
   // (stage st: K at dk0 + st * kKStride, V^T at dv0 + st * kVStride)
@@ -353,7 +353,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
 template <int D, class TOut, bool kF8V, bool kNv, bool kFix = false, bool kPacked = false>
 void launch(PrefillParams p, int64_t blocks, int batch, cudaStream_t stream) {
   // TMA maps: K bytes [B*Hkv][Nk][D] in boxes of a step's keys x one swizzle atom (zeros past Nk),
-  // laid out like Fp8Rows; V^T bf16 [B*Hkv][D][ldv] in boxes of 64 keys x D (128-byte rows).
+  // laid out like KMajorTile; V^T bf16 [B*Hkv][D][ldv] in boxes of 64 keys x D (128-byte rows).
   constexpr int BN = Tiling<D>::kBN;
   const uint64_t bh = uint64_t(batch) * uint64_t(p.Hkv), nk = uint64_t(p.Nk), ldv = uint64_t(p.ldv);
   // (An NVFP4 slot's K: bf16 values in boxes of 64 elements x one tile, D/64 a tile.)
@@ -363,7 +363,7 @@ void launch(PrefillParams p, int64_t blocks, int batch, cudaStream_t stream) {
                                 CU_TENSOR_MAP_SWIZZLE_128B);
     else if (p.k8[s])
       p.kmap[s] = tensor_map_3d(p.k8[s], CU_TENSOR_MAP_DATA_TYPE_UINT8, {D, nk, bh}, {D, nk * D},
-                                {Fp8Rows<D, BN>::kW, BN, 1}, Tiling<D>::kKSwizzle);
+                                {KMajorTile<D, BN>::kW, BN, 1}, Tiling<D>::kKSwizzle);
   // (pv = fp8: E4M3 V^T in boxes of 128 keys x D.)
   if constexpr (kF8V)
     p.vmap = tensor_map_3d(p.vt, CU_TENSOR_MAP_DATA_TYPE_UINT8, {ldv, D, bh}, {ldv, D * ldv}, {BN, D, 1},

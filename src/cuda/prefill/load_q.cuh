@@ -39,7 +39,7 @@ __device__ __forceinline__ void load_q(const PrefillParams& p, const Tile& tile,
       for (int k = 0; k < kMaxLoads; ++k) {
         const int i = tid + 128 * k, r = wgi * 64 + i / chunks, byte = (i % chunks) * 16;
         if (i >= 64 * chunks) break;
-        const uint32_t at = nv ? (byte / 128) * (BM * 128) + wg::swizzled<128>(r, byte % 128) : Fp8Rows<D, BM>::at(r, byte);
+        const uint32_t at = nv ? KMajorTile<2 * D, BM>::at(r, byte) : KMajorTile<D, BM>::at(r, byte);
         *reinterpret_cast<uint4*>(sQ + s * S::kQSlot + at) = w[k];
       }
     }
@@ -56,7 +56,7 @@ __device__ __forceinline__ void load_q(const PrefillParams& p, const Tile& tile,
 #pragma unroll
     for (int k = 0; k < kLoads; ++k) {
       const int i = tid + 128 * k, s = i / (64 * kChunks), r = wgi * 64 + i / kChunks % 64, chunk = i % kChunks;
-      *reinterpret_cast<uint4*>(sQ + s * S::kQSlot + Fp8Rows<D, BM>::at(r, chunk * 16)) = w[k];
+      *reinterpret_cast<uint4*>(sQ + s * S::kQSlot + KMajorTile<D, BM>::at(r, chunk * 16)) = w[k];
     }
   }
   // One (slot, row) a thread: its scales, and whether they agree.

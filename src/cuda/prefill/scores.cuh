@@ -48,12 +48,12 @@ __device__ __forceinline__ void issue_chain(float (&s)[BN / 2], wg::Desc sq, wg:
   if constexpr (OperandTraits<Op>::kFp8) {
 #pragma unroll
     for (int c = 0; c < D / 32; ++c)
-      wg::mma_fp8<BN, OperandTraits<Op>::kE5M2>(s, (sq + Fp8Rows<D, BM>::k_step(c)).u64(),
-                                                (sk + Fp8Rows<D, BN>::k_step(c)).u64(), c > 0);
+      wg::mma_fp8<BN, OperandTraits<Op>::kE5M2>(s, (sq + KMajorTile<D, BM>::k_step(c)).u64(),
+                                                (sk + KMajorTile<D, BN>::k_step(c)).u64(), c > 0);
   } else {
 #pragma unroll
     for (int k = 0; k < D / 16; ++k)
-      wg::mma_bf16<BN>(s, (sq + ((k / 4) * BM * 128 + (k % 4) * 32)).u64(), (sk + ((k / 4) * BN * 128 + (k % 4) * 32)).u64(), k > 0);
+      wg::mma_bf16<BN>(s, (sq + KMajorTile<2 * D, BM>::k_step(k)).u64(), (sk + KMajorTile<2 * D, BN>::k_step(k)).u64(), k > 0);
   }
   wg::commit();
 }
@@ -62,7 +62,7 @@ template <int D, Operand Op, int BN = Tiling<D>::kBN>
 __device__ __forceinline__ void scores_per_block(float (&s)[BN / 2], wg::Desc sq, const float* sqs, wg::Desc sk,
                                                  const uint8_t* sks8, float scale, int t) {
   static_assert(OperandTraits<Op>::kFp8, "the bf16 form has no block scales of its own: it always folds");
-  constexpr int NB = D / 32, kW = Fp8Rows<D, BN>::kW;
+  constexpr int NB = D / 32, kW = KMajorTile<D, BN>::kW;
 #pragma unroll
   for (int i = 0; i < BN / 2; ++i) s[i] = 0.0f;
 #pragma unroll
@@ -73,8 +73,8 @@ __device__ __forceinline__ void scores_per_block(float (&s)[BN / 2], wg::Desc sq
 #pragma unroll
       for (int i = 0; i < 32; ++i) part[i] = 0.0f;
       wg::fence();
-      wg::mma_fp8<64, OperandTraits<Op>::kE5M2>(part, (sq + Fp8Rows<D, BM>::k_step(c)).u64(),
-                                                (sk + (half * 64 * kW + Fp8Rows<D, BN>::k_step(c))).u64(), false);
+      wg::mma_fp8<64, OperandTraits<Op>::kE5M2>(part, (sq + KMajorTile<D, BM>::k_step(c)).u64(),
+                                                (sk + (half * 64 * kW + KMajorTile<D, BN>::k_step(c))).u64(), false);
       wg::commit();
       wg::wait<0>();
       wg::pin(part);

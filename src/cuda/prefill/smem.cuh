@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "cuda/common/head_dims.hpp"
 #include "cuda/prefill/params.cuh"
 #include "cuda/ptx/wgmma.cuh"
 
@@ -20,7 +21,7 @@ constexpr int kConsumers = 256, kThreads = kConsumers + 128;  // 2 consumer warp
 //    one, so that a warpgroup's O (128 registers a thread) and the step's S and P fit in its 240.
 //    A step keeps its tile's format and scales.
 //  kKSwizzle: the swizzle of an FP8 Q or K tile; its rows are D bytes, one swizzle atom a row up to
-//    128 bytes, and at d = 256 two atoms (Fp8Rows lays the bytes out to match).
+//    128 bytes, and at d = 256 two atoms (KMajorTile lays the bytes out to match).
 //  kTurns: the two consumer warpgroups take turns on the tensor cores (named barriers). At d = 64 the
 //    turns cost more than they order: a tile's tensor work is half of d = 128's, so the two softmaxes,
 //    not the tensor cores, bound the period and run faster side by side (bench/RESULTS.md: -9.1% at
@@ -51,24 +52,24 @@ struct Tiling<256> {
 // The head dims whose kernel runs pv = fp8 and NVFP4 tiles: at d = 256 their operands (E4M3 V^T of
 // 64-key rows, bf16 Q and K) leave no room for three stages, and neither instance is built.
 template <int D>
-constexpr bool kAllForms = D <= 128;
+constexpr bool kAllForms = D <= kPrefillAllFormsMaxHeadDim;
 
-// An FP8 tile (Q or K) of Rows rows of D bytes, K-major: up to 128 bytes a row is one swizzle atom
-// (wg::swizzled<D>); wider rows are [D / 128 atoms][Rows][128 B], so a wgmma's 32-byte k-step never
-// crosses an atom.
-template <int D, int Rows>
-struct Fp8Rows {
-  static constexpr int kW = D < 128 ? D : 128;  // the swizzle atom's row, and the descriptors' W
-  static constexpr int kAtoms = D / kW;          // atoms a row (a TMA box each)
+// A K-major tile of Rows rows of W bytes (an FP8 Q or K tile: W = d; the bf16 form's: W = 2d): up to
+// 128 bytes a row is one swizzle atom (wg::swizzled<W>); wider rows are [W / 128 atoms][Rows][128 B],
+// so a wgmma's 32-byte k-step never crosses an atom.
+template <int W, int Rows>
+struct KMajorTile {
+  static constexpr int kW = W < 128 ? W : 128;  // the swizzle atom's row, and the descriptors' W
+  static constexpr int kAtoms = W / kW;          // atoms a row (a TMA box each)
   static __device__ __forceinline__ uint32_t at(uint32_t row, uint32_t byte) {
-    if constexpr (D <= 128)
-      return wg::swizzled<D>(row, byte);
+    if constexpr (W <= 128)
+      return wg::swizzled<W>(row, byte);
     else
       return (byte / 128) * (Rows * 128) + wg::swizzled<128>(row, byte % 128);
   }
   // The descriptor offset of k-step c (32 bytes of every row).
   static __host__ __device__ constexpr uint32_t k_step(int c) {
-    if constexpr (D <= 128)
+    if constexpr (W <= 128)
       return c * 32;
     else
       return (c * 32 / 128) * (Rows * 128) + (c * 32) % 128;
@@ -76,7 +77,7 @@ struct Fp8Rows {
 };
 
 // Shared memory (every tile 1024-byte aligned, as the swizzle needs):
-//   Q: [2 slots][BM rows][D bytes] (Fp8Rows), then Q scales as floats [2][BM][D/32];
+//   Q: [2 slots][BM rows][D bytes] (KMajorTile), then Q scales as floats [2][BM][D/32];
 //   per stage: V^T as [D][64 keys] bf16 halves (128-byte rows), one a 64 keys of the step, or with
 //   kF8V (pv = fp8) as one [D][128 keys] E4M3 tile, K [kBN][D bytes], the keys' row scales [kBN]
 //   floats (folded tiles) and block scales [kBN][D/32] E8M0 bytes (per-block tiles); then the
@@ -84,7 +85,7 @@ struct Fp8Rows {
 //   stage's K with its scales.)
 // kNv (some slot is NVFP4: instances of their own, so the MX ones keep their layout and code): an
 // NVFP4 slot's Q and its K tiles are bf16 (the bf16 Operand), twice the bytes, as [D/64 atoms][rows]
-// [128 B]; every Q slot and K tile gets that room. Where 3 stages do not fit (d = 128, bf16 V), K and
+// [128 B] (KMajorTile of 2D bytes a row); every Q slot and K tile gets that room. Where 3 stages do not fit (d = 128, bf16 V), K and
 // V go in rings of 2 stages each (kSplit), with barriers of their own: a tile's K is released once its
 // S has retired, its V once its P.V has, so each copy starts as soon as its own buffer frees. One ring of
 // 2 stages cost the MX kernel 27% at N = 16384 (bench/RESULTS.md).
