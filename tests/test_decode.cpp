@@ -403,6 +403,8 @@ TEST(Decode, PlanWeighsCtasAnSmAgainstWaves) {
   EXPECT_EQ(decode_plan(128, 256, sms, 2).ctas_per_sm, 2);  // three do not fit this instance
   EXPECT_EQ(decode_plan(128, 256, sms, 2).splits, 2);
   EXPECT_EQ(decode_plan(128, 256, sms, 3, 5).splits, 5);    // asked-for splits are kept
+  EXPECT_EQ(decode_plan(8, 64, sms, 1).ctas_per_sm, 1);     // an instance that fits one CTA (d = 256)
+  EXPECT_EQ(decode_plan(8, 64, sms, 1, 0, 2).ctas_per_sm, 1);  // ... also where a window asks for two
   EXPECT_EQ(decode_plan(8, 3, sms, 3, 9).splits, 3);        // ... up to the pages
   EXPECT_EQ(decode_plan(512, 64, sms, 3, 0, 3).ctas_per_sm, 3);  // a forced instance (DMATTN_DECODE_CTAS) ...
   EXPECT_EQ(decode_plan(512, 64, sms, 3, 0, 3).splits, 3);       // ... with its own automatic splits

@@ -135,7 +135,7 @@ struct DecodeOptions {
 
 // q: [S, Hq, Nq, d] view (S = seqs.size(), Hq a multiple of the cache's kv heads, 1 <= Nq <= 16,
 // Nq <= each sequence's length); out likewise; lse [S, Hq, Nq] or null. q, out and lse on the CPU,
-// or all on the current CUDA device (d 64 or 128; the pages are mirrored on the device,
+// or all on the current CUDA device (d 64, 128 or 256; the pages are mirrored on the device,
 // see device_state()).
 void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const TensorView& q, const TensorView& out,
                       float* lse, const DecodeOptions& opts = {});

@@ -116,7 +116,7 @@ std::vector<int> fill_three(KVCache& cache, int64_t Hq, const int64_t (&lens)[3]
 TEST(GpuDecode, MatchesCpuDecode) {
   SKIP_WITHOUT_CUDA_DEVICE();
   const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
-  for (int64_t d : {64, 128})
+  for (int64_t d : {64, 128, 256})
     for (const Policy& pol : {Policy::plain(), Policy::tiles(e4, f4, 2, 1), Policy::tiles(Format::mxfp8_e5m2, Format::mxfp6_e3m2, 1, 0),
                               Policy::tiles(Format::mxfp6_e2m3, Format::mxfp6_e2m3, 1, 0), with_pv(Policy::plain()),
                               with_pv(Policy::tiles(e4, f4, 2, 1)), with_pv(Policy::plain(), PV::mxfp4)}) {
@@ -159,7 +159,7 @@ TEST(GpuDecode, SlidingWindowsMatchCpuDecode) {
   SKIP_WITHOUT_CUDA_DEVICE();
   Policy sinks = Policy::tiles(Format::mxfp8_e4m3, Format::mxfp4, 1, 1);
   sinks.sink_keys = 4;
-  for (int64_t d : {64, 128})
+  for (int64_t d : {64, 128, 256})
     for (const Policy& pol : {Policy::plain(), with_pv(Policy::plain(), PV::mxfp4), sinks}) {
       const int64_t Hkv = 2, Hq = 8, lens[3] = {16, 700, 1301};
       KVCache cache(Hkv, d, pol);
@@ -194,7 +194,7 @@ TEST(GpuDecode, TransformsMatchCpuDecode) {
   Policy wide = with_pv(pols.back(), PV::mxfp4);
   wide.sink_keys = 160;
   pols.push_back(wide);
-  for (int64_t d : {64, 128})
+  for (int64_t d : {64, 128, 256})
     for (const Policy& pol : pols) {
       const int64_t Hkv = 2, Hq = 8, lens[3] = {3, 300, 1301};
       KVCache cache(Hkv, d, pol);
@@ -214,7 +214,7 @@ TEST(GpuDecode, ManyCtasAnSmInstancesMatchCpuDecode) {
   for (const char* ctas : {"3", "4"}) {
     ASSERT_EQ(setenv("DMATTN_DECODE_CTAS", ctas, 1), 0);
     for (PV pv : {PV::mxfp4, PV::mxfp8})
-      for (int64_t d : {64, 128}) {
+      for (int64_t d : {64, 128, 256}) {
         const int64_t Hkv = 2, Hq = 8, lens[2] = {300, 1301};
         KVCache cache(Hkv, d, with_pv(Policy::plain(), pv));
         std::vector<int> ids;

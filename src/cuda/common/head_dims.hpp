@@ -2,9 +2,7 @@
 // kernel's compile-time D goes through here, so a new head dim is one entry in a list plus the
 // kernels' own tiling for it.
 //  PrefillHeadDims: the prefill kernel and its pre-pass.
-//  DecodeHeadDims: the decode kernel and the KV cache in GPU memory (their pages' records). At d = 256
-//    a warp's stages of bf16 or MXFP8 V records leave room for one CTA an SM, which the decode's
-//    instances and plan do not have.
+//  DecodeHeadDims: the decode kernel and the KV cache in GPU memory (their pages' records).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -18,7 +16,7 @@ namespace dmattn::cuda {
 template <int... Ds>
 struct DimList {};
 using PrefillHeadDims = DimList<64, 128, 256>;
-using DecodeHeadDims = DimList<64, 128>;
+using DecodeHeadDims = DimList<64, 128, 256>;
 // The prefill takes NVFP4 tiles and pv = fp8 up to this head dim, above it MX tiles with pv = bf16
 // alone (prefill/smem.cuh says why); the capabilities table states the same bound.
 constexpr int kPrefillAllFormsMaxHeadDim = 128;

@@ -67,9 +67,10 @@ __global__ void __launch_bounds__(kThreads, kCtas) decode_kernel(const Params p)
   // Rows of this CTA: (query head hk*G + (r0+i)/Nq, query (r0+i)%Nq); their q rows are consecutive.
   const int64_t qrow0 = (int64_t(s) * p.Hq + int64_t(hk) * p.G) * p.Nq + r0;
 
-  // Sliding windows in the instances of two CTAs an SM: their registers do not fit under three or four
-  // (ptxas spilled the four-CTA instance), and the host runs every windowed decode at two.
-  constexpr bool kWindow = kCtas == 2;
+  // Sliding windows in the instances of one or two CTAs an SM: their registers do not fit under three
+  // or four (ptxas spilled the four-CTA instance), and the host runs every windowed decode at two, or
+  // at one where that is the most the instance fits.
+  constexpr bool kWindow = kCtas <= 2;
   // Pages [jlo, np) hold the keys the rows see; this split takes its share of them.
   const int L = p.kv.length_of(s), np = (L + T - 1) / T;
   const int jlo = first_page<kWindow>(L, p.Nq, p.window_left), eff = min(p.splits, np - jlo);
@@ -139,18 +140,21 @@ void launch(const Params& p, dim3 grid, cudaStream_t stream, bool dependent) {
 }
 
 // One dispatch point for the kernel's instances: head dim x V's bits (16, 8, 4) x rows per CTA (8 or
-// 16) x CTAs an SM (three only where three_fit).
+// 16) x CTAs an SM (up to max_ctas; decode_plan asks for no more).
 void launch(const Params& p, dim3 grid, int d, int vbits, int nr, int ctas, cudaStream_t stream, bool dependent) {
   auto go = [&](auto dc, auto vc) {
     constexpr int D = decltype(dc)::value, kVB = decltype(vc)::value;
+    constexpr int kMost1 = max_ctas(D, kVB, 1), kMost2 = max_ctas(D, kVB, 2);
     if (nr == 1) {
-      if constexpr (max_ctas(kVB, 1) >= 4)
+      if constexpr (kMost1 >= 4)
         if (ctas == 4) return launch<D, kVB, 1, 4>(p, grid, stream, dependent);
-      if constexpr (max_ctas(kVB, 1) >= 3)
+      if constexpr (kMost1 >= 3)
         if (ctas == 3) return launch<D, kVB, 1, 3>(p, grid, stream, dependent);
-      launch<D, kVB, 1, 2>(p, grid, stream, dependent);
+      if constexpr (kMost1 >= 2)
+        if (ctas == 2) return launch<D, kVB, 1, 2>(p, grid, stream, dependent);
+      launch<D, kVB, 1, 1>(p, grid, stream, dependent);
     } else {
-      launch<D, kVB, 2, 2>(p, grid, stream, dependent);
+      launch<D, kVB, 2, (kMost2 >= 2 ? 2 : 1)>(p, grid, stream, dependent);
     }
   };
   auto with_v = [&](auto dc) {
@@ -199,7 +203,7 @@ void decode_paged_async(const PagedKV& kv, const Policy& policy, const TensorVie
   // A sliding window bounds the pages a sequence reads: its Nq rows' windows span at most this many.
   p.window_left = int(window_left < 0 ? INT32_MAX : std::min<int64_t>(window_left, INT32_MAX));
   const int pages = int(std::min<int64_t>(kv.max_pages, (int64_t(p.window_left) + Nq - 1) / kTile + 2));
-  const DecodePlan plan = decode_plan(S * Hkv * p.chunks, pages, sms, max_ctas(vbits, nr), splits, only);
+  const DecodePlan plan = decode_plan(S * Hkv * p.chunks, pages, sms, max_ctas(int(d), vbits, nr), splits, only);
   p.splits = std::min(plan.splits, std::max(1, kv.max_pages));
   Buffers buf(stream);  // stream-ordered: freed after the enqueued work
   const int64_t rows = S * Hq * Nq;

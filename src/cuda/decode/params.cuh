@@ -17,7 +17,12 @@ constexpr int kThreads = 32 * kWarps;
 // more warps an SM help where the grid fills the GPU (decode_plan weighs that against waves). Most an
 // instance fits: with 8-row CTAs, four where V is MXFP4 (127 registers, two stages a warp), three where
 // it is MXFP8 (two stages); two for bf16 V (twice the stage bytes) and 16-row CTAs (~200 registers).
-constexpr int max_ctas(int vbits, int nr) { return nr == 1 ? (vbits == 4 ? 4 : vbits == 8 ? 3 : 2) : 2; }
+// At d = 256 a record is twice d = 128's: two stages a warp leave room for two CTAs with MXFP4 V, one
+// with MXFP8 or bf16 V.
+constexpr int max_ctas(int d, int vbits, int nr) {
+  if (d > 128) return vbits == 4 ? 2 : 1;
+  return nr == 1 ? (vbits == 4 ? 4 : vbits == 8 ? 3 : 2) : 2;
+}
 
 struct Params {
   PagedKV kv;

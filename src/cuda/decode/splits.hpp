@@ -31,20 +31,21 @@ inline int decode_auto_splits(int64_t ctas, int max_pages, int slots) {
 // B=64 32k 1221 / 1128 / 1105; B=1 32k 48.1 / 50.6 / 53.8 (V in MXFP8: B=16 32k 303 / 284, B=64 8k
 // 319 / 340). Four CTAs only where the CTA groups alone fill half the SMs: at B=1 the model put four 2%
 // behind two, measured 12%. `splits` > 0: that many (capped at the pages), the instance chosen for them.
-// `only` = 2, 3 or 4: that instance (capped at max_ctas), with its splits.
+// `only` = 2, 3 or 4: that instance (capped at max_ctas), with its splits. An instance that fits one CTA
+// an SM (max_ctas 1: d = 256 with MXFP8 or bf16 V) runs at one.
 struct DecodePlan {
   int ctas_per_sm = 2, splits = 1;
 };
 inline DecodePlan decode_plan(int64_t ctas, int max_pages, int sms, int max_ctas, int splits = 0, int only = 0) {
   // An SM's page rate at c CTAs over its rate at two (full-SM runs measure ~1.08 for three; 1.045 keeps
   // two at B=64 8k, where three's extra splits cost 6% in the measurement).
-  constexpr double kRate[5] = {0.0, 0.0, 1.0, 1.045, 1.09};
-  const int np = std::max(1, max_pages), top = std::clamp(max_ctas, 2, 4);
+  constexpr double kRate[5] = {0.0, 1.0, 1.0, 1.045, 1.09};
+  const int np = std::max(1, max_pages), top = std::clamp(max_ctas, 1, 4);
   sms = std::max(1, sms);
   DecodePlan best;
   double best_time = 0.0;
   const int most = 2 * ctas >= sms ? top : std::min(top, 3);  // four only where the groups fill half the SMs
-  const int lo = only > 0 ? std::clamp(only, 2, top) : 2, hi = only > 0 ? lo : most;
+  const int lo = only > 0 ? std::clamp(only, std::min(2, top), top) : std::min(2, top), hi = only > 0 ? lo : most;
   for (int c = lo; c <= hi; ++c) {
     const int slots = c * sms;
     const int s = splits > 0 ? std::min(splits, np) : decode_auto_splits(ctas, max_pages, slots);

@@ -191,10 +191,9 @@ void require_supported(const Problem& p) {
 }  // namespace
 
 bool packs(const Problem& p) {
-  // The pre-pass's K form for packed sequences (PackedRows) is the default's pair, from 16-bit rows,
-  // built for d = 64 and 128 (rows of 8 or 16 lanes); at d = 256 each sequence is a call of its own.
+  // The pre-pass's K form for packed sequences (PackedRows) is the default's pair, from 16-bit rows.
   const Policy& pol = p.policy;
-  return p.B == 1 && p.d <= 128 && pol.high == Format::mxfp8_e4m3 && pol.low == Format::mxfp4 && pol.pv == PV::bf16 &&
+  return p.B == 1 && pol.high == Format::mxfp8_e4m3 && pol.low == Format::mxfp4 && pol.pv == PV::bf16 &&
          pol.smooth_q == SmoothQ::off && pol.sink_keys == 0 && dtype_size(p.q.dtype) == 2 && p.k.dtype == p.q.dtype && p.v.dtype == p.q.dtype;
 }
 

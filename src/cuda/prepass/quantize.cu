@@ -333,14 +333,14 @@ void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first
   const Elem e0 = format_info(first.format).elem, e1 = targets == 2 ? format_info(second.format).elem : e0;
   const bool vec = rows_16byte_aligned(x);
   const bool pair = vec && targets == 2 && e0 == Elem::e4m3 && e1 == Elem::e2m1;
-  // The prefill pre-pass's forms, both targets alike, d = 64 or 128: compiled for (see PrefillForm).
+  // The prefill pre-pass's forms, both targets alike, d = 64, 128 or 256: compiled for (see PrefillForm).
   const bool rows = first.row_scale != nullptr;
   const bool prefill_form = pair && first.fp8_bytes && first.fold && second.fp8_bytes && second.fold &&
-                            rows == (second.row_scale != nullptr) && (nblk == 2 || nblk == 4);
+                            rows == (second.row_scale != nullptr) && (nblk == 2 || nblk == 4 || nblk == 8);
   if ((packed.slot || packed.seq) && (!packed.slot || !packed.seq || packed.heads != x.shape[1] || !prefill_form ||
                                       !rows || dtype_size(x.dtype) != 2))
     throw Error("quantize_rows: row slots (and each row's mean) take the prefill's K form: the MXFP8-E4M3 and MXFP4 "
-                "pair with row scales, from 16-bit rows, d = 64 or 128");
+                "pair with row scales, from 16-bit rows, d = 64, 128 or 256");
   auto plain = [](const QuantTarget& t) { return !t.fp8_bytes && !t.fold && !t.row_scale; };
   const bool plain_pair = pair && plain(first) && plain(second);
   const bool plain_e2m1 = vec && targets == 1 && e0 == Elem::e2m1 && plain(first);
@@ -354,13 +354,17 @@ void quantize_rows(const TensorView& x, ScaleRule rule, const QuantTarget& first
     constexpr Elems kPair = Elems::e4m3_e2m1;
     if constexpr (sizeof(T) == 2) {  // (bf16 / fp16: the prefill's inputs)
       if (prefill_form) {
-        if (packed.slot)
-          nblk == 4 ? launch<T, true, kPair, PrefillForm<true, 16, true>>(typed, a)
-                    : launch<T, true, kPair, PrefillForm<true, 8, true>>(typed, a);
-        else if (rows)
-          nblk == 4 ? launch<T, true, kPair, PrefillForm<true, 16>>(typed, a) : launch<T, true, kPair, PrefillForm<true, 8>>(typed, a);
-        else
-          nblk == 4 ? launch<T, true, kPair, PrefillForm<false, 16>>(typed, a) : launch<T, true, kPair, PrefillForm<false, 8>>(typed, a);
+        auto form = [&](auto lanes) {  // a row's lanes: d / 8
+          constexpr int kLanes = decltype(lanes)::value;
+          if (packed.slot)
+            launch<T, true, kPair, PrefillForm<true, kLanes, true>>(typed, a);
+          else if (rows)
+            launch<T, true, kPair, PrefillForm<true, kLanes>>(typed, a);
+          else
+            launch<T, true, kPair, PrefillForm<false, kLanes>>(typed, a);
+        };
+        nblk == 8 ? form(std::integral_constant<int, 32>{}) : nblk == 4 ? form(std::integral_constant<int, 16>{})
+                                                             : form(std::integral_constant<int, 8>{});
         return;
       }
     }
