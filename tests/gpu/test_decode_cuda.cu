@@ -273,11 +273,11 @@ TEST(GpuDecode, Errors) {
   std::vector<float> host_lse(8);
   DeviceCopy good(qs.q, false);
   EXPECT_THROW(decode_attention(cache, {id}, good.view, dout.view, host_lse.data()), Error);  // host lse
-  KVCache wide(Hkv, 256, Policy::plain());  // the CPU handles d = 256, the GPU decode 64 and 128
-  const QKV xw = llm_like_qkv({1, Hq, Hkv, 40, 40, 256}, 7);
+  KVCache wide(Hkv, 96, Policy::plain());  // the CPU handles d = 96, the GPU decode 64, 128 and 256
+  const QKV xw = llm_like_qkv({1, Hq, Hkv, 40, 40, 96}, 7);
   const int iw = wide.new_sequence();
   append_all(wide, iw, xw, 0, 40);
-  const QKV qw = random_qkv({1, Hq, Hkv, 1, 1, 256}, 8, DType::f32, 1.0f);
+  const QKV qw = random_qkv({1, Hq, Hkv, 1, 1, 96}, 8, DType::f32, 1.0f);
   DeviceCopy dqw(qw.q, false), doutw(qw.q, true);
   EXPECT_THROW(decode_attention(wide, {iw}, dqw.view, doutw.view, nullptr), Error);
 }

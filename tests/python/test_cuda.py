@@ -29,7 +29,13 @@ def test_cuda_matches_cpu_oracle(policy, d):
     assert out.is_cuda and out.dtype == torch.bfloat16 and lse.is_cuda
     rel = ((out.cpu().float() - ref.float()).norm() / ref.float().norm()).item()
     assert rel < 5e-3, rel  # 2e-3 on the same codes (bench/RESULTS.md), plus bf16 output rounding
-    assert torch.allclose(lse.cpu(), ref_lse, rtol=2e-3, atol=2e-3)
+    # The LSE within the error model of the C++ tests (GpuPrefill.LargeLogitsStayFiniteAndBounded):
+    # 2e-3 (1 + |lse|), plus 1e-3 of each row's largest scale * sum_i |q_i k_i| over the keys it sees,
+    # since Hopper's FP8 wgmma keeps about 13 bits of its sums (at d = 256 these inputs' logits reach 40).
+    qa, ka = q.float().abs()[0], k.float().abs()[0].repeat_interleave(q.shape[1] // k.shape[1], dim=0)
+    mag = (qa @ ka.transpose(1, 2) / d ** 0.5).tril().amax(dim=-1)[None]
+    err = (lse.cpu() - ref_lse).abs()
+    assert (err <= 2e-3 * (1 + ref_lse.abs()) + 1e-3 * mag).all(), err.max().item()
 
 
 def test_runs_on_the_current_stream():

@@ -1,5 +1,5 @@
 // The rotation of include/dmattn/rotation.hpp on a row held by one warp: lane l holds channels
-// E l .. E l + E - 1 of a row of 32 E channels, one rotation block (d 64 and 128). The signs, then
+// E l .. E l + E - 1 of a row of 32 E channels, one rotation block (d 64, 128 and 256). The signs, then
 // the butterfly stage by stage: stages h < E between this lane's registers, the others between
 // lanes h / E apart, the lower channel of a pair taking a + b and the upper a - b (as the fma
 // r * -1 + other, exact), so every value is rotate_row's bit for bit.

@@ -56,12 +56,33 @@ __device__ __forceinline__ void k_words(const uint8_t* row, int key, int c, int 
   }
 }
 
-// The key's E8M0 block scales as one word (byte c = block c).
+// The key's E8M0 block scales, four blocks a word (byte c % 4 of word c / 4 = block c): one word up to
+// d = 128, two at d = 256.
 template <int NB>
-__device__ __forceinline__ uint32_t scale_word(const uint8_t* ks, int key) {
-  if constexpr (NB == 4) return *reinterpret_cast<const uint32_t*>(ks + key * 4);
-  else return *reinterpret_cast<const uint16_t*>(ks + key * 2);
-}
+struct ScaleWords {
+  static constexpr int kWords = (NB + 3) / 4;
+  uint32_t w[kWords];
+  __device__ __forceinline__ ScaleWords(const uint8_t* ks, int key) {
+    if constexpr (NB == 8) {
+      const uint2 x = *reinterpret_cast<const uint2*>(ks + key * 8);
+      w[0] = x.x;
+      w[1] = x.y;
+    } else if constexpr (NB == 4) {
+      w[0] = *reinterpret_cast<const uint32_t*>(ks + key * 4);
+    } else {
+      static_assert(NB == 2);
+      w[0] = *reinterpret_cast<const uint16_t*>(ks + key * 2);
+    }
+  }
+  // Block c's scale as a float (a select between the words, not an index: the E2M1 path's block
+  // loop is not fully unrolled, and an indexed register array would go to local memory).
+  __device__ __forceinline__ float scale(int c) const {
+    if constexpr (kWords == 1)
+      return e8m0_of_byte(w[0], c);
+    else
+      return e8m0_of_byte(c < 4 ? w[0] : w[1], c % 4);
+  }
+};
 
 // The oracle's blockwise promotion of one block's mma result d (an m16n8 fragment: rows g, g + 8 x
 // columns 2t, 2t + 1) into s: s += (row scale x column scale) * d. m0, m1: the scales of rows g and
@@ -113,11 +134,9 @@ __device__ __forceinline__ void block_scores(const uint8_t* rec, const uint32_t*
   constexpr int kRow = record_k_row(D, kInt);
   const uint8_t *K = rec + record_k(D, kInt), *ks = rec + record_k_scales(D);
   const int lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
-  uint32_t w[2][2];  // the scale words of keys 16mt + g + 8h
+  const ScaleWords<NB> w[2][2] = {{{ks, g}, {ks, g + 8}}, {{ks, 16 + g}, {ks, 16 + g + 8}}};  // keys 16mt + g + 8h
 #pragma unroll
   for (int mt = 0; mt < 2; ++mt) {
-    w[mt][0] = scale_word<NB>(ks, 16 * mt + g);
-    w[mt][1] = scale_word<NB>(ks, 16 * mt + g + 8);
 #pragma unroll
     for (int nr = 0; nr < kNR; ++nr)
 #pragma unroll
@@ -148,7 +167,7 @@ __device__ __forceinline__ void block_scores(const uint8_t* rec, const uint32_t*
         k_words<D, E>(K + key * kRow, key, c, t, lut, a[0], a[2]);
         k_words<D, E>(K + (key + 8) * kRow, key + 8, c, t, lut, a[1], a[3]);
       }
-      const float sk0 = e8m0_of_byte(w[mt][0], c), sk1 = e8m0_of_byte(w[mt][1], c);
+      const float sk0 = w[mt][0].scale(c), sk1 = w[mt][1].scale(c);
 #pragma unroll
       for (int nr = 0; nr < kNR; ++nr) {
         float d[4];

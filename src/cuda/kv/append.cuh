@@ -148,6 +148,7 @@ __device__ __forceinline__ uint64_t encode_lane_codes(const float (&y)[E]) {
 // The low N bytes of w, stored at an N-byte aligned address (N = 1, 2, 4 or 8).
 template <int N>
 __device__ __forceinline__ void store_bytes(uint8_t* dst, uint64_t w) {
+  static_assert(N == 1 || N == 2 || N == 4 || N == 8, "a store of up to the 8 bytes of w");
   if constexpr (N == 8)
     *reinterpret_cast<uint2*>(dst) = make_uint2(uint32_t(w), uint32_t(w >> 32));
   else if constexpr (N == 4)
@@ -278,11 +279,14 @@ __device__ __forceinline__ void append_rows(const Pools& p, const NewTokens<T>& 
     if (!pending)
       with_elem(low ? cd.low : cd.high, [&](auto e) { write_key_row<D, decltype(e)::value>(rec, key, r, cd.rule); });
     if (p.vbits == 16) {  // V's bf16 row: the lane's E channels, one store within a swizzled 16-byte chunk
-      uint64_t w = 0;
+      uint32_t w[E / 2];
 #pragma unroll
-      for (int c = 0; c < E; ++c) w |= uint64_t(to_bf16(v[c]).bits) << (16 * c);
-      uint8_t* dst = rec + record_v(D) + (key % kRecordKeys) * 2 * D;
-      store_bytes<2 * E>(dst + swizzled(2 * D / 16, key % kRecordKeys, 2 * E * lane), w);
+      for (int c = 0; c < E; c += 2) w[c / 2] = uint32_t(to_bf16(v[c]).bits) | uint32_t(to_bf16(v[c + 1]).bits) << 16;
+      uint8_t* dst = rec + record_v(D) + (key % kRecordKeys) * 2 * D + swizzled(2 * D / 16, key % kRecordKeys, 2 * E * lane);
+      if constexpr (E == 8)  // (d = 256: the lane's 16 bytes are one whole chunk)
+        *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+      else
+        store_bytes<2 * E>(dst, E == 4 ? uint64_t(w[0]) | uint64_t(w[1]) << 32 : uint64_t(w[0]));
     }
   }
 }
