@@ -10,6 +10,7 @@
 #include <memory>
 #include <vector>
 
+#include "core/capabilities.hpp"
 #include "cuda/common/buffers.hpp"
 #include "cuda/decode/decode.cuh"
 #include "cuda/ptx/e2m1_bytes.hpp"
@@ -146,6 +147,8 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
   if (!is_device_pointer(q.data) || !is_device_pointer(out.data) || (lse && !is_device_pointer(lse)))
     throw Error("decode_attention: q, out and lse must be device memory when q is a CUDA tensor");
   const int64_t d = cache.head_dim(), Hkv = cache.kv_heads();
+  // Before the pages are mirrored: their records exist only for the decode's head dims and formats.
+  require(cuda_decode_capabilities(), cache.policy(), d);
   int dev = 0;
   check(cudaGetDevice(&dev), "cudaGetDevice");
   std::shared_ptr<void>& state = cache.device_state();
