@@ -1,26 +1,26 @@
 // DMA prefill on Hopper's warpgroup tensor cores (wgmma), warp-specialised. One CTA = one
 // 128-position query tile (aligned in absolute positions, so one format per key tile; scheduler.cuh
 // picks it) x the key tiles its mask reaches (mask.cuh: causal and sliding windows), in ascending
-// order, in steps of a tile (half a tile at d = 256: smem.cuh's Tiling). A producer warpgroup streams
-// each step's K (in its tile's format, FP8 bytes),
-// V (bf16, transposed by the pre-pass so both wgmma operands are K-major) and key scales into a
-// 3-stage ring with TMA (or K and V rings of 2 where 3 stages do not fit: Smem), signalled through
-// mbarriers; two consumer warpgroups of 64 query rows each
-// take turns on the tensor cores at d = 128 (named barriers): while one runs its softmax, the other's
-// S_j and P_{j-1}.V_{j-1} execute (FA3's ping-pong); within a warpgroup P_{j-1}.V_{j-1} is issued with S_j
-// and, in the NVFP4 split-ring instance only, runs under S_j's softmax (elsewhere that measured slower:
-// see the wait after the softmax). Each consumer warpgroup loads its own Q rows (both formats, from the quantize
-// pass) while the first copies are in flight.
+// order, in steps of a tile (half a tile at d = 256: smem.cuh's Tiling). Its shared memory is a ring
+// of stages (ring.cuh: every address and barrier). The producer warpgroup (producer.cuh) streams each
+// step's K (in its tile's format), key scales and V (bf16, transposed by the pre-pass so both wgmma
+// operands are K-major) into it with TMA: 3 stages, or K and V rings of 2 where 3 do not fit (Smem).
+// Two consumer warpgroups of 64 query rows each (the body below) load their own Q rows (both formats,
+// from the quantize pass) while the first copies are in flight, then take turns on the tensor cores
+// at d >= 128 (named barriers): while one runs its softmax, the other's S_j and P_{j-1}.V_{j-1}
+// execute (FA3's ping-pong); within a warpgroup P_{j-1}.V_{j-1} is issued with S_j and, in the NVFP4
+// split-ring instance only, runs under S_j's softmax (elsewhere that measured slower: see the wait
+// after the softmax).
 //
-// S = Q.K^T per tile with MX scaling (docs/DESIGN.md). Where every row of the warpgroup's Q and every
-// key of the tile carries one scale for all of d (block scales are folded into the FP8 codes where
-// that is exact, for Q here and for K by the quantize pass), all of d runs as one wgmma chain and
+// S = Q.K^T per tile with MX scaling (docs/DESIGN.md; scores.cuh). Where every row of the
+// warpgroup's Q and every key of the tile carries one scale for all of d (block scales are folded
+// into the FP8 codes where that is exact, by the quantize pass), all of d runs as one wgmma chain and
 // the row x key scales multiply S once; otherwise one wgmma per 32-wide block, promoted with the
 // block scales on the CUDA cores. NVFP4 tiles (16-blocks, E4M3 scales) arrive as bf16 values with
 // their block scales folded in (the bf16 Operand) and always run as one bf16 wgmma chain.
-// Online softmax in fp32; P rounded to bf16 (registers) times bf16 V (shared memory), or with pv = fp8
-// (kF8V) P in E4M3 times E4M3 V with per-channel scales, one wgmma chain a tile into a fresh
-// accumulator that is added to O in fp32.
+// Online softmax in fp32 (softmax.cuh); P rounded to bf16 (registers) times bf16 V (shared memory),
+// or with pv = fp8 (kF8V) P in E4M3 times E4M3 V with per-channel scales, one wgmma chain a tile
+// into a fresh accumulator that is added to O in fp32 (pv.cuh); O / l and the LSE (epilogue.cuh).
 #include <cmath>
 
 #include "cuda/common/buffers.hpp"
@@ -29,7 +29,9 @@
 #include "cuda/prefill/load_q.cuh"
 #include "cuda/prefill/mask.cuh"
 #include "cuda/prefill/params.cuh"
+#include "cuda/prefill/producer.cuh"
 #include "cuda/prefill/pv.cuh"
+#include "cuda/prefill/ring.cuh"
 #include "cuda/prefill/scheduler.cuh"
 #include "cuda/prefill/scores.cuh"
 #include "cuda/prefill/smem.cuh"
@@ -52,18 +54,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   constexpr int NB = S::kNb, kStages = S::kStages;
   constexpr int BN = S::BN, kR = kTile / BN;  // keys a step, steps a key tile
   extern __shared__ __align__(1024) uint8_t smem[];
-  uint8_t* sQ = smem;
-  float* sQs = reinterpret_cast<float*>(smem + S::kQ);
-  auto sVt = [&](int st) { return smem + S::kVt0 + st * S::kVStride; };
-  auto sK = [&](int st) { return smem + S::kK0 + st * S::kKStride; };
-  auto sKr = [&](int st) { return reinterpret_cast<float*>(sK(st) + S::kOp); };
-  auto sKb = [&](int st) { return sK(st) + S::kOp + BN * 4; };
-  uint64_t* full = reinterpret_cast<uint64_t*>(smem + S::kBars);  // a stage's copies have landed
-  uint64_t* empty = full + kStages;                                // both consumer warpgroups are done with it
-  uint64_t* vfull = empty + kStages;                               // kSplit: the tile's V, as full and empty
-  uint64_t* vempty = vfull + kStages;
-  // [slot][warpgroup]: every Q row of the warpgroup has one scale for all of d.
-  auto q_folded = reinterpret_cast<int(*)[2]>(smem + S::kFlags);
+  const Ring<D, kF8V, kNv, kFix> ring{smem};
   if (threadIdx.x == 0 && (__cvta_generic_to_shared(smem) & 1023) != 0) __trap();  // the swizzle needs it
 
   static_assert(!kPacked || (!kF8V && !kNv && !kFix), "packed sequences take MX tiles and pv = bf16 (cuda::packs)");
@@ -77,21 +68,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   const int steps = kt.end;  // steps [kt.begin, steps); step j lies in key tile j / kR
   const int key0 = tile.key0();  // the sequence's key 0 in K's padded rows
   const int64_t kv_tile0 = (int64_t(b) * p.Hkv + hk) * p.ldv + key0;  // this head's row scales
-  const HighTiles high(p.policy, qtile, (steps + kR - 1) / kR, p.ktile0);
-  auto slot_of = [&](int j) { return (nslots == 2 && !high(j / kR)) ? 1 : 0; };
+  const StepSlots<kR> slot_of{HighTiles(p.policy, qtile, (steps + kR - 1) / kR, p.ktile0), nslots};
 
-  if (threadIdx.x < 4) q_folded[threadIdx.x / 2][threadIdx.x % 2] = 1;
-  if (threadIdx.x == 0) {
-    for (int st = 0; st < kStages; ++st) {
-      tma::init(&full[st], 1);
-      tma::init(&empty[st], kConsumers);
-      if constexpr (S::kSplit) {
-        tma::init(&vfull[st], 1);
-        tma::init(&vempty[st], kConsumers);
-      }
-    }
-    tma::fence_init();
-  }
+  ring.init();
   __syncthreads();  // barriers and fold flags initialised
 
   // The warpgroup's role, through a shuffle so the compiler knows it is uniform across the warp (ptxas
@@ -99,36 +78,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   const int wgi = __shfl_sync(0xffffffffu, int(threadIdx.x) / 128, 0);
   if (wgi == 2) {  // producer warpgroup: one thread issues every copy
     wg::regs_dec<24>();
-    if (threadIdx.x == kConsumers) {
-      const int bh = b * p.Hkv + hk;
-      for (int j = kt.begin, st = 0, phase = 0; j < steps; ++j, phase ^= (st == kStages - 1), st = (st + 1) % kStages) {
-        const int slot = slot_of(j);
-        const bool nv = kNv && p.op[slot] == Operand::bf16;  // bf16 K in D/64 atoms of 128-byte rows, no block scales
-        if (j - kt.begin >= kStages) tma::wait(&empty[st], uint32_t(phase ^ 1));
-        // kSplit: K's copies first, then V's into a ring whose buffer frees later (after P.V).
-        const uint32_t ds_bytes = kFix && p.ds && p.policy.smooths_q(slot == 0) ? BN * 4 : 0;
-        tma::arrive_expect(&full[st], (nv ? S::kTxKBf16 : S::kTxK) + (S::kSplit ? 0 : S::kVt) + ds_bytes);
-        if (ds_bytes)  // smooth_q's additions of this head for the tile's keys
-          tma::load_bytes(sK(st) + S::kDs, p.ds + (int64_t(b) * p.Hq + h) * p.ldv + key0 + int64_t(j) * BN, ds_bytes, &full[st]);
-        if (nv) {
-          for (int a = 0; a < D / 64; ++a)
-            tma::load_3d(sK(st) + a * BN * 128, &p.kmap[slot], a * 64, key0 + j * BN, bh, &full[st]);
-        } else {  // (d = 256: two 128-byte atoms a row)
-          for (int a = 0; a < KMajorTile<D, BN>::kAtoms; ++a)
-            tma::load_3d(sK(st) + a * BN * 128, &p.kmap[slot], a * 128, key0 + j * BN, bh, &full[st]);
-        }
-        tma::load_bytes(sKr(st), p.krs[slot] + kv_tile0 + int64_t(j) * BN, BN * 4, &full[st]);
-        if (!nv) tma::load_bytes(sKb(st), p.ks[slot] + (kv_tile0 + int64_t(j) * BN) * NB, BN * NB, &full[st]);
-        uint64_t* vbar = &full[st];
-        if constexpr (S::kSplit) {
-          vbar = &vfull[st];
-          if (j - kt.begin >= kStages) tma::wait(&vempty[st], uint32_t(phase ^ 1));
-          tma::arrive_expect(vbar, S::kVt);
-        }
-        tma::load_3d(sVt(st), &p.vmap, key0 + j * BN, 0, bh, vbar);
-        if (!kF8V && BN == 128) tma::load_3d(sVt(st) + S::kVHalf, &p.vmap, key0 + j * BN + 64, 0, bh, vbar);
-      }
-    }
+    if (threadIdx.x == kConsumers) produce(p, ring, slot_of, kt, b, h, hk, key0, kv_tile0);
     return;
   }
   wg::regs_inc<240>();
@@ -140,7 +90,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   const int me = 1 + wgi, other = 2 - wgi;
   if (kTurns && wgi == 1 && kt.begin < steps) wg::bar_arrive(1, kConsumers);
   // Each warpgroup brings in its Q rows while the producer's first copies are in flight.
-  load_q<D, kF8V, kNv>(p, tile, pos0, off, wgi, sQ, sQs, q_folded);
+  load_q<D, kF8V, kNv>(p, tile, pos0, off, wgi, ring.q(), ring.q_scales(), ring.q_folded());
   wg::fence_async_smem();       // Q bytes written by st.shared are read by wgmma
   wg::bar_sync(3 + wgi, 128);   // the warpgroup's Q rows, scales and fold flag are ready
 
@@ -184,11 +134,11 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   const Operand op_high = p.op[0], op_low = p.op[1];
   // wgmma descriptors of the warpgroup's Q slots and of stage 0's K and V^T.
   constexpr int kW = KMajorTile<D, BM>::kW;  // (the warpgroup's rows start 64 rows in)
-  const wg::Desc dq0 = wg::make_desc<kW>(sQ + wgi * 64 * kW), dq1 = dq0 + S::kQSlot, dk0 = wg::make_desc<kW>(sK(0)),
-                 dv0 = wg::make_desc<128>(sVt(0));
+  const wg::Desc dq0 = wg::make_desc<kW>(ring.q() + wgi * 64 * kW), dq1 = dq0 + S::kQSlot, dk0 = wg::make_desc<kW>(ring.k(0)),
+                 dv0 = wg::make_desc<128>(ring.vt(0));
   // (stage st: K at dk0 + st * kKStride, V^T at dv0 + st * kVStride)
   // kNv: the bf16 forms' descriptors (128-byte atoms; the warpgroup's rows start 64 rows in).
-  const wg::Desc bq0 = wg::make_desc<128>(sQ + wgi * 64 * 128), bq1 = bq0 + S::kQSlot, bk0 = wg::make_desc<128>(sK(0));
+  const wg::Desc bq0 = wg::make_desc<128>(ring.q() + wgi * 64 * 128), bq1 = bq0 + S::kQSlot, bk0 = wg::make_desc<128>(ring.k(0));
   // Stage st of tile j and the parity of its fill, kept as counters (64-bit j % 3 and j / 3 cost ~40
   // instructions a tile).
   int st = 0, prev = kStages - 1;
@@ -196,7 +146,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   // P_{j-1}.V_{j-1} (bf16 into o; E4M3 into opv, added to o after it retires); kSplit: once the V of
   // that stage's fill of parity ph has landed.
   auto issue_pv_any = [&](int stage, uint32_t ph) {
-    if constexpr (S::kSplit) tma::wait(&vfull[stage], ph);
+    if constexpr (S::kSplit) tma::wait(ring.vfull(stage), ph);
     if constexpr (kF8V)
       issue_pv_fp8<D>(opv, a, dv0 + stage * S::kVStride);
     else
@@ -216,7 +166,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
   auto finish_pv = [&](int j) {
     add_pv_result();
     wg::pin(a);
-    if (j > kt.begin) tma::arrive(S::kSplit ? &vempty[prev] : &empty[prev]);
+    if (j > kt.begin) tma::arrive(S::kSplit ? ring.vempty(prev) : ring.empty(prev));
   };
   for (int j = kt.begin; j < steps; ++j) {
     const int slot = slot_of(j);
@@ -224,13 +174,13 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
     if (j + 1 < steps) kts_next = (slot_of(j + 1) ? kts1 : kts0)[(j + 1) / kR];
     const Operand op = slot ? op_low : op_high;
     const bool nv = kNv && op == Operand::bf16;  // one chain always (only the kNv instances carry its code)
-    const bool folded = nv || (kts_j >= 0.0f && q_folded[slot][wgi]);
+    const bool folded = nv || (kts_j >= 0.0f && ring.q_folded()[slot][wgi]);
     // P_{j-1}.V_{j-1}'s V (the first tile's own on the first tile, with P = 0)
     const int pv_stage = j > kt.begin ? prev : st;
     const uint32_t pv_phase = j > kt.begin ? prev_phase : phase;
     const wg::Desc sq = slot ? dq1 : dq0, sk = dk0 + st * S::kKStride;
-    const float* sqs = sQs + (slot * BM + wgi * 64 + warp * 16 + g) * NB;
-    tma::wait(&full[st], phase);
+    const float* sqs = ring.q_scales() + (slot * BM + wgi * 64 + warp * 16 + g) * NB;
+    tma::wait(ring.full(st), phase);
 
     float s[BN / 2];
     // After the scores, logit * log2(e) = s * c[r]: c holds the softmax scale, log2(e) and (folded
@@ -269,7 +219,7 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       const float kf = kts_j > 0.0f ? kts_j : 1.0f;
       c[0] = rmask.sees_any(0) ? p.scale * kLog2e * sqs[0] * kf : 1.0f;
       c[1] = rmask.sees_any(1) ? p.scale * kLog2e * sqs[8 * NB] * kf : 1.0f;
-      if (kts_j <= 0.0f) scale_by_keys<BN>(s, sKr(st), t);
+      if (kts_j <= 0.0f) scale_by_keys<BN>(s, ring.key_scales(st), t);
     } else {
       if constexpr (!kF8V) {
         issue_pv_any(pv_stage, pv_phase);
@@ -281,9 +231,9 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
         finish_pv(j);
       }
       if (op == Operand::e5m2)
-        scores_per_block<D, Operand::e5m2>(s, sq, sqs, sk, sKb(st), p.scale, t);
+        scores_per_block<D, Operand::e5m2>(s, sq, sqs, sk, ring.block_scales(st), p.scale, t);
       else
-        scores_per_block<D, Operand::e4m3>(s, sq, sqs, sk, sKb(st), p.scale, t);  // s: scaled logits
+        scores_per_block<D, Operand::e4m3>(s, sq, sqs, sk, ring.block_scales(st), p.scale, t);  // s: scaled logits
     }
     // kFix: S to logits plus the transforms' parts (c then takes log2(e) alone), on the tiles whose
     // queries smooth_q centres (slot 0 is the high one, or the only one), on the steps holding sink
@@ -295,12 +245,12 @@ __global__ void __launch_bounds__(kThreads, 1) prefill_kernel(const __grid_const
       const int64_t bhq = int64_t(b) * p.Hq + h;
       const float* sink0 = sinks ? p.sink + (bhq * p.Nq + (valid[0] ? row[0] : 0)) * p.sink_keys : nullptr;
       const float* sink1 = sinks ? p.sink + (bhq * p.Nq + (valid[1] ? row[1] : 0)) * p.sink_keys : nullptr;
-      fix_scores<BN>(s, u, centred ? reinterpret_cast<const float*>(sK(st) + S::kDs) : nullptr, sink0, sink1, j * BN,
+      fix_scores<BN>(s, u, centred ? ring.ds(st) : nullptr, sink0, sink1, j * BN,
                      sinks ? p.sink_keys : 0, t);
       c[0] = c[1] = kLog2e;
     }
 
-    if constexpr (S::kSplit) tma::arrive(&empty[st]);  // S_j has retired and the key scales are read
+    if constexpr (S::kSplit) tma::arrive(ring.empty(st));  // S_j has retired and the key scales are read
 
     rmask.apply<BN>(s, j * BN, t);
     float alpha[2];

@@ -13,6 +13,7 @@
 
 #include "core/mask.hpp"
 #include "cuda/prefill/params.cuh"
+#include "dmattn/policy.hpp"
 
 namespace dmattn::cuda::prefill {
 
@@ -67,6 +68,15 @@ struct TileScheduler<true> {
   __device__ __forceinline__ const Mask& mask() const { return mask_; }
 
   static dim3 grid(const PrefillParams& p, int64_t blocks, int) { return dim3(unsigned(blocks), unsigned(p.Hq), 1u); }
+};
+
+// The slot (0: high format, 1: low) of each step of kR steps a key tile: the policy's tiles
+// (HighTiles) for a CTA's query tile, the producer's and the consumers' one rule.
+template <int kR>
+struct StepSlots {
+  HighTiles high;
+  int nslots;
+  __device__ __forceinline__ int operator()(int j) const { return (nslots == 2 && !high(j / kR)) ? 1 : 0; }
 };
 
 }  // namespace dmattn::cuda::prefill
