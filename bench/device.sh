@@ -35,11 +35,14 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 
 # AB="dirA dirB" (each laid out as PREBUILT): a variant against a baseline in one run. The GPU tests
 # matching AB_TESTS of the last dir (or of each dir in AB_TEST_DIRS), then bench_prefill_cuda alternating between the dirs,
-# three rounds per N in AB_N (AB_N= none), policy AB_POLICY; medians per dir last. AB_QUANT=1 adds the quantize
+# four rounds per N in AB_N, the order reversed every other round (AB_N= none), policy AB_POLICY; medians per dir last. AB_QUANT=1 adds the quantize
 # bench, AB_DECODE="pv:B:ctx ..." (e.g. mxfp4:16:32768) bench_decode_cuda the same way, AB_FILL="pv:B:ctx ..." the KV
 # cache's fill of a B x ctx prompt (bench_decode_cuda fill) the same way, AB_RACE=1 racecheck on
 # the last dir (with the grid capped at 2 CTAs where a persistent prefill honours DMATTN_PREFILL_CTAS); AB_TIMEOUT (s) limits the tests.
 if [ -n "${AB:-}" ]; then
+  # The dirs in round rep's order: as given in odd rounds, reversed in even ones (ABBA), so a drift over the
+  # run (clocks, heat) weighs on each dir alike.
+  ab_order() { if (($1 % 2)); then echo "$AB"; else echo "$AB" | tr ' ' '\n' | tac | tr '\n' ' '; fi; }
   last=${AB##* }
   trc=0
   for dir in ${AB_TEST_DIRS:-$last}; do
@@ -57,27 +60,27 @@ if [ -n "${AB:-}" ]; then
     echo "racecheck ($last, 2 CTAs): rc=$? $(grep -m1 SUMMARY "$OUT/ab_racecheck.log")"
   fi
   if [ "${AB_QUANT:-0}" = 1 ]; then  # the quantize pass too: each dir's bench_quantize_cuda, alternating
-    for rep in 1 2 3; do for dir in $AB; do echo "== $dir"; timeout 60 $dir/bench/bench_quantize_cuda | tail -5; done; done \
+    for rep in 1 2 3 4; do for dir in $(ab_order $rep); do echo "== $dir"; timeout 60 $dir/bench/bench_quantize_cuda | tail -5; done; done \
       | tee "$OUT/ab_quantize.txt"
   fi
   for spec in ${AB_DECODE:-}; do  # decode: "dir dmattn-pv B ctx us us_sync GB/s bytes" lines
     IFS=: read -r pv b ctx <<<"$spec"
-    for rep in 1 2 3; do
-      for dir in $AB; do echo "$dir $(timeout 120 $dir/bench/bench_decode_cuda "$pv" "$b" "$ctx" | grep '^dmattn-')"; done
+    for rep in 1 2 3 4; do
+      for dir in $(ab_order $rep); do echo "$dir $(timeout 120 $dir/bench/bench_decode_cuda "$pv" "$b" "$ctx" | grep '^dmattn-')"; done
     done
   done | tee "$OUT/ab_decode.txt"
   python3 bench/ab_medians.py "$OUT/ab_decode.txt" 4 us 1 2 3  # per (pv, B, ctx) and dir
   for spec in ${AB_FILL:-}; do  # the fill: "dir fill-pv B ctx ms copy_ms ratio" lines
     IFS=: read -r pv b ctx <<<"$spec"
-    for rep in 1 2 3; do
-      for dir in $AB; do timeout 120 $dir/bench/bench_decode_cuda fill "$pv" "$b" "$ctx" | grep '^fill-' | sed "s|^|$dir |"; done
+    for rep in 1 2 3 4; do
+      for dir in $(ab_order $rep); do timeout 120 $dir/bench/bench_decode_cuda fill "$pv" "$b" "$ctx" | grep '^fill-' | sed "s|^|$dir |"; done
     done
   done | tee "$OUT/ab_fill.txt"
   python3 bench/ab_medians.py "$OUT/ab_fill.txt" 4 ms 1 2 3
   for n in ${AB_N-4096 16384}; do
     it=$( ((n >= 65536)) && echo 2 || { ((n >= 16384)) && echo 5 || echo 20; })
-    for rep in 1 2 3; do
-      for dir in $AB; do echo "$dir $(timeout 120 $dir/bench/bench_prefill_cuda "$n" 128 "$it" "${AB_POLICY:-DMA-default}")"; done
+    for rep in 1 2 3 4; do
+      for dir in $(ab_order $rep); do echo "$dir $(timeout 120 $dir/bench/bench_prefill_cuda "$n" 128 "$it" "${AB_POLICY:-DMA-default}")"; done
     done
   done | tee "$OUT/ab.txt"
   python3 bench/ab_medians.py "$OUT/ab.txt" 5 ms 3  # per N and dir
