@@ -285,8 +285,10 @@ __device__ __forceinline__ void append_rows(const Pools& p, const NewTokens<T>& 
       uint8_t* dst = rec + record_v(D) + (key % kRecordKeys) * 2 * D + swizzled(2 * D / 16, key % kRecordKeys, 2 * E * lane);
       if constexpr (E == 8)  // (d = 256: the lane's 16 bytes are one whole chunk)
         *reinterpret_cast<uint4*>(dst) = make_uint4(w[0], w[1], w[2], w[3]);
+      else if constexpr (E == 4)
+        *reinterpret_cast<uint2*>(dst) = make_uint2(w[0], w[1]);
       else
-        store_bytes<2 * E>(dst, E == 4 ? uint64_t(w[0]) | uint64_t(w[1]) << 32 : uint64_t(w[0]));
+        *reinterpret_cast<uint32_t*>(dst) = w[0];
     }
   }
 }
