@@ -23,19 +23,23 @@ __device__ __forceinline__ void produce(const PrefillParams& p, const Ring<D, kF
   const int bh = b * p.Hkv + hk;
   for (int j = kt.begin, st = 0, phase = 0; j < steps; ++j, phase ^= (st == kStages - 1), st = (st + 1) % kStages) {
     const int slot = slot_of(j);
-    const bool nv = kNv && p.op[slot] == Operand::bf16;  // bf16 K in D/64 atoms of 128-byte rows, no block scales
+    const bool nv = kNv && p.op[slot] == Operand::bf16;  // bf16 K, no block scales
     if (j - kt.begin >= kStages) tma::wait(ring.empty(st), uint32_t(phase ^ 1));
     // kSplit: K's copies first, then V's into a ring whose buffer frees later (after P.V).
     const uint32_t ds_bytes = kFix && p.ds && p.policy.smooths_q(slot == 0) ? BN * 4 : 0;
     tma::arrive_expect(ring.full(st), (nv ? S::kTxKBf16 : S::kTxK) + (S::kSplit ? 0 : S::kVt) + ds_bytes);
     if (ds_bytes)  // smooth_q's additions of this head for the tile's keys
       tma::load_bytes(ring.ds(st), p.ds + (int64_t(b) * p.Hq + h) * p.ldv + key0 + int64_t(j) * BN, ds_bytes, ring.full(st));
+    // K in its tile's swizzle atoms (KMajorTile), a TMA box each: bf16 rows of 2D bytes (coordinates in
+    // elements), or FP8 rows of D bytes (two atoms at d = 256).
     if (nv) {
-      for (int a = 0; a < D / 64; ++a)
-        tma::load_3d(ring.k(st) + a * BN * 128, &p.kmap[slot], a * 64, key0 + j * BN, bh, ring.full(st));
-    } else {  // (d = 256: two 128-byte atoms a row)
-      for (int a = 0; a < KMajorTile<D, BN>::kAtoms; ++a)
-        tma::load_3d(ring.k(st) + a * BN * 128, &p.kmap[slot], a * 128, key0 + j * BN, bh, ring.full(st));
+      using K = KMajorTile<2 * D, BN>;
+      for (int a = 0; a < K::kAtoms; ++a)
+        tma::load_3d(ring.k(st) + a * BN * K::kW, &p.kmap[slot], a * K::kW / 2, key0 + j * BN, bh, ring.full(st));
+    } else {
+      using K = KMajorTile<D, BN>;
+      for (int a = 0; a < K::kAtoms; ++a)
+        tma::load_3d(ring.k(st) + a * BN * K::kW, &p.kmap[slot], a * K::kW, key0 + j * BN, bh, ring.full(st));
     }
     tma::load_bytes(ring.key_scales(st), p.krs[slot] + kv_tile0 + int64_t(j) * BN, BN * 4, ring.full(st));
     if (!nv) tma::load_bytes(ring.block_scales(st), p.ks[slot] + (kv_tile0 + int64_t(j) * BN) * NB, BN * NB, ring.full(st));
