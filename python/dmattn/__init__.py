@@ -267,7 +267,7 @@ class PagedKVCache:
     mean is fixed by each sequence's first append).
 
     Args:
-      kv_heads, head_dim: the KV heads and their dimension (64 or 128).
+      kv_heads, head_dim: the KV heads and their dimension (64, 128 or 256).
       policy: a dmattn.Policy (default Policy()); or the policy fields as keywords.
     """
 

@@ -15,8 +15,7 @@ constexpr std::string_view kAllMasks = "none, causal, q/k offsets, sliding windo
 const std::vector<std::string_view> kAllTransforms = {"rotate", "smooth_k", "smooth_q", "sink_keys"};
 // The head dims the CUDA kernels are built for.
 const std::vector<int64_t> kPrefillHeadDims = cuda::dim_vector(cuda::PrefillHeadDims{}),
-                           kDecodeHeadDims = cuda::dim_vector(cuda::DecodeHeadDims{}),
-                           kKvCacheHeadDims = cuda::dim_vector(cuda::KvCacheHeadDims{});
+                           kDecodeHeadDims = cuda::dim_vector(cuda::DecodeHeadDims{});
 
 std::vector<Format> with_nvfp4(std::vector<Format> f) {
   f.push_back(Format::nvfp4);
@@ -114,7 +113,7 @@ const Capabilities& cuda_decode_capabilities() {
 }
 
 const Capabilities& cuda_kv_cache_capabilities() {
-  static const Capabilities c{"the CUDA KV cache", kKvCacheHeadDims, kMx32, {PV::bf16, PV::mxfp8, PV::mxfp4},
+  static const Capabilities c{"the CUDA KV cache", kDecodeHeadDims, kMx32, {PV::bf16, PV::mxfp8, PV::mxfp4},
                               kAllTransforms, {}, kDecodeMasks, kv_cache_capabilities().note, "",
                               "the KV cache (host memory) takes every head dim"};
   return c;

@@ -154,7 +154,8 @@ def test_decode_sliding_window_on_cuda_matches_cpu():
 
 
 @pytest.mark.parametrize("policy,d", [({}, 128), ({"pv": "mxfp4", "diag_tiles": 2, "sink_tiles": 1}, 128), ({"pv": "mxfp8"}, 128),
-                                      ({"diag_tiles": 4, "sink_tiles": 1, "rotate": True, "smooth_k": True, "sink_keys": 4}, 128)])
+                                      ({"diag_tiles": 4, "sink_tiles": 1, "rotate": True, "smooth_k": True, "sink_keys": 4}, 128),
+                                      ({}, 256), ({"pv": "mxfp4"}, 256)])
 def test_paged_cache_decodes_as_the_host_cache(policy, d):
     # A prompt then one-token steps for a batch, appended as a generation loop does (CUDA tensors on
     # the current stream): decode over the GPU cache equals decode over the host cache, bit for bit.
@@ -199,7 +200,7 @@ def test_varlen_on_cuda_equals_each_sequence_alone():
         assert torch.equal(lse[:, cq[i]:cq[i + 1]], want_lse[0])
 
 
-@pytest.mark.parametrize("head_dim", [64])  # the GPU cache's head dims: 64, 128
+@pytest.mark.parametrize("head_dim", [64, 256])
 def test_paged_cache_generate_on_cuda(head_dim):
     """generate() with dmattn.hf.PagedCache on the GPU: the layers' caches are PagedKVCache, and each
     generated token's logits agree with the model's logits over the whole sequence (teacher-forced,

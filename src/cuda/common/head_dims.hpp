@@ -2,8 +2,7 @@
 // kernel's compile-time D goes through here, so a new head dim is one entry in a list plus the
 // kernels' own tiling for it.
 //  PrefillHeadDims: the prefill kernel and its pre-pass.
-//  DecodeHeadDims: the decode kernel (over pages of either cache).
-//  KvCacheHeadDims: the KV cache in GPU memory (PagedKVCache: its appends write the pages' records).
+//  DecodeHeadDims: the decode kernel and the KV cache in GPU memory (their pages' records).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -18,7 +17,6 @@ template <int... Ds>
 struct DimList {};
 using PrefillHeadDims = DimList<64, 128, 256>;
 using DecodeHeadDims = DimList<64, 128, 256>;
-using KvCacheHeadDims = DimList<64, 128>;
 // The prefill takes NVFP4 tiles and pv = fp8 up to this head dim, above it MX tiles with pv = bf16
 // alone (prefill/smem.cuh says why); the capabilities table states the same bound.
 constexpr int kPrefillAllFormsMaxHeadDim = 128;

@@ -432,7 +432,7 @@ void PagedKVCache::Impl::launch(const cuda::kv::Plan& plan, int blocks, bool mea
   const int64_t items = std::max<int64_t>({int64_t(plan.nt), plan.S, plan.nm, plan.nz * (page_bytes / 16)});
   chained(cuda::kv::apply_plan, std::clamp<int64_t>((items + 255) / 256, 1, plan.head ? 264 : 1024), "KV cache append", p,
           plan, page_bytes);
-  cuda::with_head_dim(cuda::KvCacheHeadDims{}, d, "PagedKVCache", [&](auto dc) {
+  cuda::with_head_dim(cuda::DecodeHeadDims{}, d, "PagedKVCache", [&](auto dc) {
     constexpr int D = decltype(dc)::value;
     with_typed(k, [&](auto* kt) {
       using T = std::remove_pointer_t<decltype(kt)>;
@@ -496,7 +496,7 @@ void PagedKVCache::append(const std::vector<int>& ids, const TensorView& k, cons
   Impl::HostPlan hp = m.plan(ids, n, stream);
   const cuda::kv::Pools& p = m.pools;
   if (hp.table.empty() && hp.meta.empty() && S <= cuda::kv::kStepSeqs) {  // no page opens or leaves the window
-    cuda::with_head_dim(cuda::KvCacheHeadDims{}, m.d, "PagedKVCache", [&](auto dc) {
+    cuda::with_head_dim(cuda::DecodeHeadDims{}, m.d, "PagedKVCache", [&](auto dc) {
       constexpr int D = decltype(dc)::value;
       with_typed(k, [&](auto* kt) {
         using T = std::remove_pointer_t<decltype(kt)>;
