@@ -9,7 +9,8 @@
 // Prints one line per configuration: "dmattn-<pv> B ctx us_async us_sync GB/s bytes". DMATTN_BENCH_COLD=1: each
 // asynchronous step timed alone with L2 evicted first (the synchronous figure stays warm).
 //
-// "bench_decode_cuda fill PV B CTX" times the other half of a generation's start instead: fill_bench below.
+// "bench_decode_cuda fill PV B CTX" times the other half of a generation's start instead: fill_bench below;
+// "bench_decode_cuda step PV B CTX" a generation's step over the KV cache in GPU memory: step_bench below.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -17,6 +18,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda/decode/decode.cuh"
@@ -149,10 +151,75 @@ int fill_bench(const std::string& pv_arg, int B, int ctx) {
   return 0;
 }
 
+// A generation's decode step as it runs over the KV cache in GPU memory: B sequences of ctx tokens
+// (filled as a prompt), then each step appends one token a sequence and decodes one query a sequence (Hq 32, Hkv 8, d 128, the default
+// policy with V in pv). Appends alone, decodes alone and whole steps, each timed over 64 back-to-back
+// launches (events; a generation loop issues them so; a page opens every 128 steps, as in a generation),
+// medians of five such runs. Prints
+// "step-<pv> B ctx append_us decode_us step_us".
+int step_bench(const std::string& pv_arg, int B, int ctx) {
+  const int Hq = 32, Hkv = 8, d = 128, steps = 64;
+  const int64_t prompt = ctx;
+  const size_t n = size_t(B) * Hkv * prompt * d, nt = size_t(B) * Hkv * steps * d, nq = size_t(B) * Hq * d;
+  uint16_t *k, *v, *tk, *tv, *q, *out;
+  const std::pair<uint16_t**, size_t> arrays[] = {{&k, n}, {&v, n}, {&tk, nt}, {&tv, nt}, {&q, nq}, {&out, nq}};
+  for (const auto& [ptr, count] : arrays) {
+    CK(cudaMalloc(ptr, count * 2));
+    fill_bf16<<<1024, 256>>>(*ptr, count);
+  }
+  Policy pol;
+  pol.pv = parse_pv(pv_arg);
+  PagedKVCache c(Hkv, d, pol);
+  std::vector<int> ids;
+  for (int b = 0; b < B; ++b) ids.push_back(c.new_sequence());
+  c.reserve(B, prompt + 11 * steps);
+  c.append(ids, TensorView::contiguous(k, DType::bf16, {B, Hkv, prompt, d}, Device::cuda),
+           TensorView::contiguous(v, DType::bf16, {B, Hkv, prompt, d}, Device::cuda));
+  const TensorView qv = TensorView::contiguous(q, DType::bf16, {B, Hq, 1, d}, Device::cuda);
+  const TensorView ov = TensorView::contiguous(out, DType::bf16, {B, Hq, 1, d}, Device::cuda);
+  const TensorView kall = TensorView::contiguous(tk, DType::bf16, {B, Hkv, steps, d}, Device::cuda);
+  const TensorView vall = TensorView::contiguous(tv, DType::bf16, {B, Hkv, steps, d}, Device::cuda);
+  auto append = [&](int t) { c.append(ids, slice_tokens(kall, t, 1), slice_tokens(vall, t, 1)); };
+  auto decode = [&] { decode_attention(c, ids, qv, ov, nullptr); };
+  cudaEvent_t e0, e1;
+  cudaEventCreate(&e0);
+  cudaEventCreate(&e1);
+  auto per_launch_us = [&](auto&& work) {  // 64 in a row, µs each
+    CK(cudaDeviceSynchronize());
+    cudaEventRecord(e0);
+    for (int t = 0; t < steps; ++t) work(t);
+    cudaEventRecord(e1);
+    CK(cudaEventSynchronize(e1));
+    float ms = 0;
+    cudaEventElapsedTime(&ms, e0, e1);
+    return 1000.0f * ms / steps;
+  };
+  decode();  // loads the kernels
+  std::vector<float> appends, decodes, whole;
+  for (int r = 0; r < 5; ++r) {  // each run appends 2 x 64 tokens a sequence, 640 in all: within the room reserved
+    appends.push_back(per_launch_us(append));
+    decodes.push_back(per_launch_us([&](int) { decode(); }));
+    whole.push_back(per_launch_us([&](int t) {
+      append(t);
+      decode();
+    }));
+  }
+  for (auto* x : {&appends, &decodes, &whole}) std::sort(x->begin(), x->end());
+  std::printf("step-%s %d %d %.2f %.2f %.2f\n", pv_arg.c_str(), B, ctx, appends[2], decodes[2], whole[2]);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  for (uint16_t* p : {k, v, tk, tv, q, out}) cudaFree(p);
+  return 0;
+}
+
 int main(int argc, char** argv) {
   if (argc > 1 && std::string(argv[1]) == "fill") {
     // usage: bench_decode_cuda fill [bf16|mxfp8|mxfp4] [B] [ctx]
     return fill_bench(argc > 2 ? argv[2] : "mxfp4", argc > 3 ? std::atoi(argv[3]) : 16, argc > 4 ? std::atoi(argv[4]) : 32768);
+  }
+  if (argc > 1 && std::string(argv[1]) == "step") {
+    // usage: bench_decode_cuda step [bf16|mxfp8|mxfp4] [B] [ctx]
+    return step_bench(argc > 2 ? argv[2] : "mxfp4", argc > 3 ? std::atoi(argv[3]) : 16, argc > 4 ? std::atoi(argv[4]) : 32768);
   }
   const int Hq = 32, Hkv = 8, d = 128, T = 128;
   // usage: bench_decode_cuda [bf16|mxfp8|mxfp4 (V's format, pv)] [B] [ctx] [splits (0: the plan's)]
