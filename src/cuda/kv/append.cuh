@@ -106,7 +106,8 @@ struct NewTokens {
   bool vec;
 };
 
-// The element types an append writes: K in the policy's high and low formats, V's (pv MX).
+// The element types an append writes: K in the policy's high and low formats, V's (pv MX: E4M3 or
+// E2M1, pv_values_format's).
 struct Codes {
   Elem high, low, v;
   ScaleRule rule;
@@ -119,11 +120,12 @@ __device__ __forceinline__ uint8_t* record_at(const Pools& p, int32_t page, int 
 // One value already divided by its block's scale, as the codec's encode_elem encodes it, bit for bit:
 // FP8 the same hardware conversion, E2M1 its comparison-free twin
 // (MxCodec.FastE2M1EqualsTheCodecOnEveryFloat), FP6 the codec itself.
-__device__ __forceinline__ uint8_t encode_code(float y, Elem e) {
-  if (e == Elem::e2m1) return encode_e2m1_fast(y);
-  if (e == Elem::e4m3) return fp8_encode<false>(y);
-  if (e == Elem::e5m2) return fp8_encode<true>(y);
-  return encode_elem(elem_spec(e), y);
+template <Elem kE>
+__device__ __forceinline__ uint8_t encode_code(float y) {
+  if constexpr (kE == Elem::e2m1) return encode_e2m1_fast(y);
+  else if constexpr (kE == Elem::e4m3) return fp8_encode<false>(y);
+  else if constexpr (kE == Elem::e5m2) return fp8_encode<true>(y);
+  else return encode_elem(elem_spec(kE), y);
 }
 
 // A lane's E codes (E consecutive elements of one 32-block, already divided by the block's scale),
@@ -140,7 +142,7 @@ __device__ __forceinline__ uint64_t encode_lane_codes(const float (&y)[E]) {
     constexpr int bits = kE == Elem::e2m1 ? 4 : 8;
 #pragma unroll
     for (int i = 0; i < E; ++i)
-      w |= uint64_t(kE == Elem::e2m1 ? encode_e2m1_not_nan(y[i]) : encode_code(y[i], kE)) << (bits * i);
+      w |= uint64_t(kE == Elem::e2m1 ? encode_e2m1_not_nan(y[i]) : encode_code<kE>(y[i])) << (bits * i);
   }
   return w;
 }
@@ -331,7 +333,7 @@ __device__ __forceinline__ void write_value_column(uint8_t* dst, uint8_t* scale,
     } else {
 #pragma unroll
       for (int j = 0; j < kRecordKeys; ++j)
-        w[vt_position(j) / 4] |= uint32_t(encode_code(x[j] * inv, kE)) << 8 * (vt_position(j) % 4);
+        w[vt_position(j) / 4] |= uint32_t(encode_code<kE>(x[j] * inv)) << 8 * (vt_position(j) % 4);
     }
   }
   uint4* out = reinterpret_cast<uint4*>(dst);
@@ -348,14 +350,13 @@ __device__ __forceinline__ void write_value_column(uint8_t* dst, uint8_t* scale,
 // the new keys' codes are written; else the block is quantized again from its originals (earlier
 // tokens from the sequence's tail buffer, zeros past the last token). Warp w is (batch entry, head,
 // block, channel group): block bi from the entry's first and channels 32 cg .. 32 cg + 31 of head h
-// of entry i (e), n tokens appended.
-template <int D, class T>
-__device__ __forceinline__ void append_value_block(const Pools& p, const NewTokens<T>& nt, const Codes& cd, int n, int i,
+// of entry i (e), n tokens appended. V's format is a type here: a warp's path through the block is
+// one format's code, straight (a decode step's warps run it once, from a cold instruction cache).
+template <int D, Elem ve, class T>
+__device__ __forceinline__ void append_value_block(const Pools& p, const NewTokens<T>& nt, ScaleRule rule, int n, int i,
                                                    int h, int bi, int cg, Entry e) {
   static_assert(record_v(D) % 16 == 0 && record_bytes(D, 4) % 16 == 0 && record_bytes(D, 8) % 16 == 0,
                 "store_column's 16-byte stores need 16-byte aligned columns");
-  const Elem ve = cd.v;
-  const ScaleRule rule = cd.rule;
   const int lane = threadIdx.x % 32, c = 32 * cg + lane;
   const int seq = e.seq, pos0 = e.pos0, buf = e.buf;
   const int end = pos0 + n, b = pos0 / kRecordKeys + bi, k0 = b * kRecordKeys;
@@ -373,7 +374,7 @@ __device__ __forceinline__ void append_value_block(const Pools& p, const NewToke
   // Key `key`'s code into the column: E2M1 codes packed for f16 (kv_record.hpp), cleared around it
   // where the block starts here; FP8 bytes at vt_position.
   auto write_one = [&](int key, uint8_t code) {
-    if (ve == Elem::e2m1) {
+    if constexpr (ve == Elem::e2m1) {
       const int t = key % 8 / 2, at = 2 * (key / 8) + key % 2;
       uint8_t codes[8], ones[8];
 #pragma unroll
@@ -391,21 +392,14 @@ __device__ __forceinline__ void append_value_block(const Pools& p, const NewToke
     const T* src = nt.v + i * nt.vs0 + h * nt.vs1 + (k0 - pos0) * nt.vs2 + c;
 #pragma unroll
     for (int j = 0; j < kRecordKeys; ++j) x[j] = to_float(src[j * nt.vs2]);
-    uint8_t* dst = col + c * vt_row;
-    switch (ve) {
-      case Elem::e2m1: return write_value_column<Elem::e2m1>(dst, col + D * vt_row + c, x, rule);
-      case Elem::e4m3: return write_value_column<Elem::e4m3>(dst, col + D * vt_row + c, x, rule);
-      case Elem::e5m2: return write_value_column<Elem::e5m2>(dst, col + D * vt_row + c, x, rule);
-      case Elem::e3m2: return write_value_column<Elem::e3m2>(dst, col + D * vt_row + c, x, rule);
-      case Elem::e2m3: return write_value_column<Elem::e2m3>(dst, col + D * vt_row + c, x, rule);
-    }
+    return write_value_column<ve>(col + c * vt_row, col + D * vt_row + c, x, rule);
   }
   const uint8_t old = from > 0 ? col[D * vt_row + c] : uint8_t(0);  // the block's stored scale
   if (to - from == 1) {  // one new key (a decode step): its code alone, unless it raises the block's scale
     const float y = to_float(nt.v[i * nt.vs0 + h * nt.vs1 + (k0 + from - pos0) * nt.vs2 + c]);
     const uint8_t sc = max(hd::is_finite(y) ? choose_e8m0(hd::abs_f(y), ve, rule) : kE8M0NaN, old);
     if (from == 0 || sc == old) {
-      write_one(from, sc == kE8M0NaN ? uint8_t(0) : encode_code(y * inverse_e8m0(sc), ve));
+      write_one(from, sc == kE8M0NaN ? uint8_t(0) : encode_code<ve>(y * inverse_e8m0(sc)));
       col[D * vt_row + c] = sc;
       if (keep) keep[from * D] = y;
       return;
@@ -423,14 +417,14 @@ __device__ __forceinline__ void append_value_block(const Pools& p, const NewToke
   const uint8_t mine = bad ? kE8M0NaN : choose_e8m0(amax, ve, rule);
   const uint8_t sc = max(mine, old);  // NaN (0xFF) is the largest code
   const float inv = inverse_e8m0(sc);  // a product by a power of two: the codec's ldexp
-  auto code_of = [&](float y) { return sc == kE8M0NaN ? uint8_t(0) : encode_code(y * inv, ve); };
+  auto code_of = [&](float y) { return sc == kE8M0NaN ? uint8_t(0) : encode_code<ve>(y * inv); };
   const bool whole = from > 0 && sc != old;  // the earlier keys' codes change with the scale
   if (whole)
 #pragma unroll
     for (int j = 0; j < kRecordKeys; ++j)
       if (j < from) x[j] = p.vtail[tail + buf * other + j * D];
   const int lo = whole ? 0 : from;  // the keys whose codes are written
-  if (ve == Elem::e2m1) {
+  if constexpr (ve == Elem::e2m1) {
 #pragma unroll
     for (int t = 0; t < 4; ++t) {
       uint8_t ones[8];
@@ -470,7 +464,10 @@ __device__ __forceinline__ void append_value_item(const Pools& p, const NewToken
                                                   int blocks, const int32_t* batch, int64_t v) {
   constexpr int CG = D / 32;
   const int cg = int(v % CG), bi = int(v / CG % blocks), h = int(v / CG / blocks % p.Hkv), i = int(v / CG / blocks / p.Hkv);
-  append_value_block<D>(p, x, cd, n, i, h, bi, cg, entry_of(batch, i));
+  if (cd.v == Elem::e2m1)
+    append_value_block<D, Elem::e2m1>(p, x, cd.rule, n, i, h, bi, cg, entry_of(batch, i));
+  else
+    append_value_block<D, Elem::e4m3>(p, x, cd.rule, n, i, h, bi, cg, entry_of(batch, i));
 }
 
 // smooth_k: a sequence's first append fixes its keys' mean (KVCache::transform_keys): per channel
