@@ -395,27 +395,32 @@ __device__ __forceinline__ void append_value_block(const Pools& p, const NewToke
     return write_value_column<ve>(col + c * vt_row, col + D * vt_row + c, x, rule);
   }
   const uint8_t old = from > 0 ? col[D * vt_row + c] : uint8_t(0);  // the block's stored scale
+  // The new keys' values (zeros elsewhere) and the block's new scale: the larger of its stored one
+  // and theirs (NaN, 0xFF, is the largest code).
+  float x[kRecordKeys];
+  uint8_t sc;
   if (to - from == 1) {  // one new key (a decode step): its code alone, unless it raises the block's scale
     const float y = to_float(nt.v[i * nt.vs0 + h * nt.vs1 + (k0 + from - pos0) * nt.vs2 + c]);
-    const uint8_t sc = max(hd::is_finite(y) ? choose_e8m0(hd::abs_f(y), ve, rule) : kE8M0NaN, old);
+    sc = max(hd::is_finite(y) ? choose_e8m0(hd::abs_f(y), ve, rule) : kE8M0NaN, old);
     if (from == 0 || sc == old) {
       write_one(from, sc == kE8M0NaN ? uint8_t(0) : encode_code<ve>(y * inverse_e8m0(sc)));
       col[D * vt_row + c] = sc;
       if (keep) keep[from * D] = y;
       return;
     }
-  }
-  float x[kRecordKeys];
-  float amax = 0.0f;
-  bool bad = false;
 #pragma unroll
-  for (int j = 0; j < kRecordKeys; ++j) {
-    x[j] = j >= from && j < to ? to_float(nt.v[i * nt.vs0 + h * nt.vs1 + (k0 + j - pos0) * nt.vs2 + c]) : 0.0f;
-    bad |= !hd::is_finite(x[j]);
-    amax = fmaxf(amax, hd::abs_f(x[j]));
+    for (int j = 0; j < kRecordKeys; ++j) x[j] = j == from ? y : 0.0f;
+  } else {
+    float amax = 0.0f;
+    bool bad = false;
+#pragma unroll
+    for (int j = 0; j < kRecordKeys; ++j) {
+      x[j] = j >= from && j < to ? to_float(nt.v[i * nt.vs0 + h * nt.vs1 + (k0 + j - pos0) * nt.vs2 + c]) : 0.0f;
+      bad |= !hd::is_finite(x[j]);
+      amax = fmaxf(amax, hd::abs_f(x[j]));
+    }
+    sc = max(bad ? kE8M0NaN : choose_e8m0(amax, ve, rule), old);
   }
-  const uint8_t mine = bad ? kE8M0NaN : choose_e8m0(amax, ve, rule);
-  const uint8_t sc = max(mine, old);  // NaN (0xFF) is the largest code
   const float inv = inverse_e8m0(sc);  // a product by a power of two: the codec's ldexp
   auto code_of = [&](float y) { return sc == kE8M0NaN ? uint8_t(0) : encode_code<ve>(y * inv); };
   const bool whole = from > 0 && sc != old;  // the earlier keys' codes change with the scale
