@@ -36,7 +36,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 # AB="dirA dirB" (each laid out as PREBUILT): a variant against a baseline in one run. The GPU tests
 # matching AB_TESTS of the last dir (or of each dir in AB_TEST_DIRS), then bench_prefill_cuda alternating between the dirs,
 # four rounds per N in AB_N, the order reversed every other round (AB_N= none), policy AB_POLICY; medians per dir last. AB_QUANT=1 adds the quantize
-# bench, AB_DECODE="pv:B:ctx ..." (e.g. mxfp4:16:32768) bench_decode_cuda the same way, AB_FILL="pv:B:ctx ..." the KV
+# bench, AB_DECODE="pv:B:ctx ..." (e.g. mxfp4:16:32768) bench_decode_cuda the same way, AB_STEP="pv:B:ctx ..." a
+# generation's step over the KV cache (bench_decode_cuda step) the same way, AB_FILL="pv:B:ctx ..." the KV
 # cache's fill of a B x ctx prompt (bench_decode_cuda fill) the same way, AB_RACE=1 racecheck on
 # the last dir (with the grid capped at 2 CTAs where a persistent prefill honours DMATTN_PREFILL_CTAS); AB_TIMEOUT (s) limits the tests.
 if [ -n "${AB:-}" ]; then
@@ -70,6 +71,13 @@ if [ -n "${AB:-}" ]; then
     done
   done | tee "$OUT/ab_decode.txt"
   python3 bench/ab_medians.py "$OUT/ab_decode.txt" 4 us 1 2 3  # per (pv, B, ctx) and dir
+  for spec in ${AB_STEP:-}; do  # a generation's step: "dir step-pv B ctx append_us decode_us step_us" lines
+    IFS=: read -r pv b ctx <<<"$spec"
+    for rep in 1 2 3 4; do
+      for dir in $(ab_order $rep); do echo "$dir $(timeout 120 $dir/bench/bench_decode_cuda step "$pv" "$b" "$ctx" | grep '^step-')"; done
+    done
+  done | tee "$OUT/ab_step.txt"
+  for c in 4 5 6; do python3 bench/ab_medians.py "$OUT/ab_step.txt" $c us 1 2 3; done  # append, decode, step
   for spec in ${AB_FILL:-}; do  # the fill: "dir fill-pv B ctx ms copy_ms ratio" lines
     IFS=: read -r pv b ctx <<<"$spec"
     for rep in 1 2 3 4; do
@@ -84,7 +92,7 @@ if [ -n "${AB:-}" ]; then
     done
   done | tee "$OUT/ab.txt"
   python3 bench/ab_medians.py "$OUT/ab.txt" 5 ms 3  # per N and dir
-  cp "$OUT/ab.txt" "$OUT/ab_decode.txt" "$OUT/ab_fill.txt" "$RESULT_DIR/"
+  cp "$OUT/ab.txt" "$OUT/ab_decode.txt" "$OUT/ab_step.txt" "$OUT/ab_fill.txt" "$RESULT_DIR/"
   exit $trc  # the tests' status, so a following run can depend on it
 fi
 
