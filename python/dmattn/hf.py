@@ -52,6 +52,7 @@ def _band(pattern, L, S):
 def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None, attention_mask=None,
           **kwargs):
     """transformers mask function for dmattn: None, a 2-D padding mask, or a 4-D boolean mask."""
+    import torch
     from transformers import masking_utils as mu
     if mask_function is None or mask_function is mu.causal_mask_function or \
             mask_function is getattr(mu, "bidirectional_mask_function", None):
@@ -60,7 +61,7 @@ def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_functio
         attention_mask = attention_mask[:, -kv_length:]
         if attention_mask.shape[1] == kv_length and bool(attention_mask.all()):
             return None
-        return attention_mask.bool()
+        return _own(attention_mask.to(torch.bool, copy=True))
     kwargs.pop("allow_is_causal_skip", None)
     kwargs.pop("allow_is_bidirectional_skip", None)
     # The pattern without padding: causal within a sliding window travels as the padding mask + the window.
@@ -69,11 +70,10 @@ def _mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_functio
                            allow_is_causal_skip=False, allow_is_bidirectional_skip=False, **kwargs)
     left = _band(pattern[0, 0].cpu(), q_length, kv_length)
     if left is not None:
-        import torch
-        keep = (attention_mask[:, -kv_length:].bool().clone() if attention_mask is not None
+        keep = (attention_mask[:, -kv_length:].to(torch.bool, copy=True) if attention_mask is not None
                 else torch.ones(batch_size, kv_length, dtype=torch.bool, device=pattern.device))
         keep.dmattn_window_left = left
-        return keep
+        return _own(keep)
     # Any other pattern: the exact boolean mask, which the attention checks (and refuses unless causal).
     return mu.sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                         kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
@@ -124,19 +124,40 @@ class _Packing:
         self.kb, self.kp, self.qb, self.ql = (torch.cat(x).to(device) for x in (kb, kp, qb, ql))
 
 
-_last_packing = None  # (weak reference to the mask, its version and the shape asked, the _Packing)
+def _own(mask):
+    """mask, marked as one the mask function made for this forward (a copy no caller holds)."""
+    mask.dmattn_own = True
+    return mask
+
+
+_read = {}  # what was read of a mask, by purpose: (weak reference to the mask, key, value)
+
+
+def _once(purpose, mask, key, read):
+    """read(), kept for the mask's other layers: transformers passes one mask to every layer of a
+    forward, so a value read from it (a copy to the host) is read once a forward, not once a layer.
+    The key holds the mask's version, so an in-place change is read afresh; an inference tensor keeps
+    no version, so only a mask the mask function made for this forward (_own) is kept then."""
+    import weakref
+    inference = mask.is_inference()
+    if inference and not getattr(mask, "dmattn_own", False):
+        return read()
+    key = (None if inference else mask._version,) + key
+    last = _read.get(purpose)
+    if last is not None and last[0]() is mask and last[1] == key:
+        return last[2]
+    value = read()
+    _read[purpose] = (weakref.ref(mask), key, value)
+    return value
 
 
 def _packing(mask, L, S, left, device):
-    import weakref
-    global _last_packing
-    key = (mask._version, L, S, left, str(device))
-    last = _last_packing
-    if last is not None and last[0]() is mask and last[1] == key:
-        return last[2]
-    pk = _Packing(mask, L, S, left, device)
-    _last_packing = (weakref.ref(mask), key, pk)
-    return pk
+    return _once("packing", mask, (L, S, left, str(device)), lambda: _Packing(mask, L, S, left, device))
+
+
+def _all_real(mask, lo, hi):
+    """Whether mask[:, lo:hi] (2-D) marks every token real."""
+    return _once("real", mask, (lo, hi), lambda: bool(mask[:, lo:hi].bool().all()))
 
 
 def _padded(query, key, value, pk, causal, scaling, left=-1):
@@ -244,17 +265,19 @@ def _cache_layer():
             return first
 
         def _new(self, attention_mask, L):
-            """Which of the step's L tokens are real, [B, L] bool, or None for all of them."""
+            """Which of the step's L tokens are real, [B, L] bool, or None for all of them (read once a
+            step for all layers: _all_real)."""
             if attention_mask is None:
                 return None
             if attention_mask.dim() != 2:
                 raise NotImplementedError(_MASK_NOTE)
-            return attention_mask.bool()[:, self.length - L:self.length]
+            lo, hi = self.length - L, self.length
+            return None if _all_real(attention_mask, lo, hi) else attention_mask.bool()[:, lo:hi]
 
         def decode(self, query, attention_mask, scaling, window):
             from . import decode
             new = self._new(attention_mask, query.shape[-2])
-            if query.shape[-2] > 16 or (new is not None and not bool(new.all())):
+            if query.shape[-2] > 16 or new is not None:
                 raise NotImplementedError("dmattn.hf.PagedCache: a step after the prompt takes 1 to 16 real tokens "
                                           "a sequence (chunked prefill and padding after the prompt are not supported)")
             left = int(window) - 1 if window is not None else -1
@@ -264,7 +287,7 @@ def _cache_layer():
         def _append(self, key, value, new):
             """The step's real tokens into each row's sequence (all rows at once where they are whole)."""
             from . import PagedKVCache
-            if isinstance(self.cache, PagedKVCache) and (new is None or bool(new.all())):
+            if isinstance(self.cache, PagedKVCache) and new is None:
                 self.cache.append(self.seqs, key.contiguous(), value.contiguous())
                 return
             for b, seq in enumerate(self.seqs):

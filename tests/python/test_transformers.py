@@ -237,3 +237,45 @@ def test_padding_is_read_once_a_mask_and_again_when_the_mask_changes():
     hf._packing(holes, 10, 10, -1, "cpu")  # holes are exact without a window
     with pytest.raises(NotImplementedError):
         hf._packing(holes, 10, 10, 3, "cpu")  # and not computable through one
+
+
+def test_padded_batches_run_under_inference_mode():
+    """torch.inference_mode() (whose tensors keep no version counter): a padded batch's forward and
+    generate() through PagedCache give what they give under no_grad."""
+    from dmattn import hf
+    name = dmattn.register_transformers()
+    model = tiny_llama(name)
+    ids = torch.randint(0, 256, (2, 150), generator=torch.Generator().manual_seed(4))
+    mask = padding_mask(150, "left", 37)
+    runs = []
+    for mode in (torch.no_grad, torch.inference_mode):
+        with mode():
+            logits = model(ids, attention_mask=mask).logits
+            tokens = model.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                    past_key_values=hf.PagedCache(model))
+        runs.append((logits.clone(), tokens.clone()))
+    assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
+def test_a_step_reads_its_mask_once_for_all_layers():
+    """A decode step's padding check is read from the mask once and kept for the other layers; an
+    in-place change (a new version) is read again; an inference tensor the caller holds (no version to
+    tell a change by) is read every time, one the mask function made for the forward once."""
+    from dmattn import hf
+    reads = []
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    read = lambda m: lambda: reads.append(1) or bool(m.all())  # noqa: E731
+    assert hf._once("t", mask, (8, 10), read(mask)) and hf._once("t", mask, (8, 10), read(mask))
+    assert len(reads) == 1
+    mask[1, 9] = False
+    assert not hf._once("t", mask, (8, 10), read(mask)) and len(reads) == 2
+    assert hf._all_real(mask, 0, 9) and not hf._all_real(mask, 8, 10)
+    with torch.inference_mode():
+        theirs = torch.ones(2, 10, dtype=torch.bool)
+        ours = hf._own(torch.ones(2, 10, dtype=torch.bool))
+    for _ in range(2):
+        hf._once("t", theirs, (8, 10), read(theirs))
+    assert len(reads) == 4
+    for _ in range(2):
+        hf._once("t", ours, (8, 10), read(ours))
+    assert len(reads) == 5
