@@ -120,25 +120,23 @@ const Capabilities& cuda_kv_cache_capabilities() {
 }
 
 void require(const Capabilities& c, const Policy& p, int64_t d) {
-  const std::string rest = (c.why.empty() ? "" : " (" + std::string(c.why) + ")") +
-                           (c.elsewhere.empty() ? "" : "; " + std::string(c.elsewhere));
+  // Every call of every entry point passes here: the messages are built only for a refusal.
+  auto refuse = [&c](const std::string& what) {
+    throw Error(std::string(c.name) + what + (c.why.empty() ? "" : " (" + std::string(c.why) + ")") +
+                (c.elsewhere.empty() ? "" : "; " + std::string(c.elsewhere)));
+  };
   if (!c.head_dims.empty() && !has(c.head_dims, d))
-    throw Error(std::string(c.name) + " takes head dims " + head_dims_text(c) + " (got " + std::to_string(d) + ")" + rest);
+    refuse(" takes head dims " + head_dims_text(c) + " (got " + std::to_string(d) + ")");
   for (Format f : {p.high, p.low})
-    if (!has(c.formats, f))
-      throw Error(std::string(c.name) + " takes tile formats " + formats_text(c, true) + ", not " +
-                  std::string(format_info(f).name) + rest);
-  if (!has(c.pv, p.pv))
-    throw Error(std::string(c.name) + " takes pv " + pv_text(c) + ", not pv=" + std::string(pv_name(p.pv)) + rest);
+    if (!has(c.formats, f)) refuse(" takes tile formats " + formats_text(c, true) + ", not " + std::string(format_info(f).name));
+  if (!has(c.pv, p.pv)) refuse(" takes pv " + pv_text(c) + ", not pv=" + std::string(pv_name(p.pv)));
   const bool mx_bf16 = p.pv == PV::bf16 && format_info(p.high).block == 32 && format_info(p.low).block == 32;
   if (c.mx_bf16_above && d > c.mx_bf16_above && !mx_bf16)
-    throw Error(std::string(c.name) + " at head dim " + std::to_string(d) + " takes MX tiles with pv=bf16, not " +
-                p.describe() + rest);
+    refuse(" at head dim " + std::to_string(d) + " takes MX tiles with pv=bf16, not " + p.describe());
   for (const std::string& t : transforms_of(p)) {
     if (has(c.transforms, std::string_view(t))) continue;
     if (has(c.transforms_mx_bf16, std::string_view(t)) && mx_bf16) continue;
-    throw Error(std::string(c.name) + " takes the transforms " + transforms_text(c) + "; not " + t +
-                " with this policy (" + p.describe() + ")" + rest);
+    refuse(" takes the transforms " + transforms_text(c) + "; not " + t + " with this policy (" + p.describe() + ")");
   }
 }
 
