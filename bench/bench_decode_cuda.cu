@@ -21,6 +21,7 @@
 #include <utility>
 #include <vector>
 
+#include "cuda/common/buffers.hpp"
 #include "cuda/decode/decode.cuh"
 #include "dmattn/paged_kv_cache.hpp"
 
@@ -37,6 +38,13 @@ using dmattn::cuda::decode_paged_async;
       std::exit(1);                                                    \
     }                                                                  \
   } while (0)
+
+// Device ms of work() (enqueued on the default stream), timed by events from an idle device.
+template <class F>
+float idle_ms(F&& work) {
+  CK(cudaDeviceSynchronize());
+  return dmattn::cuda::time_ms(work);
+}
 
 __device__ uint32_t mix(uint64_t i) {
   i ^= i >> 33;
@@ -110,29 +118,16 @@ int fill_bench(const std::string& pv_arg, int B, int ctx) {
     PagedKVCache warm(Hkv, d, pol);
     warm.append(sequences(warm), slice_tokens(tk, 0, std::min(ctx, 300)), slice_tokens(tv, 0, std::min(ctx, 300)));
   }
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
-  auto time_ms = [&](auto&& work) {
-    CK(cudaDeviceSynchronize());
-    cudaEventRecord(e0);
-    work();
-    cudaEventRecord(e1);
-    CK(cudaEventSynchronize(e1));
-    float ms = 0;
-    cudaEventElapsedTime(&ms, e0, e1);
-    return ms;
-  };
   std::vector<float> fills, reserved, copies;
   for (int r = 0; r < 5; ++r) {
     PagedKVCache c(Hkv, d, pol);
     const std::vector<int> ids = sequences(c);
-    fills.push_back(time_ms([&] { c.append(ids, tk, tv); }));
+    fills.push_back(idle_ms([&] { c.append(ids, tk, tv); }));
     PagedKVCache room(Hkv, d, pol);
     const std::vector<int> room_ids = sequences(room);
     room.reserve(B, ctx);
-    reserved.push_back(time_ms([&] { room.append(room_ids, tk, tv); }));
-    copies.push_back(time_ms([&] {
+    reserved.push_back(idle_ms([&] { room.append(room_ids, tk, tv); }));
+    copies.push_back(idle_ms([&] {
       cudaMemcpyAsync(copy, k, n * 2, cudaMemcpyDeviceToDevice);
       cudaMemcpyAsync(copy + n, v, n * 2, cudaMemcpyDeviceToDevice);
     }));
@@ -143,8 +138,6 @@ int fill_bench(const std::string& pv_arg, int B, int ctx) {
   std::printf("fill-%s %d %d %.3f %.3f %.2f\n", pv_arg.c_str(), B, ctx, fills[2], copies[2], fills[2] / copies[2]);
   std::printf("fill-reserved-%s %d %d %.3f %.3f %.2f\n", pv_arg.c_str(), B, ctx, reserved[2], copies[2],
               reserved[2] / copies[2]);
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
   cudaFree(k);
   cudaFree(v);
   cudaFree(copy);
@@ -181,18 +174,10 @@ int step_bench(const std::string& pv_arg, int B, int ctx) {
   const TensorView vall = TensorView::contiguous(tv, DType::bf16, {B, Hkv, steps, d}, Device::cuda);
   auto append = [&](int t) { c.append(ids, slice_tokens(kall, t, 1), slice_tokens(vall, t, 1)); };
   auto decode = [&] { decode_attention(c, ids, qv, ov, nullptr); };
-  cudaEvent_t e0, e1;
-  cudaEventCreate(&e0);
-  cudaEventCreate(&e1);
   auto per_launch_us = [&](auto&& work) {  // 64 in a row, µs each
-    CK(cudaDeviceSynchronize());
-    cudaEventRecord(e0);
-    for (int t = 0; t < steps; ++t) work(t);
-    cudaEventRecord(e1);
-    CK(cudaEventSynchronize(e1));
-    float ms = 0;
-    cudaEventElapsedTime(&ms, e0, e1);
-    return 1000.0f * ms / steps;
+    return 1000.0f * idle_ms([&] {
+      for (int t = 0; t < steps; ++t) work(t);
+    }) / steps;
   };
   decode();  // loads the kernels
   std::vector<float> appends, decodes, whole;
@@ -206,8 +191,6 @@ int step_bench(const std::string& pv_arg, int B, int ctx) {
   }
   for (auto* x : {&appends, &decodes, &whole}) std::sort(x->begin(), x->end());
   std::printf("step-%s %d %d %.2f %.2f %.2f\n", pv_arg.c_str(), B, ctx, appends[2], decodes[2], whole[2]);
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
   for (uint16_t* p : {k, v, tk, tv, q, out}) cudaFree(p);
   return 0;
 }
