@@ -19,10 +19,12 @@ Times are medians of CUDA-event timings over 20 steps on torch's current stream,
 calls enqueue their work (no host synchronisation inside a step). Prints one markdown table.
 
 usage: POLICY=key:value,... python3 bench/bench_decode_step.py [--profile] [B:ctx ...]
+       POLICY=... python3 bench/bench_decode_step.py --host B:ctx ...
        POLICY (optional): policy fields over the default's, e.g. diag_tiles:1,sink_tiles:0,rotate:0;
        B:ctx default: the matrix B 1, 16, 64 x ctx 8k, 32k, 128k where the bf16 cache fits in a
        quarter of the GPU's memory; --profile also prints each step's kernels, eager and graphed,
-       and the fill's (device µs a step or a fill, torch.profiler)
+       and the fill's (device µs a step or a fill, torch.profiler); --host prints instead the host's µs a
+       call of an eager step and of its pieces (calls queued without a sync), SDPA's beside them
 """
 import os
 import statistics
@@ -34,7 +36,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import dmattn
-from bench_python import parse, profiled
+from bench_python import host_us, parse, profiled
 
 warnings.filterwarnings("ignore")  # SDPA warns on every GQA call that a backend cannot take it
 Hq, Hkv, d = 32, 8, 128
@@ -183,9 +185,51 @@ def run(B, ctx, rows):
         torch.cuda.empty_cache()
 
 
+def host_step(B, ctx, n=100):
+    """The host's µs a call of an eager step (V in MXFP4) and of its pieces, SDPA's step beside them."""
+    g = torch.Generator(device="cuda").manual_seed(B * 7 + ctx)
+    kc = torch.randn(B, Hkv, ctx + 1 + 4 * n, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    vc = torch.randn_like(kc)
+    q = torch.randn(B, Hq, 1, d, device="cuda", dtype=torch.bfloat16, generator=g)
+    new_k, new_v = kc[:, :, ctx:ctx + 1].clone(), vc[:, :, ctx:ctx + 1].clone()
+    cache = dmattn.PagedKVCache(Hkv, d, pv="mxfp4", **FIELDS)
+    ids = [cache.new_sequence() for _ in range(B)]
+    cache.reserve(B, ctx + 8 * n)
+    cache.append(ids, kc[:, :, :ctx], vc[:, :, :ctx])
+    out = torch.empty_like(q)
+    opts = dmattn._decode_options(None, 0, -1, dmattn._stream(q.device))
+    stream = dmattn._stream(q.device)
+    pos = torch.tensor([ctx], device="cuda")
+
+    def sdpa_step():
+        kc.index_copy_(2, pos, new_k)
+        vc.index_copy_(2, pos, new_v)
+        return F.scaled_dot_product_attention(q, kc[:, :, :ctx + 1], vc[:, :, :ctx + 1], enable_gqa=True)
+    rows = [
+        ("step: append + decode", lambda: (cache.append(ids, new_k, new_v), dmattn.decode(cache, ids, q))),
+        ("dmattn.decode", lambda: dmattn.decode(cache, ids, q)),
+        ("PagedKVCache.append", lambda: cache.append(ids, new_k, new_v)),
+        ("compiled decode_into (options made once)", lambda: dmattn.decode_into(cache._c, ids, q, out, None, opts)),
+        ("compiled append", lambda: cache._c.append(ids, new_k, new_v, stream)),
+        ("torch.empty_like(q)", lambda: torch.empty_like(q)),
+        ("dmattn's stream lookup", lambda: dmattn._stream(q.device)),
+        ("SDPA step (cuDNN): 2 index_copy_ + attention", sdpa_step, SDPBackend.CUDNN_ATTENTION),
+        ("SDPA step (flash)", sdpa_step, SDPBackend.FLASH_ATTENTION),
+    ]
+    print(f"\n| host µs a call (B {B}, ctx {ctx}, {Hq}/{Hkv}, d {d}; {n} calls queued) | µs |")
+    print("|---|---|")
+    for name, fn, *backend in rows:
+        print(f"| {name} | {host_us(fn, n, *backend):.1f} |", flush=True)
+
+
 def main():
     global PROFILE, FIELDS
     FIELDS = policy_fields()
+    if sys.argv[1:2] == ["--host"]:
+        with torch.inference_mode():
+            for s in sys.argv[2:] or ["1:8192"]:
+                host_step(*(int(x) for x in s.split(":")))
+        return
     args = [a for a in sys.argv[1:] if a != "--profile"]
     PROFILE = len(args) < len(sys.argv) - 1
     specs = [tuple(int(x) for x in s.split(":")) for s in args]

@@ -176,27 +176,31 @@ def timeline_policies(policies, B, N):
     del q, k, v
 
 
+def host_us(fn, n, backend=None):
+    """Host µs a call of fn: wall clock over n calls queued without a sync (after one call and a sync),
+    so it measures the host's work as long as the GPU's work of a call is shorter. backend: SDPA's
+    backend, chosen once outside the timed calls."""
+    import time
+    if backend is not None:
+        with sdpa_kernel(backend):
+            return host_us(fn, n)
+    fn()
+    torch.cuda.synchronize()
+    t = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = time.perf_counter() - t
+    torch.cuda.synchronize()
+    return 1e6 * host / n
+
+
 def host_costs(N=256, Hq=32, Hkv=8, d=128, n=300):
     """Host µs a call, wall clock over n calls queued without a sync (the GPU work of a 256-token call
     is shorter than its host time), for dmattn.attention, SDPA and the pieces of dmattn's Python path."""
-    import time
     q, k, v = inputs(1, N, Hq, Hkv, d)
     out = torch.empty_like(q)
     pol = dmattn.Policy()
     opts = dmattn._attention_options(True, None, pol, False, (-1, -1), torch.cuda.current_stream().cuda_stream)
-
-    def per_call(fn, backend=None):
-        if backend is not None:  # SDPA's backend chosen once, outside the timed calls (as sdpa_ms does)
-            with sdpa_kernel(backend):
-                return per_call(fn)
-        fn()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        host = time.perf_counter() - t
-        torch.cuda.synchronize()
-        return 1e6 * host / n
 
     def guarded():
         with torch.cuda.device(q.device):
@@ -209,6 +213,7 @@ def host_costs(N=256, Hq=32, Hkv=8, d=128, n=300):
         ("SDPA flash", lambda: sdpa(q, k, v), SDPBackend.FLASH_ATTENTION),
         ("torch.empty_like(q)", lambda: torch.empty_like(q)),
         ("torch.cuda.current_stream(dev).cuda_stream", lambda: torch.cuda.current_stream(q.device).cuda_stream),
+        ("dmattn's stream lookup (raw)", lambda: dmattn._stream(q.device)),
         ("with torch.cuda.device(dev)", guarded),
         ("q.__dlpack__()", lambda: q.__dlpack__()),
         ("q.detach()", lambda: q.detach()),
@@ -218,7 +223,7 @@ def host_costs(N=256, Hq=32, Hkv=8, d=128, n=300):
     print(f"\n| host µs a call (1 x {N}, {Hq}/{Hkv}, {d}; {n} calls queued) | µs |")
     print("|---|---|")
     for name, fn, *backend in rows:
-        print(f"| {name} | {per_call(fn, *backend):.1f} |", flush=True)
+        print(f"| {name} | {host_us(fn, n, *backend):.1f} |", flush=True)
     del q, k, v, out
 
 

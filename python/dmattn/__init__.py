@@ -47,8 +47,7 @@ def _check_inputs(tensors, names="qkv"):
     """What the compiled layer cannot say well: autograd, byte order."""
     for name, t in zip(names, tensors):
         if _is_torch(t):
-            import torch
-            if torch.is_grad_enabled() and t.requires_grad:
+            if t.requires_grad and _torch().is_grad_enabled():
                 raise DmattnError("dmattn is inference-only (it has no backward pass): call it under torch.no_grad() "
                                   "or torch.inference_mode(), or pass detached tensors")
             continue
@@ -178,8 +177,32 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
 
 
 def _plain(t):
-    """t as the compiled layer takes it: a torch tensor detached (it exports no autograd state)."""
-    return t.detach() if _is_torch(t) else t
+    """t as the compiled layer takes it: a torch tensor that requires grad detached (it exports no
+    autograd state); any other array as it is."""
+    return t.detach() if getattr(t, "requires_grad", False) else t
+
+
+def _torch():
+    import torch
+    return torch
+
+
+def _stream(device) -> int:
+    """torch's current stream on a CUDA device, as the compiled layer's stream handle. torch's raw
+    accessor skips the Stream object that torch.cuda.current_stream() builds on every call."""
+    torch = _torch()
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device.index) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+
+
+def _on_cuda(device, run):
+    """run(stream) with `device` current (entered only where it is not already) and torch's current
+    stream on it."""
+    torch = _torch()
+    if device.index is None or device.index == torch.cuda.current_device():
+        return run(_stream(torch.device("cuda", torch.cuda.current_device()) if device.index is None else device))
+    with torch.cuda.device(device):
+        return run(_stream(device))
 
 
 def _call(q, lse_shape, return_lse, run):
@@ -190,8 +213,7 @@ def _call(q, lse_shape, return_lse, run):
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
         lse = torch.empty(lse_shape, dtype=torch.float32, device=q.device) if return_lse else None
         if q.is_cuda:
-            with torch.cuda.device(q.device):
-                run(out, lse, torch.cuda.current_stream(q.device).cuda_stream)
+            _on_cuda(q.device, lambda stream: run(out, lse, stream))
         else:
             run(out, lse, 0)
     else:
@@ -286,11 +308,11 @@ class PagedKVCache:
 
     def append(self, seqs, k, v) -> None:
         """Appends k, v: [len(seqs), kv_heads, n, head_dim] CUDA tensors (n new tokens a sequence)."""
-        import torch
         _check_inputs((k, v), ("k", "v"))
-        with torch.cuda.device(k.device):
-            self._c.append([int(s) for s in seqs], k.detach(), v.detach(),
-                           torch.cuda.current_stream(k.device).cuda_stream)
+        if not (_is_torch(k) and k.is_cuda and _is_torch(v) and v.is_cuda):
+            raise DmattnError("PagedKVCache.append: k and v must be CUDA tensors (the cache lives in GPU memory)")
+        ids = [int(s) for s in seqs]
+        _on_cuda(k.device, lambda stream: self._c.append(ids, _plain(k), _plain(v), stream))
 
     def reserve(self, sequences: int, tokens: int) -> None:
         """Allocates room for sequences 0 .. sequences-1 of up to `tokens` tokens each.
@@ -319,8 +341,8 @@ class PagedKVCache:
                 cache.prepare(seqs, 1)
                 g.replay()                      # out holds the step's attention
         """
-        import torch
-        self._c.prepare([int(s) for s in seqs], int(n), torch.cuda.current_stream().cuda_stream)
+        torch = _torch()
+        self._c.prepare([int(s) for s in seqs], int(n), _stream(torch.device("cuda", torch.cuda.current_device())))
 
     def length(self, seq: int) -> int:
         return self._c.length(int(seq))
@@ -364,8 +386,23 @@ def decode(cache: KVCache | PagedKVCache, seqs, q, *, scale: float | None = None
         cache = cache._c
     _check_inputs((q,), ("q",))
     return _call(q, tuple(q.shape[:3]), return_lse, lambda out, lse, stream: decode_into(
-        cache, seqs, _plain(q), out, lse,
-        _options(_DecodeOptions, softmax_scale=scale, splits=int(splits), window_left=left, stream=stream)))
+        cache, seqs, _plain(q), out, lse, _decode_options(scale, int(splits), left, stream)))
+
+
+_DECODE_OPTIONS: dict = {}
+
+
+def _decode_options(scale, splits, left, stream):
+    """The DecodeOptions of a decode call, made once per distinct set of values (a generation step
+    repeats them on every layer and step; the compiled layer only reads them)."""
+    key = (scale, splits, left, stream)
+    o = _DECODE_OPTIONS.get(key)
+    if o is None:
+        if len(_DECODE_OPTIONS) >= 64:
+            _DECODE_OPTIONS.clear()
+        o = _DECODE_OPTIONS[key] = _options(_DecodeOptions, softmax_scale=scale, splits=splits, window_left=left,
+                                            stream=stream)
+    return o
 
 
 def _rows(x):

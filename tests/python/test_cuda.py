@@ -179,6 +179,19 @@ def test_paged_cache_decodes_as_the_host_cache(policy, d):
     assert torch.equal(got, want) and torch.equal(got_lse, want_lse)
     with pytest.raises(dmattn.DmattnError, match="CUDA tensor"):
         dmattn.decode(dev, ds, q.cpu())
+    with pytest.raises(dmattn.DmattnError, match="CUDA tensors"):
+        dev.append(ds, k[:, :, :1], v[:, :, :1])
+    # On a side stream the append and the decode are ordered on that stream, as torch's ops are.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    kn, vn = k[:, :, 399:400].cuda(), v[:, :, 399:400].cuda()
+    with torch.cuda.stream(side):
+        dev.append(ds, kn, vn)
+        got = dmattn.decode(dev, ds, q, splits=2)
+    torch.cuda.current_stream().wait_stream(side)
+    for i in range(2):
+        host.append(hs[i], k[i:i + 1, :, 399:400], v[i:i + 1, :, 399:400])
+    assert torch.equal(got, dmattn.decode(host, hs, q, splits=2))
 
 
 def test_varlen_on_cuda_equals_each_sequence_alone():
