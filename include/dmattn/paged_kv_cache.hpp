@@ -53,8 +53,10 @@ class PagedKVCache {
   // doubled) appends nothing, and its decode, like every decode until a replay that finds its plan,
   // returns NaN rows instead of a silently wrong answer. A sequence once prepared takes every later
   // append through prepare() and replays (an eager append to it throws: the host cannot see when a
-  // replay runs). A captured decode reads every sequence's whole page table (the lengths change
-  // between replays); at most 896 sequences.
+  // replay runs). With smooth_k, a graph that captured sequences holding tokens leaves out the key
+  // mean a first append fixes: prepare() then refuses an empty sequence (append its prompt eagerly).
+  // A captured decode reads every sequence's whole page table (the lengths change between replays);
+  // at most 896 sequences.
   void reserve(int64_t sequences, int64_t tokens);  // room for sequences [0, sequences) of `tokens` tokens each
   void prepare(const std::vector<int>& seqs, int64_t n, void* stream = nullptr);
 

@@ -329,7 +329,9 @@ class PagedKVCache:
         graph captured (the plan goes to device memory on torch's current stream). A replay that
         finds no fresh plan (a prepare() missed or doubled) appends nothing, and its decode, like
         every decode until a replay that finds its plan, returns NaN. A sequence once prepared takes
-        its appends this way only (an eager append() to it raises):
+        its appends this way only (an eager append() to it raises). With smooth_k, a graph captured
+        over sequences that hold tokens has no key-mean pass, so prepare() refuses an empty sequence:
+        append a prompt eagerly first.
 
             cache.reserve(len(seqs), max_tokens)
             g = torch.cuda.CUDAGraph()

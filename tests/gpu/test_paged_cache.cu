@@ -361,6 +361,13 @@ TEST(GpuPagedCache, GraphReplaysEqualEagerSteps) {
       decode_attention(eager, es, q.view, out_e.view, lse_e, DecodeOptions{std::nullopt, 2});
       compare(steps);
     }
+    // The graph captured sequences that held tokens, so its replays leave smooth_k's key-mean pass out:
+    // a first append cannot take them (an eager one can).
+    if (pol.smooth_k) {
+      const int fresh = graph.new_sequence();
+      EXPECT_THROW(graph.prepare({fresh}, 1, st), Error) << what;
+      graph.free_sequence(fresh);
+    }
     // The captured cache's memory stays where the graph holds it: sequences past its reserve throw.
     const HostTensor big = tokens(k[0], 0, prompt[0], DType::f32);
     OnDevice dbig(big);

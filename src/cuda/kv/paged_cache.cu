@@ -122,6 +122,9 @@ struct PagedKVCache::Impl {
   UploadRing ring;
   // Set once a CUDA graph has captured work on this cache: the pools keep their addresses from then on.
   bool frozen = false;
+  // Set once a graph has captured an append without smooth_k's key-mean pass (every captured sequence
+  // held tokens, so no replay of it could be a first append): prepare() then refuses a first append.
+  bool captured_without_means = false;
   // The prepared plan's device buffer (kv::kHead ints, then batch, table, meta, zero and reenc at
   // their capacities) and the epoch of the latest prepare.
   struct Prepared {
@@ -490,7 +493,11 @@ void PagedKVCache::append(const std::vector<int>& ids, const TensorView& k, cons
       throw Error(std::string(what) + ": under CUDA graph capture the cache needs reserve() first (room for " +
                   std::to_string(S) + " sequences' plans of " + std::to_string(n) + " tokens)");
     m.frozen = true;
-    m.launch(m.prepared_plan(int(S), int(n)), int((n + 30) / 32 + 1), true, k, v, stream);
+    // smooth_k's key mean runs in a sequence's first append only: a graph over sequences that all hold
+    // tokens leaves its two launches out of every replay (prepare() refuses a first append from then on).
+    const bool means = m.policy.smooth_k && std::any_of(ids.begin(), ids.end(), [&](int id) { return m.seq(id).length == 0; });
+    m.captured_without_means |= m.policy.smooth_k && !means;
+    m.launch(m.prepared_plan(int(S), int(n)), int((n + 30) / 32 + 1), means, k, v, stream);
     return;
   }
   Impl::HostPlan hp = m.plan(ids, n, stream);
@@ -558,6 +565,12 @@ void PagedKVCache::prepare(const std::vector<int>& ids, int64_t n, void* stream_
   if (ids.empty() || n < 1) throw Error(std::string(what) + ": at least one sequence and one token");
   if (capturing(stream)) throw Error(std::string(what) + ": runs on the host before a replay, not under capture");
   m.check_append(ids, n, what);
+  if (m.captured_without_means)
+    for (int id : ids)
+      if (m.seq(id).length == 0)
+        throw Error(std::string(what) + ": sequence " + std::to_string(id) + " is empty, and its first append fixes " +
+                    "smooth_k's key mean, a pass the captured graph left out (it captured sequences that held " +
+                    "tokens): append its prompt with append(), then prepare() its steps");
   const int64_t S = int64_t(ids.size());
   m.reserve_plan(S, n, stream);
   Impl::HostPlan hp = m.plan(ids, n, stream);
