@@ -12,7 +12,7 @@ std::string Policy::describe() const {
          " diag_tiles=" + std::to_string(diag_tiles) + " sink_tiles=" + std::to_string(sink_tiles) +
          " scale_rule=" + std::string(scale_rule_name(scale_rule)) + " pv=" + std::string(pv_name(pv)) +
          (smooth_k ? " smooth_k" : "") + (smooth_q == SmoothQ::all ? " smooth_q" : smooth_q == SmoothQ::high ? " smooth_q=high" : "") + (rotate ? " rotate" : "") +
-         (sink_keys ? " sink_keys=" + std::to_string(sink_keys) : "");
+         (sink_keys ? " sink_keys=" + std::to_string(sink_keys) : "") + (q_residual ? " q_residual" : "");
 }
 
 void Policy::validate() const {
@@ -20,12 +20,15 @@ void Policy::validate() const {
   if (smooth_q == SmoothQ::high && high == low)
     throw Error("smooth_q=high centres the high tiles' queries and not the low tiles': it needs two tile formats "
                 "(high == low here; smooth_q=all centres every tile's)");
+  if (q_residual && high == low)
+    throw Error("q_residual gives the high tiles' queries a second term and not the low tiles': it needs two tile "
+                "formats (high == low here)");
 }
 
 std::string Policy::transforms() const {
   std::string s;
   for (const auto& [on, name] : {std::pair{smooth_k, "smooth_k"}, {smooth_q != SmoothQ::off, "smooth_q"}, {rotate, "rotate"},
-                                 {sink_keys > 0, "sink_keys"}})
+                                 {sink_keys > 0, "sink_keys"}, {q_residual, "q_residual"}})
     if (on) s += (s.empty() ? "" : " ") + std::string(name);
   return s;
 }

@@ -640,6 +640,32 @@ TEST(AttentionCpu, AccuracyTransformsHelpOnRealActivations) {
   }
 }
 
+// q_residual gives the high tiles' queries a second E4M3 term (their residual at the row's scale).
+// Where K is exact in MXFP8 (small integers), Q's rounding is a high tile's only error: the second
+// term takes Q from E4M3's 4 significant bits to about 8, so every tile high errs a fraction as
+// much; with no high tile it changes nothing, bit for bit; one tile format refuses it.
+TEST(AttentionCpu, QResidualRefinesTheHighTilesQueries) {
+  const Format e4 = Format::mxfp8_e4m3, f4 = Format::mxfp4;
+  QKV x = random_qkv({1, 2, 1, 300, 300, 64}, 46, DType::bf16);
+  std::vector<float> k = x.k.to_floats();
+  for (size_t i = 0; i < k.size(); ++i) k[i] = float(int(i * 7919 % 17) - 8);  // integers in [-8, 8]: exact E4M3
+  x.k = HostTensor::from_floats(k, x.k.shape(), DType::bf16);
+  AttentionOptions ex = opts({}, true);
+  ex.exact = true;
+  const Result want = run(x, ex);
+  auto with = [](Policy p) {
+    p.q_residual = true;
+    return p;
+  };
+  const Policy every = Policy::tiles(e4, f4, 100, 0), none = Policy::tiles(e4, f4, 0, 0);
+  const double one = rel_l2(run(x, opts(every, true)).out, want.out), two = rel_l2(run(x, opts(with(every), true)).out, want.out);
+  std::printf("every tile MXFP8, K exact: Q in one term %.2e, in two %.2e\n", one, two);
+  EXPECT_GT(one, 1e-3);
+  EXPECT_LT(two, 0.15 * one);
+  EXPECT_EQ(run(x, opts(with(none), true)).out, run(x, opts(none, true)).out);
+  EXPECT_THROW(with(Policy::all(e4)).validate(), Error);
+}
+
 // smooth_q's mean spans all of a head's queries in the call: where every row of a head is the same
 // vector (one per head, several query tiles), q - mu is exactly zero and each score is mu.k' in
 // fp32, so MXFP4 tiles give the same output, bit for bit, as bf16 tiles (the scores are equal and

@@ -76,8 +76,10 @@ TEST(Decode, EqualsPrefillLastRowsBitForBit) {
   // The default without smooth_k: the cache's key mean is its first append's, here a single token.
   Policy tiles_rot;
   tiles_rot.smooth_k = false;
+  Policy residual = Policy::tiles(e4, f4, 2, 1);
+  residual.q_residual = true;  // the high pages' queries in two terms, as prefill's high tiles'
   const Policy pols[] = {Policy::plain(), tiles_rot, Policy::tiles(e4, f4, 2, 1), Policy::tiles(e4, f4, 0, 0),
-                         Policy::tiles(Format::mxfp6_e2m3, Format::mxfp8_e5m2, 1, 0), pv8, pv4};
+                         Policy::tiles(Format::mxfp6_e2m3, Format::mxfp8_e5m2, 1, 0), pv8, pv4, residual};
   int checked = 0;
   for (int64_t L : {1, 77, 128, 129, 300, 1000})
     for (int64_t nq : {1, 4, 16}) {

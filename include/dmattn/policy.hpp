@@ -68,6 +68,12 @@ struct Policy {
   // (rotated, smoothed) q and k in fp32: the attention sink, which takes a large share of many rows'
   // weight, then carries no quantization error.
   int sink_keys = 0;
+  // The high tiles take each query row in two terms: its high-format codes, and the residual (the row
+  // less those codes' values) rounded to E4M3 at the row's largest block scale. Q then carries about
+  // twice the mantissa bits on the tiles whose scores weigh most, and K's rounding is what is left
+  // there. Not an exact transform: a finer form of Q. It needs two tile formats. The CPU backend and
+  // the KV cache take it.
+  bool q_residual = false;
 
   // Whether the queries of a high (or low) tile are centred by smooth_q.
   DMATTN_HD bool smooths_q(bool high_tile) const {

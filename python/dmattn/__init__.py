@@ -130,6 +130,8 @@ def attention(q, k, v, *, causal: bool = False, scale: float | None = None, retu
           removed and its scores added back exactly (smooth_q=True on every tile, "high" on the
           high tiles alone, which needs high != low); a randomized Hadamard rotation of Q and K
           along d; the first sink_keys keys scored from unquantized q and k.
+        q_residual: the high tiles take each query row in two FP8 terms, its codes and its
+          residual in E4M3 at the row's scale (needs high != low; the CPU backend and the KV cache).
       q_offset, k_offset: absolute positions of the first query and the first key, to attend a
         block of a longer sequence (mask and tiles use them; k_offset a multiple of 128). Default:
         the queries are the last Nq of the Nk positions.

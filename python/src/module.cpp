@@ -173,7 +173,8 @@ std::string policy_repr(const Policy& p) {
          ", scale_rule='" + std::string(scale_rule_name(p.scale_rule)) + "', pv='" + std::string(pv_name(p.pv)) +
          "', smooth_k=" + (p.smooth_k ? "True" : "False") + ", smooth_q=" +
          (p.smooth_q == SmoothQ::high ? "'high'" : p.smooth_q == SmoothQ::all ? "True" : "False") +
-         ", rotate=" + (p.rotate ? "True" : "False") + ", sink_keys=" + std::to_string(p.sink_keys) + ")";
+         ", rotate=" + (p.rotate ? "True" : "False") + ", sink_keys=" + std::to_string(p.sink_keys) +
+         ", q_residual=" + (p.q_residual ? "True" : "False") + ")";
 }
 
 // Policy's format fields read and written as their names ("mxfp4", ...).
@@ -210,7 +211,7 @@ NB_MODULE(_dmattn, m) {
           "__init__",
           [](Policy* self, const std::string& high, const std::string& low, int diag_tiles, int sink_tiles,
              const std::string& scale_rule, const std::string& pv, bool smooth_k, const SmoothQArg& smooth_q, bool rotate,
-             int sink_keys) {
+             int sink_keys, bool q_residual) {
             Policy p;
             p.high = parse_format(high);
             p.low = parse_format(low);
@@ -222,6 +223,7 @@ NB_MODULE(_dmattn, m) {
             p.smooth_q = smooth_q_of(smooth_q);
             p.rotate = rotate;
             p.sink_keys = sink_keys;
+            p.q_residual = q_residual;
             p.validate();
             new (self) Policy(p);
           },
@@ -230,7 +232,7 @@ NB_MODULE(_dmattn, m) {
           nb::arg("sink_tiles") = Policy{}.sink_tiles, nb::arg("scale_rule") = std::string(scale_rule_name(Policy{}.scale_rule)),
           nb::arg("pv") = std::string(pv_name(Policy{}.pv)), nb::arg("smooth_k") = Policy{}.smooth_k,
           nb::arg("smooth_q") = smooth_q_value(Policy{}.smooth_q), nb::arg("rotate") = Policy{}.rotate,
-          nb::arg("sink_keys") = Policy{}.sink_keys)
+          nb::arg("sink_keys") = Policy{}.sink_keys, nb::arg("q_residual") = Policy{}.q_residual)
       .def_prop_rw("high", format_getter(&Policy::high), format_setter(&Policy::high),
                    "format of the diagonal and sink tiles")
       .def_prop_rw("low", format_getter(&Policy::low), format_setter(&Policy::low), "format of every other tile")
@@ -250,6 +252,8 @@ NB_MODULE(_dmattn, m) {
           "'high' (the high tiles alone)")
       .def_rw("rotate", &Policy::rotate, "rotate Q and K by a randomized Hadamard transform along d before quantizing")
       .def_rw("sink_keys", &Policy::sink_keys, "leading keys whose scores come from unquantized q and k")
+      .def_rw("q_residual", &Policy::q_residual,
+              "the high tiles take each query row plus its residual in E4M3 at the row's scale (two FP8 terms)")
       .def("__repr__", &policy_repr)
       .def("__eq__", [](const Policy& a, const Policy& b) { return policy_repr(a) == policy_repr(b); })
       .def_static("plain", &Policy::plain,

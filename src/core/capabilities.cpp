@@ -12,7 +12,8 @@ namespace {
 const std::vector<Format> kMx32 = {Format::mxfp8_e4m3, Format::mxfp8_e5m2, Format::mxfp6_e3m2, Format::mxfp6_e2m3,
                                    Format::mxfp4};
 constexpr std::string_view kAllMasks = "none, causal, q/k offsets, sliding window", kDecodeMasks = "causal, sliding window";
-const std::vector<std::string_view> kAllTransforms = {"rotate", "smooth_k", "smooth_q", "sink_keys"};
+const std::vector<std::string_view> kAllTransforms = {"rotate", "smooth_k", "smooth_q", "sink_keys", "q_residual"},
+                                   kGpuDecodeTransforms = {"rotate", "smooth_k", "smooth_q", "sink_keys"};
 // The head dims the CUDA kernels are built for.
 const std::vector<int64_t> kPrefillHeadDims = cuda::dim_vector(cuda::PrefillHeadDims{}),
                            kDecodeHeadDims = cuda::dim_vector(cuda::DecodeHeadDims{});
@@ -98,7 +99,7 @@ const Capabilities& cuda_prefill_capabilities() {
                    {"smooth_q", "sink_keys"}, kAllMasks, "",
                    "bf16 tiles and per-32-key-block P.V scales do not map onto Hopper's FP8 wgmma at speed; "
                    "at head dim 256 NVFP4's bf16 operands and pv=fp8's E4M3 V leave no room for three stages",
-                   "the CPU backend computes every combination (CPU tensors)"};
+                   "the CPU backend computes every combination (CPU tensors), q_residual among them"};
     c.mx_bf16_above = cuda::kPrefillAllFormsMaxHeadDim;
     return c;
   }();
@@ -106,16 +107,16 @@ const Capabilities& cuda_prefill_capabilities() {
 }
 
 const Capabilities& cuda_decode_capabilities() {
-  static const Capabilities c{"the CUDA decode", kDecodeHeadDims, kMx32, {PV::bf16, PV::mxfp8, PV::mxfp4}, kAllTransforms,
+  static const Capabilities c{"the CUDA decode", kDecodeHeadDims, kMx32, {PV::bf16, PV::mxfp8, PV::mxfp4}, kGpuDecodeTransforms,
                               {}, kDecodeMasks, kv_cache_capabilities().note, "",
-                              "the decode of CPU tensors takes every head dim the KV cache does"};
+                              "the decode of CPU tensors takes every head dim and transform the KV cache does"};
   return c;
 }
 
 const Capabilities& cuda_kv_cache_capabilities() {
   static const Capabilities c{"the CUDA KV cache", kDecodeHeadDims, kMx32, {PV::bf16, PV::mxfp8, PV::mxfp4},
-                              kAllTransforms, {}, kDecodeMasks, kv_cache_capabilities().note, "",
-                              "the KV cache (host memory) takes every head dim"};
+                              kGpuDecodeTransforms, {}, kDecodeMasks, kv_cache_capabilities().note, "",
+                              "the KV cache (host memory) takes every head dim and q_residual"};
   return c;
 }
 

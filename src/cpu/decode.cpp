@@ -143,6 +143,7 @@ void decode_attention(const KVCache& cache, const std::vector<int>& seqs, const 
         };
         for (int s = 0; s < 2; ++s)
           quantize_row_values(qf.data(), int(d), fmt[s], pol.scale_rule, 1.0f, qe[s].data(), qs[s].data());
+        if (pol.q_residual) cpu::add_query_residual(qf.data(), int(d), value_block(fmt[0]), qe[0].data(), qs[0].data());
         // Each split's pages in ascending order, then the LSE merge of the splits in order (one
         // split passes through unchanged: prefill's arithmetic exactly).
         cpu::Partial total{int(d)};

@@ -110,6 +110,9 @@ void dma_attention(const Problem& p) {
                                 slots.fmt[s] == Format::nvfp4 ? nvfp4_tensor_scale(abs_max(qrows[s] + ri * d, d)) : 1.0f,
                                 qe[s].data() + ri * d,
                                 qs[s].data() + ri * keys[s].nblk);
+          if (pol.q_residual)
+            add_query_residual(qrows[slots.high()] + ri * d, d, d / keys[slots.high()].nblk,
+                               qe[slots.high()].data() + ri * d, qs[slots.high()].data() + ri * keys[slots.high()].nblk);
         }
         // Sink keys scored exactly, from the rows before quantization (and before smooth_q, which
         // is an identity on exact scores).

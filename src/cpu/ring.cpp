@@ -118,6 +118,7 @@ void ring_attention_simulated(const TensorView& q, const TensorView& k, const Te
               if (transformed)
                 for (float& x : y) x = round_bf16(x);
               quantize_row_values(y.data(), d, fmt[s], p.policy.scale_rule, 1.0f, qe[s].data(), qs[s].data());
+              if (s == 0 && pol.q_residual) cpu::add_query_residual(y.data(), d, value_block(fmt[s]), qe[s].data(), qs[s].data());
             }
             cpu::Partial total(d);
             for (int step = 0; step < R; ++step) {  // the shards in the order the ring delivers them

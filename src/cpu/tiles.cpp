@@ -116,6 +116,16 @@ void accumulate_pv(const float* p, int nvalid, const ValueRows& V, int64_t tile,
 
 }  // namespace
 
+void add_query_residual(const float* x, int d, int blk, float* qe, const float* qs) {
+  float top = 0.0f;
+  for (int c = 0; c < d / blk; ++c) top = std::max(top, qs[c]);
+  if (top == 0.0f) return;  // a zero row: no residual
+  for (int i = 0; i < d; ++i) {
+    const float s = qs[i / blk], r = x[i] - qe[i] * s;
+    qe[i] += decode_elem(Elem::e4m3, encode_elem(Elem::e4m3, r / top)) * (top / s);
+  }
+}
+
 KeyTiles prepare_keys(const std::vector<float>& kf, int64_t nk, int d, Format f, ScaleRule rule, int threads) {
   KeyTiles K;
   K.blk = value_block(f);

@@ -31,6 +31,12 @@ std::vector<float> transform_keys(float* k, int64_t n, int d, const Policy& pol)
 // terms: sink scores, smooth_q's mu.k, smooth_k's LSE shift).
 float dot_f64(const float* a, const float* b, int d);
 
+// Policy::q_residual on one query row x[d] quantized as elements qe[d] and block scales qs[d / blk]
+// (quantize_row_values): each element gains its residual x - qe * qs rounded to E4M3 at the row's
+// largest block scale, expressed at its own block's scale (a power-of-two shift: exact in fp32), so
+// the tiles' arithmetic takes the two terms as one.
+void add_query_residual(const float* x, int d, int blk, float* qe, const float* qs);
+
 // One format's keys for one (batch, kv head), tile-major and transposed so that the inner loops run
 // over the 128 keys of a tile with unit stride. Keys past Nk are zero.
 struct KeyTiles {

@@ -81,10 +81,11 @@ const std::vector<ConfigModifier>& config_modifiers() {
       {"rot", "rotate: randomized Hadamard along d on Q and K", [](Policy& p) { p.rotate = true; }},
       {"sink", "sink_keys=1: key 0 scored exactly", [](Policy& p) { p.sink_keys = 1; }},
       {"ceil", "the ceil scale rule", [](Policy& p) { p.scale_rule = ScaleRule::ceil; }},
+      {"qr", "q_residual: the high tiles' queries in two FP8 terms", [](Policy& p) { p.q_residual = true; }},
       {"nv", "NVFP4 as the low format", [](Policy& p) { p.low = Format::nvfp4; }},
-      {"plain", "no transforms (smooth_k, smooth_q, rotate, sink_keys off)",
+      {"plain", "no transforms (smooth_k, smooth_q, rotate, sink_keys, q_residual off)",
        [](Policy& p) {
-         p.smooth_k = p.rotate = false;
+         p.smooth_k = p.rotate = p.q_residual = false;
          p.smooth_q = SmoothQ::off;
          p.sink_keys = 0;
        }}};

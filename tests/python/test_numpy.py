@@ -223,8 +223,8 @@ def test_policy_keywords_are_stated_once_and_the_stubs_follow():
     import pathlib
     p = dmattn.Policy()
     assert all(hasattr(p, f) for f in dmattn.POLICY_FIELDS)
-    kw = dict(high="mxfp4", low="mxfp4", diag_tiles=2, sink_tiles=1, scale_rule="ceil", pv="mxfp8", smooth_k=True,
-              smooth_q=True, rotate=True, sink_keys=2)
+    kw = dict(high="mxfp8-e4m3", low="mxfp4", diag_tiles=2, sink_tiles=1, scale_rule="ceil", pv="mxfp8", smooth_k=True,
+              smooth_q=True, rotate=True, sink_keys=2, q_residual=True)
     assert set(kw) == set(dmattn.POLICY_FIELDS)
     built = dmattn.Policy(**kw)
     assert all(getattr(built, f) == v for f, v in kw.items())

@@ -29,12 +29,13 @@ void PolicyArgs::add_to(CLI::App& app, bool with_backend) {
   app.add_flag("--no-smooth-q{off}", smooth_q, "the same as --smooth-q off");
   on_off("rotate", policy.rotate, "randomized Hadamard rotation of Q and K along d before quantizing");
   app.add_option("--sink-keys", policy.sink_keys, "leading keys scored exactly from unquantized q and k")->capture_default_str();
+  on_off("q-residual", policy.q_residual, "the high tiles take each query row plus its residual in E4M3 (two FP8 terms)");
   if (with_backend) {
     app.add_option("--backend", backend, "where to compute (auto|cpu|cuda)")->capture_default_str();
     add_threads(app, threads);
   }
   for (const char* name : {"--high", "--low", "--diag-tiles", "--sink-tiles", "--pv", "--scale-rule", "--smooth-k",
-                           "--smooth-q", "--no-smooth-q", "--rotate", "--sink-keys"})
+                           "--smooth-q", "--no-smooth-q", "--rotate", "--sink-keys", "--q-residual"})
     policy_options.push_back(app.get_option(name));
 }
 
