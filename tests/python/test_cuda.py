@@ -59,6 +59,11 @@ def test_cuda_errors():
     q, k, v = (t.cuda() for t in qkv(4))
     with pytest.raises(dmattn.DmattnError, match="bf16 tiles"):
         dmattn.attention(q, k, v, low="bf16")
+    # q_residual runs on the CPU backend and the host KV cache; the CUDA kernels refuse it by name.
+    with pytest.raises(dmattn.DmattnError, match="q_residual"):
+        dmattn.attention(q, k, v, q_residual=True)
+    with pytest.raises(dmattn.DmattnError, match="q_residual"):
+        dmattn.PagedKVCache(2, q.shape[-1], q_residual=True)
     with pytest.raises(ValueError, match="one device"):
         dmattn.attention(q, k.cpu(), v)
     bad = q.clone()
