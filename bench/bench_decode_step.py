@@ -197,8 +197,8 @@ def host_step(B, ctx, n=100):
     cache.reserve(B, ctx + 8 * n)
     cache.append(ids, kc[:, :, :ctx], vc[:, :, :ctx])
     out = torch.empty_like(q)
-    opts = dmattn._decode_options(None, 0, -1, dmattn._stream(q.device))
-    stream = dmattn._stream(q.device)
+    stream = dmattn._stream(q.device.index)
+    opts = dmattn._decode_options(None, 0, -1, stream)
     pos = torch.tensor([ctx], device="cuda")
 
     def sdpa_step():
@@ -212,7 +212,7 @@ def host_step(B, ctx, n=100):
         ("compiled decode_into (options made once)", lambda: dmattn.decode_into(cache._c, ids, q, out, None, opts)),
         ("compiled append", lambda: cache._c.append(ids, new_k, new_v, stream)),
         ("torch.empty_like(q)", lambda: torch.empty_like(q)),
-        ("dmattn's stream lookup", lambda: dmattn._stream(q.device)),
+        ("dmattn's stream lookup", lambda: dmattn._stream(q.device.index)),
         ("SDPA step (cuDNN): 2 index_copy_ + attention", sdpa_step, SDPBackend.CUDNN_ATTENTION),
         ("SDPA step (flash)", sdpa_step, SDPBackend.FLASH_ATTENTION),
     ]

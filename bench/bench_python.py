@@ -213,7 +213,7 @@ def host_costs(N=256, Hq=32, Hkv=8, d=128, n=300):
         ("SDPA flash", lambda: sdpa(q, k, v), SDPBackend.FLASH_ATTENTION),
         ("torch.empty_like(q)", lambda: torch.empty_like(q)),
         ("torch.cuda.current_stream(dev).cuda_stream", lambda: torch.cuda.current_stream(q.device).cuda_stream),
-        ("dmattn's stream lookup (raw)", lambda: dmattn._stream(q.device)),
+        ("dmattn's stream lookup (raw)", lambda: dmattn._stream(q.device.index)),
         ("with torch.cuda.device(dev)", guarded),
         ("q.__dlpack__()", lambda: q.__dlpack__()),
         ("q.detach()", lambda: q.detach()),

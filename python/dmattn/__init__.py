@@ -189,22 +189,23 @@ def _torch():
     return torch
 
 
-def _stream(device) -> int:
-    """torch's current stream on a CUDA device, as the compiled layer's stream handle. torch's raw
-    accessor skips the Stream object that torch.cuda.current_stream() builds on every call."""
+def _stream(index: int) -> int:
+    """torch's current stream on CUDA device `index`, as the compiled layer's stream handle. torch's
+    raw accessor skips the Stream object that torch.cuda.current_stream() builds on every call."""
     torch = _torch()
     raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(device.index) if raw is not None else torch.cuda.current_stream(device).cuda_stream
+    return raw(index) if raw is not None else torch.cuda.current_stream(index).cuda_stream
 
 
 def _on_cuda(device, run):
     """run(stream) with `device` current (entered only where it is not already) and torch's current
     stream on it."""
     torch = _torch()
-    if device.index is None or device.index == torch.cuda.current_device():
-        return run(_stream(torch.device("cuda", torch.cuda.current_device()) if device.index is None else device))
+    current = torch.cuda.current_device()
+    if device.index is None or device.index == current:
+        return run(_stream(current))
     with torch.cuda.device(device):
-        return run(_stream(device))
+        return run(_stream(device.index))
 
 
 def _call(q, lse_shape, return_lse, run):
@@ -345,8 +346,7 @@ class PagedKVCache:
                 cache.prepare(seqs, 1)
                 g.replay()                      # out holds the step's attention
         """
-        torch = _torch()
-        self._c.prepare([int(s) for s in seqs], int(n), _stream(torch.device("cuda", torch.cuda.current_device())))
+        self._c.prepare([int(s) for s in seqs], int(n), _stream(_torch().cuda.current_device()))
 
     def length(self, seq: int) -> int:
         return self._c.length(int(seq))

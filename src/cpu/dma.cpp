@@ -111,7 +111,7 @@ void dma_attention(const Problem& p) {
                                 qe[s].data() + ri * d,
                                 qs[s].data() + ri * keys[s].nblk);
           if (pol.q_residual)
-            add_query_residual(qrows[slots.high()] + ri * d, d, d / keys[slots.high()].nblk,
+            add_query_residual(qrows[slots.high()] + ri * d, d, value_block(slots.fmt[slots.high()]),
                                qe[slots.high()].data() + ri * d, qs[slots.high()].data() + ri * keys[slots.high()].nblk);
         }
         // Sink keys scored exactly, from the rows before quantization (and before smooth_q, which
